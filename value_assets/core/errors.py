@@ -1,0 +1,27 @@
+"""The one error type for bad input.
+
+Every rule of SPEC.md that rejects input raises `InputError`. Its message names the offending
+value and where it came from (``path:line``, ``path:row N``, or a field path), so the command
+line can print it as is and exit with status 2.
+"""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Invalid input: a manifest, dataset, plan, contract, report or argument that breaks a rule.
+
+    `where` is the location (file and line/row, or a field path); `message` says what is wrong and
+    quotes the offending value.
+    """
+
+    def __init__(self, where: str, message: str):
+        self.where = str(where)
+        self.message = message
+        super().__init__(f"{self.where}: {message}" if self.where else message)
+
+
+def show(value: object, limit: int = 80) -> str:
+    """A short printable rendering of an offending value for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

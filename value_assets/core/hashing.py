@@ -1,0 +1,36 @@
+"""SHA-256 helpers: file and byte digests, and validation of pinned digests."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from .errors import InputError, show
+
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+CHUNK = 1 << 22
+
+
+def is_sha(value: object) -> bool:
+    """True for a lowercase 64-hex SHA-256 string (SPEC's *sha*)."""
+    return isinstance(value, str) and _SHA_RE.fullmatch(value) is not None
+
+
+def require_sha(value: object, where: str) -> str:
+    """Return `value` if it is a valid sha, else raise an InputError naming it and `where`."""
+    if not is_sha(value):
+        raise InputError(where, f"expected a lowercase 64-hex SHA-256, got {show(value)}")
+    return value  # type: ignore[return-value]
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
