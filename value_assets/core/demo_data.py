@@ -78,9 +78,12 @@ def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
 
 def make_demo_data(out_dir: str | Path, *, rows: int = 512, heldout_rows: int = 128, seed: int = 0,
                    shuffle_labels: bool = False, fmt: str = "jsonl", name: str | None = None) -> Path:
-    """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path."""
+    """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path.
+
+    `name` defaults to "demo" ("demo-shuffled" for the negative control), so both fit one watched folder.
+    """
     out = Path(out_dir)
-    name = name or out.name
+    name = name or ("demo-shuffled" if shuffle_labels else "demo")
     data_dir = out / name
     data_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
