@@ -147,21 +147,20 @@ def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
 
 class ValueHead(torch.nn.Module):
     """Linear hidden -> K in float32; replaces `GPTModel.output_layer`, so it takes the output
-    layer's call signature and returns (values, None)."""
+    layer's call signature and returns (values, None). Parameters are named `weight` / `bias`
+    because megatron's `LanguageModule.sharded_state_dict` looks up `output_layer.weight`.
+    Replicated (not tensor-parallel) on every TP rank."""
 
     def __init__(self, hidden_size: int, head_size: int, seed: int = 0):
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, head_size, bias=True, dtype=torch.float32)
         # A dedicated generator: identical on every TP rank and independent of backbone init.
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        with torch.no_grad():
-            self.linear.weight.copy_(torch.randn(head_size, hidden_size, generator=gen) * 0.02)
-            self.linear.bias.zero_()
+        self.weight = torch.nn.Parameter(torch.randn(head_size, hidden_size, generator=gen) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(head_size))
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None,
                 runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:
-        return F.linear(hidden_states.float(), self.linear.weight.float(),
-                        self.linear.bias.float()), None
+        return F.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
 def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1, pp: int = 1,
