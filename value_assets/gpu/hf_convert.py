@@ -51,6 +51,7 @@ __all__ = [
     "read_hf_config",
     "load_hf_backbone_state",
     "export_critic_to_hf",
+    "load_hf_value_head",
     "megatron_backbone_names",
     "HF_TOKEN_CLASSIFICATION",
     "VALUE_HEAD_FORMAT",
@@ -270,10 +271,12 @@ def load_hf_backbone_state(
         out[p + "mlp.linear_fc2.weight"] = _shard(take(n["down"], (h, ffn)), 1, tp_rank, tp_size, p + "mlp.linear_fc2.weight")
     out["decoder.final_layernorm.weight"] = take(prefix + "norm.weight", (h,))
 
-    # The LM head is dropped on purpose (the critic replaces it); everything else must be consumed.
+    # Heads are not backbone: the LM head (actor) or the value head `score.*` (an exported critic)
+    # is read past on purpose; the critic adds its own head. Everything else must be consumed.
     if "lm_head.weight" in available:
         _check_shape(f"{folder}: lm_head.weight", files.get("lm_head.weight"), (vocab, h))
         consumed.add("lm_head.weight")
+    consumed.update(n for n in ("score.weight", "score.bias") if n in available)
     leftover = sorted(n for n in available - consumed if not n.endswith(_IGNORED_SUFFIXES))
     if leftover:
         raise InputError(
@@ -283,6 +286,22 @@ def load_hf_backbone_state(
     want = megatron_backbone_names(cfg)
     assert list(out) == want, (list(out), want)  # internal consistency, not input validation
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_hf_value_head(folder: str | Path, head_prefix: str = "value_head") -> dict[str, torch.Tensor]:
+    """The value head of a critic exported by `export_critic_to_hf` (`score.weight` [K, hidden],
+    `score.bias` [K]), renamed to `{head_prefix}.weight`/`.bias` for a resume from that folder."""
+    folder = Path(folder)
+    cfg = read_hf_config(folder)
+    files = _SafetensorsFolder(folder)
+    missing = [n for n in ("score.weight", "score.bias") if n not in files.names()]
+    if missing:
+        raise InputError(str(folder), f"has no value head: missing {missing} (not an exported critic?)")
+    w, b = files.get("score.weight"), files.get("score.bias")
+    if w.dim() != 2 or w.shape[1] != cfg["hidden_size"] or tuple(b.shape) != (w.shape[0],):
+        raise InputError(f"{folder}: score.weight", f"shapes {tuple(w.shape)} / {tuple(b.shape)} do not form a "
+                         f"[K, {cfg['hidden_size']}] head with a [K] bias")
+    return {f"{head_prefix}.weight": w, f"{head_prefix}.bias": b}
 
 
 # ----------------------------------------------------------------------------- Megatron -> HF
