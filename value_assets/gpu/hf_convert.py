@@ -52,6 +52,7 @@ __all__ = [
     "load_hf_backbone_state",
     "export_critic_to_hf",
     "load_hf_value_head",
+    "backbone_config_kwargs",
     "megatron_backbone_names",
     "HF_TOKEN_CLASSIFICATION",
     "VALUE_HEAD_FORMAT",
@@ -112,15 +113,56 @@ class _SafetensorsFolder:
 # ----------------------------------------------------------------------------- name mapping
 
 
+# `read_hf_config` name -> the same field under `gpu.model.BackboneConfig`'s names, and defaults for
+# fields that config does not carry.
+_ALIASES = {
+    "max_position_embeddings": "max_seq_len",
+    "rope_theta": "rotary_base",
+    "rms_norm_eps": "norm_epsilon",
+    "kv_channels": "head_dim",
+}
+_DEFAULTS = {"rope_scaling": False, "rope_scaling_factor": 1.0}
+
+
 def _field(cfg: Any, name: str) -> Any:
-    """A backbone field from a `read_hf_config` dict or any object with the same attribute names."""
-    if isinstance(cfg, Mapping):
-        if name not in cfg:
-            raise InputError(f"backbone_config.{name}", "missing")
-        return cfg[name]
-    if not hasattr(cfg, name):
-        raise InputError(f"backbone_config.{name}", f"missing on {type(cfg).__name__}")
-    return getattr(cfg, name)
+    """A backbone field from a `read_hf_config` dict or a `BackboneConfig`-like object."""
+    for key in (name, _ALIASES.get(name)):
+        if key is None:
+            continue
+        if isinstance(cfg, Mapping) and key in cfg:
+            return cfg[key]
+        if not isinstance(cfg, Mapping) and hasattr(cfg, key):
+            return getattr(cfg, key)
+    if name in _DEFAULTS:
+        return _DEFAULTS[name]
+    raise InputError(f"backbone_config.{name}", f"missing on {type(cfg).__name__}")
+
+
+def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """`read_hf_config` output as keyword arguments of `gpu.model.BackboneConfig`.
+
+    Refuses what that config cannot express yet (head_dim != hidden/heads as in Qwen3, RoPE
+    scaling) instead of building a critic that silently differs from the actor.
+    """
+    if cfg["kv_channels"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise InputError("config.json: head_dim", f"{cfg['kv_channels']} != hidden_size/num_attention_heads "
+                         f"({cfg['hidden_size']}/{cfg['num_attention_heads']}); BackboneConfig has no head_dim")
+    if cfg["rope_scaling"]:
+        raise InputError("config.json: rope scaling", "llama3 RoPE scaling is not expressible in BackboneConfig")
+    return {
+        "family": cfg["family"],
+        "num_layers": cfg["num_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["ffn_hidden_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_query_groups": cfg["num_query_groups"],
+        "vocab_size": cfg["vocab_size"],
+        "max_seq_len": cfg["max_position_embeddings"],
+        "rotary_base": cfg["rope_theta"],
+        "norm_epsilon": cfg["rms_norm_eps"],
+        "qkv_bias": cfg["qkv_bias"],
+        "qk_layernorm": cfg["qk_layernorm"],
+    }
 
 
 def megatron_backbone_names(cfg: Any) -> list[str]:
@@ -288,7 +330,7 @@ def load_hf_backbone_state(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_hf_value_head(folder: str | Path, head_prefix: str = "value_head") -> dict[str, torch.Tensor]:
+def load_hf_value_head(folder: str | Path, head_prefix: str = "output_layer.linear") -> dict[str, torch.Tensor]:
     """The value head of a critic exported by `export_critic_to_hf` (`score.weight` [K, hidden],
     `score.bias` [K]), renamed to `{head_prefix}.weight`/`.bias` for a resume from that folder."""
     folder = Path(folder)
@@ -362,16 +404,18 @@ def export_critic_to_hf(
     objective_head_size: int,
     out_folder: str | Path,
     *,
-    head_prefix: str = "value_head",
+    head_prefix: str = "output_layer.linear",
     objective: Any = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a full (TP=1, unsharded) Megatron critic state as an HF token-classification checkpoint.
 
     `megatron_state`: the critic's state dict (backbone names of `megatron_backbone_names` plus
-    `{head_prefix}.weight` [K, hidden] and `{head_prefix}.bias` [K]; `_extra_state` entries are
+    `{head_prefix}.weight` [K, hidden] and `{head_prefix}.bias` [K] -- the default prefix is where
+    `gpu.model.build_critic` puts its `ValueHead`; `_extra_state` entries are
     skipped; embedding rows beyond `vocab_size` (TP padding) are dropped). `backbone_config`: a
-    `read_hf_config` dict or an object with those attribute names. `objective`: optional
+    `read_hf_config` dict or a `BackboneConfig` (its names `max_seq_len`, `rotary_base`,
+    `norm_epsilon`, `head_dim` are accepted as aliases). `objective`: optional
     `core.objective.Objective`, recorded in `value_head.json`.
 
     Writes `model.safetensors` (all tensors in `dtype`), `config.json` for
