@@ -36,13 +36,16 @@ FAMILIES = {
 }
 
 
-def make_hf_checkpoint(folder: Path, family: str, seed: int = 0, tie: bool = False, **save_kwargs):
+def make_hf_checkpoint(folder: Path, family: str, seed: int = 0, tie: bool = False, num_key_value_heads: int = 2,
+                       **save_kwargs):
     """Random tiny `<family>ForCausalLM` saved as safetensors in `folder`; returns the model (eval)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = dict(FAMILIES[family])
     model_type = extra.pop("model_type", family)
-    config = AutoConfig.for_model(model_type, **TINY, **extra, tie_word_embeddings=tie)
+    config = AutoConfig.for_model(
+        model_type, **{**TINY, "num_key_value_heads": num_key_value_heads}, **extra, tie_word_embeddings=tie
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

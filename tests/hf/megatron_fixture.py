@@ -47,7 +47,7 @@ def init_single_rank() -> None:
         ps.initialize_model_parallel(1, 1)
 
 
-def build_gpt(cfg: dict, *, padded_vocab_size: int | None = None, dtype=torch.float32):
+def build_gpt(cfg: dict, *, padded_vocab_size: int | None = None, dtype=torch.float32, tp: int = 1):
     """Local-spec GPTModel (post_process=True: final norm present) in the shape of `cfg`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -77,6 +77,7 @@ def build_gpt(cfg: dict, *, padded_vocab_size: int | None = None, dtype=torch.fl
         use_cpu_initialization=True,
         perform_initialization=False,
         params_dtype=dtype,
+        tensor_model_parallel_size=tp,
         bf16=dtype == torch.bfloat16,
     )
     spec = get_gpt_layer_local_spec(qk_layernorm=cfg["qk_layernorm"], normalization="RMSNorm")
