@@ -46,6 +46,11 @@ def convert(out: Path) -> None:
     # The GGUF-loaded model refuses save_pretrained: rebuild a plain LlamaForCausalLM.
     config = loaded.config
     config.dtype = torch.bfloat16
+    # The weights are dequantized already; a leftover gguf quantization_config would make
+    # transformers treat the plain folder as a GGUF one.
+    for attr in ("quantization_config", "_model_name_or_path"):
+        if hasattr(config, attr):
+            delattr(config, attr)
     plain = LlamaForCausalLM(config)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     # Tied embeddings: lm_head.weight is the embedding, so only it may be reported missing.
@@ -89,6 +94,17 @@ def check(out: Path) -> dict:
         "params": sum(v.numel() for v in state.values()),
         "seconds": round(time.time() - t0, 1),
     }
+    try:  # sanity: the converted weights are a working language model, not just matching noise
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(out))
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False, add_generation_prompt=True)
+        enc = tok(prompt, return_tensors="pt")
+        gen = hf.generate(**enc, max_new_tokens=12, do_sample=False)
+        result["greedy_answer"] = tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    except Exception as exc:
+        result["greedy_answer"] = f"(not run: {exc})"
     print(json.dumps(result))
     return result
 
