@@ -31,7 +31,7 @@ def critic_state(folder, k, padded_vocab_size=None):
     head = torch.nn.Linear(cfg["hidden_size"], k)
     torch.nn.init.normal_(head.weight, 0.0, 0.02)
     torch.nn.init.uniform_(head.bias, -0.1, 0.1)  # nonzero so a dropped bias would show
-    state["output_layer.linear.weight"], state["output_layer.linear.bias"] = head.weight.detach(), head.bias.detach()
+    state["output_layer.weight"], state["output_layer.bias"] = head.weight.detach(), head.bias.detach()
     state["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None  # skipped on export
     return cfg, state, head
 
@@ -50,7 +50,7 @@ def test_export_round_trip_logits(tmp_path, megatron_single_rank, family, object
     k = objective.head_size
     cfg, state, head = critic_state(src, k, padded_vocab_size=136)
     gpt = build_gpt(cfg, padded_vocab_size=136)
-    load_backbone(gpt, {n: t for n, t in state.items() if not n.startswith("output_layer") and t is not None})
+    load_backbone(gpt, {n: t for n, t in state.items() if not n.startswith("output_layer.") and t is not None})
     ids = torch.randint(0, cfg["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = head(final_hidden(gpt, ids).float())
@@ -73,8 +73,8 @@ def test_export_round_trip_logits(tmp_path, megatron_single_rank, family, object
         src_t = state[name][: cfg["vocab_size"]] if name.startswith("embedding") else state[name]
         assert torch.equal(t, src_t), name
     head_back = load_hf_value_head(out)
-    assert torch.equal(head_back["output_layer.linear.weight"], state["output_layer.linear.weight"])
-    assert torch.equal(head_back["output_layer.linear.bias"], state["output_layer.linear.bias"])
+    assert torch.equal(head_back["output_layer.weight"], state["output_layer.weight"])
+    assert torch.equal(head_back["output_layer.bias"], state["output_layer.bias"])
 
 
 def test_export_is_strict(tmp_path):
@@ -83,11 +83,11 @@ def test_export_is_strict(tmp_path):
     cfg, state, _ = critic_state(src, 3)
     with pytest.raises(InputError, match="disagrees with objective.head_size 51"):
         export_critic_to_hf(state, cfg, 3, tmp_path / "a", objective=Objective())
-    with pytest.raises(InputError, match=r"output_layer.linear.weight: has shape \(3, 64\), expected \(4, 64\)"):
+    with pytest.raises(InputError, match=r"output_layer.weight: has shape \(3, 64\), expected \(4, 64\)"):
         export_critic_to_hf(state, cfg, 4, tmp_path / "b")
-    state["output_layer.weight"] = torch.zeros(128, 64)
-    with pytest.raises(InputError, match=r"unexpected \['output_layer.weight'\]"):
+    state["embedding.position_embeddings.weight"] = torch.zeros(64, 64)
+    with pytest.raises(InputError, match=r"unexpected \['embedding.position_embeddings.weight'\]"):
         export_critic_to_hf(state, cfg, 3, tmp_path / "c")
-    del state["output_layer.weight"], state["decoder.final_layernorm.weight"]
+    del state["embedding.position_embeddings.weight"], state["decoder.final_layernorm.weight"]
     with pytest.raises(InputError, match=r"missing \['decoder.final_layernorm.weight'\]"):
         export_critic_to_hf(state, cfg, 3, tmp_path / "d")

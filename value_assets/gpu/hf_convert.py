@@ -330,7 +330,7 @@ def load_hf_backbone_state(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_hf_value_head(folder: str | Path, head_prefix: str = "output_layer.linear") -> dict[str, torch.Tensor]:
+def load_hf_value_head(folder: str | Path, head_prefix: str = "output_layer") -> dict[str, torch.Tensor]:
     """The value head of a critic exported by `export_critic_to_hf` (`score.weight` [K, hidden],
     `score.bias` [K]), renamed to `{head_prefix}.weight`/`.bias` for a resume from that folder."""
     folder = Path(folder)
@@ -404,7 +404,7 @@ def export_critic_to_hf(
     objective_head_size: int,
     out_folder: str | Path,
     *,
-    head_prefix: str = "output_layer.linear",
+    head_prefix: str = "output_layer",
     objective: Any = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
