@@ -5,7 +5,9 @@ Qwen3) onto the parameter names of Megatron-core's `GPTModel` built from the *lo
 Engine) layer spec, optionally sliced for one tensor-parallel rank. Every backbone tensor is consumed
 and every expected one found, or an `InputError` names the tensor. Out: `export_critic_to_hf` writes a
 trained critic as a `transformers` token-classification checkpoint (`<Family>ForTokenClassification`,
-value head = `score` with bias) plus `value_head.json`.
+value head = `score` with bias) plus `value_head.json`. transformers' generic token-classification
+head is `nn.Linear(hidden, num_labels)` with bias on by default, so SPEC 4's head (bias on, float32)
+maps onto it one to one, and `AutoModelForTokenClassification` loads the critic with no custom code.
 
 Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
 - megatron-bridge 0.3.1 requires transformer-engine (CUDA build), megatron-core < 0.17 and
@@ -21,7 +23,8 @@ Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
   keeps the strictness SPEC 4 demands (no silent partial loads). Other families or MoE: add a
   family in `hf_families.py` and a mapping here, or revisit a bridge when TE is available.
 
-Megatron layout facts used here (megatron-core 0.16.1 local spec, checked by instantiating it):
+Megatron layout facts used here (megatron-core 0.16.1 local spec, checked by instantiating it;
+the 0.19.2 wheel's local spec and fused-qkv split read the same):
 - `self_attention.linear_qkv.weight` is [ng * (np/ng + 2) * hn, h], interleaved per query group g
   as [q heads of g; k_g; v_g]; TP shards split it contiguously along dim 0 (also when tp > ng,
   where Megatron all-gathers and re-slices).
