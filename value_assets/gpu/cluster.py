@@ -33,13 +33,13 @@ class Cluster:
     def dp(self) -> int:
         return self.infos[0]["dp_size"]
 
-    def all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+    def all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` with the same arguments on every rank; results in rank order."""
-        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], timeout_s)
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], None)
 
-    def each(self, method: str, per_rank: Sequence[tuple[tuple, dict]], timeout_s: float | None = None) -> list[Any]:
+    def each(self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None) -> list[Any]:
         """Call `method` with rank-specific (args, kwargs)."""
-        return self._get([getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)], timeout_s)
+        return self._get([getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)], deadline_s)
 
     def _get(self, refs, timeout_s):
         import ray

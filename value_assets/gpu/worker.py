@@ -84,9 +84,22 @@ class CriticWorker:
         return load_backbone_into(self._module(), source, tp=self.tp)
 
     def load(self, path: str, with_optimizer: bool) -> int:
-        from .checkpoint import load_critic
+        """Load a saved critic (model and, for a resume, optimizer); return its iteration."""
+        if with_optimizer:
+            from .checkpoint import load_critic
 
-        return load_critic(path, self.model, self.optimizer if with_optimizer else None)
+            return load_critic(path, self.model, self.optimizer)
+        # Forward-only: the model's tensors must all be there; the optimizer state is left unread.
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        from .checkpoint import _model_sharded_state_dict
+
+        module = self._module()
+        state = {"model": _model_sharded_state_dict(module), "iteration": _iteration_placeholder()}
+        loaded = dist_checkpointing.load(state, path, strict=StrictHandling.RAISE_UNEXPECTED)
+        module.load_state_dict(loaded["model"], strict=True)
+        return int(loaded["iteration"])
 
     def save(self, path: str, iteration: int) -> None:
         from .checkpoint import save_critic
@@ -137,6 +150,12 @@ class CriticWorker:
         from .parallel import destroy
 
         destroy()
+
+
+def _iteration_placeholder():
+    import torch
+
+    return torch.tensor(0, dtype=torch.int64)
 
 
 def _packing_row(r: dict[str, Any]):
