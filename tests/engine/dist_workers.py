@@ -43,54 +43,85 @@ def run(rank: int, world: int, port: int, tp: int, fn_name: str, args: tuple) ->
         destroy()
 
 
-def save_tp(rank, world, tp, ckpt, out_file):
-    from value_assets.gpu.checkpoint import save_critic
+def _reinit(tp: int) -> None:
+    """Rebuild megatron parallel state with another TP size inside the same process group."""
+    from megatron.core import parallel_state as ps
 
-    model = build_critic(BACKBONE, OBJ, tp=tp)
+    from value_assets.gpu.compat import seed_model_parallel
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    seed_model_parallel(1234)
+
+
+def tp_reshard(rank, world, tp, ckpt, out_file):
+    """Save at TP=2, reload at TP=1 (DP=2) and at TP=2, probing outputs each time."""
+    from value_assets.gpu.checkpoint import load_critic, save_critic
+
+    model = build_critic(BACKBONE, OBJ, tp=2)
     # Perturb away from init so that a load that silently kept init would be caught.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.sin(torch.arange(p.numel(), dtype=torch.float32)).view_as(p))
-    out = probe(model)
+    saved = probe(model)
     save_critic(ckpt, model, iteration=7)
+    res = {"saved": saved}
+    for new_tp in (1, 2):
+        _reinit(new_tp)
+        torch.manual_seed(4321)
+        fresh = build_critic(BACKBONE, OBJ, tp=new_tp, head_seed=5)
+        res[f"init{new_tp}"] = probe(fresh)
+        res[f"iter{new_tp}"] = load_critic(ckpt, fresh)
+        res[f"tp{new_tp}"] = probe(fresh)
     if rank == 0:
-        torch.save(out, out_file)
+        torch.save(res, out_file)
 
 
-def load_tp(rank, world, tp, ckpt, out_file):
-    from value_assets.gpu.checkpoint import load_critic
-
-    torch.manual_seed(4321)
-    model = build_critic(BACKBONE, OBJ, tp=tp, head_seed=5)
-    it = load_critic(ckpt, model)
-    assert it == 7, it
-    out = probe(model)
-    if rank == 0:
-        torch.save(out, out_file)
-
-
-def train_dp(rank, world, tp, rows_per_step, steps, ckpt_at, ckpt_dir, resume, out_file):
-    """DP training; rows of each batch go to dp ranks round-robin by position."""
+def _train(rows, steps, start, ddp, opt, rows_per_step):
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.checkpoint import load_critic, save_critic
-    from value_assets.gpu.train import train_step, wrap_for_training
+    from value_assets.gpu.train import train_step
+
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    history = []
+    for step in range(start, steps):
+        batch = rows[step * rows_per_step:(step + 1) * rows_per_step]
+        mine = batch[dpr::dp]  # round-robin by position
+        history.append(train_step(ddp, opt, pack_rows(mine, micro_batch_tokens=30), rows_per_step, OBJ))
+    return history
+
+
+def train_dp(rank, world, tp, rows_per_step, steps, out_file):
+    from value_assets.gpu.train import wrap_for_training
 
     model = build_critic(BACKBONE, OBJ, tp=tp)
     ddp, opt = wrap_for_training(model, lr=1e-3)
     rows = make_rows(rows_per_step * steps, seed=1)
-    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    start = 0
-    if resume:
-        start = load_critic(ckpt_dir, ddp, opt)
-    history = []
-    for step in range(start, steps):
-        batch = rows[step * rows_per_step:(step + 1) * rows_per_step]
-        mine = batch[dpr::dp]
-        mbs = pack_rows(mine, micro_batch_tokens=30)
-        history.append(train_step(ddp, opt, mbs, rows_per_step, OBJ))
-        if ckpt_at is not None and step + 1 == ckpt_at and not resume:
-            save_critic(ckpt_dir, ddp, opt, iteration=step + 1)
+    history = _train(rows, steps, 0, ddp, opt, rows_per_step)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"history": history, "params": params}, out_file)
+
+
+def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file):
+    """Uninterrupted run that saves at `save_at`, then a fresh model+optimizer resumed from it."""
+    from value_assets.gpu.checkpoint import load_critic, save_critic
+    from value_assets.gpu.train import wrap_for_training
+
+    rows = make_rows(rows_per_step * steps, seed=1)
+    model = build_critic(BACKBONE, OBJ, tp=tp)
+    ddp, opt = wrap_for_training(model, lr=1e-3)
+    full = _train(rows, save_at, 0, ddp, opt, rows_per_step)
+    save_critic(ckpt, ddp, opt, iteration=save_at)
+    full += _train(rows, steps, save_at, ddp, opt, rows_per_step)
+    full_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(999)
+    model2 = build_critic(BACKBONE, OBJ, tp=tp, head_seed=3)
+    ddp2, opt2 = wrap_for_training(model2, lr=1e-3)
+    start = load_critic(ckpt, ddp2, opt2)
+    resumed = _train(rows, steps, start, ddp2, opt2, rows_per_step)
+    params2 = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    if rank == 0:
+        torch.save({"full": full, "resumed": resumed, "start": start,
+                    "full_params": full_params, "resumed_params": params2}, out_file)
