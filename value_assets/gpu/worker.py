@@ -138,8 +138,10 @@ class CriticWorker:
         values = []
         indices = []
         for r in rows:
-            res = out[int(r["row_id"])]
-            v, ret, mask = res["values"], res["returns"], res["mask"]
+            # Statistics use the dataset's float64 returns and mask; the model gives the values.
+            v = out[int(r["row_id"])]["values"]
+            ret = np.asarray(r["returns"], dtype=np.float64)
+            mask = np.asarray(r["loss_mask"], dtype=np.float64)
             tok = tok + token_stats(ret, v, mask)
             traj = traj + trajectory_stats(ret, v, mask)
             values.append(float(v[mask.astype(bool)].mean()))
