@@ -202,9 +202,6 @@ def test_make_demo_data_learnable_and_shuffled(tmp_path, capsys):
         assert run(capsys, "validate", m)[0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with --shuffle-labels, provenance.bayes_optimal_trajectory_ev_heldout records the EV "
-                   "of predicting the unshuffled task probabilities against the shuffled rewards (about -0.33 for "
-                   "--rows 400 --heldout-rows 400 --seed 1), not the optimal EV of the control, which is ~0")
 def test_shuffled_control_provenance_ev_is_about_zero(tmp_path, capsys):
     _, shuffled = _make_pair(tmp_path, capsys)
     assert abs(json.loads(shuffled.read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"]) < 0.05
@@ -220,9 +217,6 @@ def test_make_demo_data_parquet_validates(tmp_path, capsys):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.xfail(strict=True, reason="BUG: make-demo-data with a 1-row heldout split (or any heldout whose rewards are all "
-                   "equal) divides by Var=0 and writes `NaN` into provenance.bayes_optimal_trajectory_ev_heldout; the "
-                   "manifest it just wrote is then refused by `validate` (strict JSON: NaN is not allowed)")
 def test_make_demo_data_output_always_validates(tmp_path, capsys):
     rc, out, _ = run(capsys, "make-demo-data", tmp_path, "--rows", 4, "--heldout-rows", 1)
     assert rc == 0
@@ -230,8 +224,6 @@ def test_make_demo_data_output_always_validates(tmp_path, capsys):
     assert rc == 0, err
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: make-demo-data into a path below a regular file raises an uncaught "
-                   "NotADirectoryError (traceback, exit 1) instead of exit 2 with a message naming the path (SPEC 9)")
 def test_make_demo_data_unusable_out_dir_exit_2(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("")

@@ -342,9 +342,6 @@ def test_parquet_mse_out_of_range_allowed(tmp_path):
 # --- fast path vs the exact reference: known divergences -----------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: explicit loss_mask null spelled with an escaped key (\"loss\\u005fmask\":null) "
-                   "passes the columnar path (its literal/colon counters look for the unescaped key), although check_row "
-                   "refuses it and Dataset.row() then raises")
 def test_escaped_key_null_loss_mask_refused(tmp_path):
     line = b'{"sample_id":"x","tokens":[1,2,3],"response_length":2,"returns":[1.0,0.0],"loss\\u005fmask":null}'
     with pytest.raises(InputError):
@@ -354,9 +351,6 @@ def test_escaped_key_null_loss_mask_refused(tmp_path):
     assert e.where == f"{p}:2"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a UTF-8 BOM before the first row is accepted by the columnar path (pyarrow "
-                   "skips it) but the strict per-line parser refuses the same line; Dataset.row(0) then raises InputError. "
-                   "The same BOM on line 2 is refused: the verdict depends on the line")
 def test_bom_on_first_line_treated_like_any_line(tmp_path):
     p = write_lines(tmp_path / "d.jsonl", [b"\xef\xbb\xbf" + GOOD[0], GOOD[1]])
     try:
@@ -390,9 +384,6 @@ except InputError as e:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a JSONL file whose first line is `null` kills the process with SIGSEGV inside "
-                   "pyarrow's JSON reader (dataset.py _JsonlValidator.columnar, reader.read_next_batch; pyarrow 26.0.1) "
-                   "instead of raising InputError at path:1")
 def test_null_first_line_is_an_input_error_not_a_crash(tmp_path):
     import os
     import subprocess

@@ -2,8 +2,8 @@
 reference (json made strict + rows.check_row) accepts, and names a genuinely bad line when both
 reject. Chunked reading is exercised with small READ_CHUNK / ARROW_BLOCK sizes.
 
-Known bugs are excluded here and pinned by xfail tests in test_dataset.py: the escaped-key null
-mask and the BOM on line 1 (divergences), and `null` as the first line (pyarrow segfault).
+The inputs that broke the earlier pyarrow-based reader (an escaped-key null mask, a BOM on line 1,
+`null` as the first line) are part of the mutation set.
 """
 
 import json
@@ -131,6 +131,8 @@ MUTATIONS = {
     "trailing_space": _text(lambda b, o: b + b"  "),  # valid
     "leading_space": _text(lambda b, o: b"  " + b),  # valid
     "cr_end": _text(lambda b, o: b + b"\r"),  # valid
+    "escaped_null_mask": _text(lambda b, o: b[:-1] + b',"loss\\u005fmask":null}' if b'"loss_mask"' not in b else b),
+    "bom": _text(lambda b, o: b"\xef\xbb\xbf" + b),
     "control_char": _text(lambda b, o: b.replace(b'"sample_id":"', b'"sample_id":"\x01', 1)),
 }
 LINE_MUTATIONS = ["blank_before", "ws_before"]
@@ -143,8 +145,6 @@ def corrupted_file(draw):
     lines = [enc(r) for r in rows]
     muts = draw(st.lists(st.tuples(st.sampled_from(sorted(MUTATIONS) + LINE_MUTATIONS), st.integers(0, n - 1), st.integers(0, n - 1)),
                          min_size=1, max_size=3))
-    # A `null` first line segfaults pyarrow (pinned in test_dataset.py); keep it off line 1 here.
-    muts = [(name, k, o) for name, k, o in muts if not (name == "null_line" and k == 0)]
     inserts = []
     for name, k, other in muts:
         if name in LINE_MUTATIONS:
@@ -170,7 +170,7 @@ def test_fast_path_agrees_with_naive_reference(tmp_path_factory, monkeypatch, ca
     with monkeypatch.context() as m:
         if chunk:
             m.setattr(dataset_mod, "READ_CHUNK", chunk)
-            m.setattr(dataset_mod, "ARROW_BLOCK", chunk * 2)
+            m.setattr(dataset_mod, "BATCH_BYTES", chunk * 2)
         try:
             ds = dataset_mod.validate_dataset(ref_for(path, num_samples), objective)
             err = None
