@@ -293,21 +293,29 @@ def profile_steps(fn: Callable[[], None], label: str) -> None:
         sync()
     wall = time.perf_counter() - t0
     ka = prof.key_averages()
-    sort = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
-    try:
-        table = ka.table(sort_by=sort, row_limit=15)
-    except Exception:  # noqa: BLE001  (older/newer key names)
-        sort = "self_device_time_total" if CUDA else "self_cpu_time_total"
-        table = ka.table(sort_by=sort, row_limit=15)
+    table = None
+    for sort in (("self_device_time_total", "self_cuda_time_total") if CUDA else ("self_cpu_time_total",)):
+        try:
+            table = ka.table(sort_by=sort, row_limit=15)
+            break
+        except Exception:  # noqa: BLE001  (key names differ between torch versions)
+            continue
     print(f"\n==== profile: {label}, 2 steps, wall {wall:.3f}s (profiler overhead included) ====")
     print(table)
+    try:  # host side: syncs (aten::item / _local_scalar_dense, cudaStreamSynchronize) show here
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=10))
+    except Exception:  # noqa: BLE001
+        pass
     if CUDA:
-        dev = 0.0
+        from torch.autograd import DeviceType
+
+        dev = 0.0  # kernels/memcpys only (device-side events), so nothing is counted twice
         for e in ka:
-            v = getattr(e, "self_device_time_total", None)
-            if v is None:
-                v = getattr(e, "self_cuda_time_total", 0.0)
-            dev += float(v or 0.0)
+            if getattr(e, "device_type", None) == DeviceType.CUDA:
+                v = getattr(e, "self_device_time_total", None)
+                if v is None:
+                    v = getattr(e, "self_cuda_time_total", 0.0)
+                dev += float(v or 0.0)
         print(f"sum of self device time {dev / 1e6:.3f}s over wall {wall:.3f}s: GPU busy ~{100 * dev / 1e6 / wall:.0f}% "
               "(the rest is host/launch/sync gaps)")
     print("=" * 80, flush=True)
