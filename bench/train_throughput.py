@@ -1,0 +1,555 @@
+"""Critic training / evaluation throughput on one GPU: our megatron critic vs a Hugging Face critic.
+
+For critics shaped like Qwen2.5-0.5B and Qwen2.5-1.5B (random weights), on rows drawn from a
+realistic RL length mix (prompt 128-1024, response 64-3072 tokens, lognormal, prompt+response <=
+4096, fixed seed), measures per model:
+
+  ours  train  megatron critic (bf16, world size 1), `train_step` over packed micro-batches of
+               <= --micro-batch-tokens tokens, a global batch of --global-batch rows, megatron Adam
+  ours  eval   `evaluate_rows` (eval mode, no grad; includes the per-row host copy of values)
+  ours  fwd    raw packed forward (`critic_forward` + predicted values, copied to host), no grad
+  hf    train  transformers Qwen2 `AutoModel` (sdpa, bf16 params) + nn.Linear(h, K) fp32 head,
+               padded micro-batches (rows in order, each micro-batch padded to its longest row,
+               rows * longest <= --micro-batch-tokens), same loss, grad clip 1.0, fused AdamW
+  hf    fwd    the same model forward-only on the same padded micro-batches
+
+tokens/s counts real tokens only (the L-1 model tokens of every row; padding never counts).
+TFLOP/s and MFU use the useful-FLOP count in bench/_flops.py (printed in the footer); MFU's
+denominator is 790 TFLOP/s, the bf16 matmul rate measured on this workplace's H200.
+
+    python bench/train_throughput.py                      # both shapes, all modes (H200)
+    python bench/train_throughput.py --profile            # + torch.profiler of ours-train, 1.5B
+    python bench/train_throughput.py --smoke              # tiny model on CPU, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._flops import FORMULA, flops_per_token, matmul_params, s_eff  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # bf16 dense matmul, measured on this workplace's H200 (PLATFORM.md)
+CUDA = torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------- data
+
+def length_mix(n: int, seed: int, smoke: bool) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: lognormal, clipped; prompt + response <= cap."""
+    rng = np.random.default_rng(seed)
+    if smoke:
+        (p_lo, p_hi, p_med), (r_lo, r_hi, r_med), cap = (8, 48, 20), (4, 120, 40), 160
+    else:
+        (p_lo, p_hi, p_med), (r_lo, r_hi, r_med), cap = (128, 1024, 400), (64, 3072, 700), 4096
+    out = []
+    for _ in range(n):
+        p = int(np.clip(rng.lognormal(math.log(p_med), 0.6), p_lo, p_hi))
+        r = int(np.clip(rng.lognormal(math.log(r_med), 0.9), r_lo, r_hi))
+        r = max(r_lo, min(r, cap - p))
+        out.append((p, r))
+    return out
+
+
+def make_batches(num_batches: int, batch_rows: int, vocab: int, seed: int, smoke: bool):
+    from value_assets.gpu.packing import Row
+
+    lens = length_mix(num_batches * batch_rows, seed, smoke)
+    rng = np.random.default_rng(seed + 1)
+    rows = []
+    for i, (p, r) in enumerate(lens):
+        rows.append(Row(row_id=i, tokens=rng.integers(0, vocab, p + r, dtype=np.int64),
+                        response_length=r, returns=rng.random(r)))
+    return [rows[i * batch_rows:(i + 1) * batch_rows] for i in range(num_batches)]
+
+
+def model_lens(rows) -> list[int]:
+    return [len(r.tokens) - 1 for r in rows]
+
+
+def pad_groups(rows, budget: int) -> list[list]:
+    """Rows in order; a micro-batch closes when (rows + 1) * longest would exceed the budget."""
+    groups, cur, longest = [], [], 0
+    for row in rows:
+        n = len(row.tokens) - 1
+        if cur and (len(cur) + 1) * max(longest, n) > budget:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(row)
+        longest = max(longest, n)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def pad_batch(rows) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] input_ids / attention_mask / returns / mask (SPEC 4 alignment)."""
+    T = max(len(r.tokens) - 1 for r in rows)
+    B = len(rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    am = torch.zeros(B, T, dtype=torch.long)
+    ret = torch.zeros(B, T, dtype=torch.float32)
+    msk = torch.zeros(B, T, dtype=torch.float32)
+    for b, row in enumerate(rows):
+        L, r = len(row.tokens), row.response_length
+        n, p = L - 1, L - r
+        ids[b, :n] = torch.from_numpy(row.tokens[:n])
+        am[b, :n] = 1
+        ret[b, p - 1:p - 1 + r] = torch.from_numpy(np.asarray(row.returns, dtype=np.float32))
+        msk[b, p - 1:p - 1 + r] = 1.0
+    return {"input_ids": ids, "attention_mask": am, "returns": ret, "mask": msk}
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> Optional[float]:
+    return torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
+
+
+def free_memory() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def timed(fn_warm: Callable[[], None], fn_run: Callable[[], None]) -> float:
+    fn_warm()
+    sync()
+    t0 = time.perf_counter()
+    fn_run()
+    sync()
+    return time.perf_counter() - t0
+
+
+class Results:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, model: str, system: str, mode: str, *, seconds: Optional[float] = None,
+            tokens: int = 0, flops_tok: float = 0.0, steps: int = 1, error: Optional[str] = None,
+            **extra: Any) -> None:
+        rec: dict[str, Any] = dict(model=model, system=system, mode=mode, error=error, **extra)
+        if error is None and seconds:
+            tps = tokens / seconds
+            tflops = tps * flops_tok / 1e12
+            rec.update(tokens_per_s=tps, tflops=tflops, mfu=tflops / PEAK_TFLOPS,
+                       step_time_s=seconds / steps, timed_tokens=tokens, timed_s=seconds,
+                       flops_per_token=flops_tok, peak_gib=peak_gib())
+        self.rows.append(rec)
+        msg = (f"  -> {system} {mode}: " + (f"{rec['tokens_per_s']:,.0f} tok/s, {rec['tflops']:.1f} TFLOP/s, "
+               f"MFU {100 * rec['mfu']:.1f}%" if error is None else f"ERROR {error}"))
+        print(msg, flush=True)
+
+    def get(self, model: str, system: str, mode: str) -> Optional[float]:
+        for r in self.rows:
+            if (r["model"], r["system"], r["mode"]) == (model, system, mode) and r.get("tokens_per_s"):
+                return r["tokens_per_s"]
+        return None
+
+    def table(self) -> str:
+        hdr = f"{'model':<6} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'step s':>8}  notes"
+        lines = [hdr, "-" * len(hdr)]
+        for r in self.rows:
+            if r.get("error"):
+                lines.append(f"{r['model']:<6} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {'-':>9} {'-':>8}  {r['error']}")
+                continue
+            pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
+            lines.append(
+                f"{r['model']:<6} {r['system']:<6} {r['mode']:<6} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.1f} "
+                f"{100 * r['mfu']:>5.1f}% {pk:>9} {r['step_time_s']:>8.3f}  {r.get('notes', '')}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- ours
+
+def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool) -> None:
+    from value_assets.gpu.losses import predicted_values
+    from value_assets.gpu.model import build_critic, critic_forward
+    from value_assets.gpu.packing import pack_rows
+    from value_assets.gpu.train import evaluate_rows, train_step, wrap_for_training
+
+    G = args.global_batch
+    warm, timed_b = batches[:args.warmup], batches[args.warmup:]
+    real = sum(sum(model_lens(b)) for b in timed_b)
+    lens = [n for b in timed_b for n in model_lens(b)]
+    f_train = flops_per_token(bb, obj.head_size, lens, train=True)
+    f_fwd = flops_per_token(bb, obj.head_size, lens, train=False)
+    mbs = [pack_rows(b, args.micro_batch_tokens) for b in batches]
+    emb = [pack_rows(b, args.eval_micro_batch_tokens) for b in batches]
+    n_mb = np.mean([len(m) for m in mbs[args.warmup:]])
+    train_note = f"{n_mb:.1f} packed mb/step of <= {args.micro_batch_tokens} tok"
+    eval_note = f"packed mb <= {args.eval_micro_batch_tokens} tok"
+
+    model = ddp = opt = None
+    try:
+        t0 = time.perf_counter()
+        model = build_critic(bb, obj)
+        print(f"  built ours {name} in {time.perf_counter() - t0:.1f}s", flush=True)
+        n_model = sum(p.numel() for n_, p in model.named_parameters() if "embedding" not in n_)
+        print(f"  ours non-embedding params {n_model / 1e6:.1f}M (FLOP count uses matmul "
+              f"weights {matmul_params(bb, obj.head_size) / 1e6:.1f}M)", flush=True)
+
+        # -- forward-only: evaluate_rows (engine API) and the raw packed forward
+        for mode in ("eval", "fwd"):
+            reset_peak()
+            try:
+                if mode == "eval":
+                    def go(bs):
+                        for m in bs:
+                            evaluate_rows(model, m, obj)
+                else:
+                    dev_mbs = [[mb.to(torch.device("cuda") if CUDA else "cpu") for mb in m] for m in emb]
+
+                    def go(bs):
+                        with torch.no_grad():
+                            for m in bs:
+                                for mb in m:
+                                    head = critic_forward(model, mb.tokens, mb.position_ids,
+                                                          mb.cu_seqlens, mb.max_seqlen)
+                                    predicted_values(head, obj).cpu()
+                    emb_run = dev_mbs
+                src = emb if mode == "eval" else emb_run
+                model.eval()
+                dt = timed(lambda: go(src[:args.warmup]), lambda: go(src[args.warmup:]))
+                model.train()
+                res.add(name, "ours", mode, seconds=dt, tokens=real, flops_tok=f_fwd,
+                        steps=len(timed_b), notes=eval_note + (" (evaluate_rows)" if mode == "eval" else " (raw)"))
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom(exc):
+                    traceback.print_exc()
+                res.add(name, "ours", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
+            finally:
+                src = emb_run = dev_mbs = None  # noqa: F841
+                free_memory()
+
+        # -- training
+        reset_peak()
+        try:
+            ddp, opt = wrap_for_training(model, lr=1e-6)
+
+            def steps(bs):
+                for m in bs:
+                    train_step(ddp, opt, m, G, obj)
+
+            dt = timed(lambda: steps(mbs[:args.warmup]), lambda: steps(mbs[args.warmup:]))
+            res.add(name, "ours", "train", seconds=dt, tokens=real, flops_tok=f_train,
+                    steps=len(timed_b), notes=train_note)
+            if profile:
+                profile_steps(lambda: steps(mbs[args.warmup:args.warmup + 2]), f"ours train {name}")
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                traceback.print_exc()
+            res.add(name, "ours", "train", error=("OOM" if is_oom(exc) else type(exc).__name__))
+    except Exception as exc:  # noqa: BLE001  (build failed)
+        if not is_oom(exc):
+            traceback.print_exc()
+        for mode in ("eval", "fwd", "train"):
+            if not any((r["model"], r["system"], r["mode"]) == (name, "ours", mode) for r in res.rows):
+                res.add(name, "ours", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
+    finally:
+        if model is not None and hasattr(model, "config"):
+            # wrap_for_training hangs the optimizer off the shared config: drop it.
+            model.config.grad_scale_func = None
+            model.config.finalize_model_grads_func = None
+        model = ddp = opt = None  # noqa: F841
+        free_memory()
+
+
+def profile_steps(fn: Callable[[], None], label: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    table = None
+    for sort in (("self_device_time_total", "self_cuda_time_total") if CUDA else ("self_cpu_time_total",)):
+        try:
+            table = ka.table(sort_by=sort, row_limit=15)
+            break
+        except Exception:  # noqa: BLE001  (key names differ between torch versions)
+            continue
+    print(f"\n==== profile: {label}, 2 steps, wall {wall:.3f}s (profiler overhead included) ====")
+    print(table)
+    try:  # host side: syncs (aten::item / _local_scalar_dense, cudaStreamSynchronize) show here
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=10))
+    except Exception:  # noqa: BLE001
+        pass
+    if CUDA:
+        from torch.autograd import DeviceType
+
+        dev = 0.0  # kernels/memcpys only (device-side events), so nothing is counted twice
+        for e in ka:
+            if getattr(e, "device_type", None) == DeviceType.CUDA:
+                v = getattr(e, "self_device_time_total", None)
+                if v is None:
+                    v = getattr(e, "self_cuda_time_total", 0.0)
+                dev += float(v or 0.0)
+        print(f"sum of self device time {dev / 1e6:.3f}s over wall {wall:.3f}s: GPU busy ~{100 * dev / 1e6 / wall:.0f}% "
+              "(the rest is host/launch/sync gaps)")
+    print("=" * 80, flush=True)
+
+
+# --------------------------------------------------------------------------------------- HF
+
+def run_hf(name: str, bb, obj, batches, args, res: Results) -> None:
+    from transformers import AutoModel, Qwen2Config
+
+    from value_assets.gpu.losses import predicted_values, token_losses
+
+    G = args.global_batch
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    dev = torch.device("cuda") if CUDA else torch.device("cpu")
+    timed_b = batches[args.warmup:]
+    real = sum(sum(model_lens(b)) for b in timed_b)
+    lens = [n for b in timed_b for n in model_lens(b)]
+    f_train = flops_per_token(bb, obj.head_size, lens, train=True)
+    f_fwd = flops_per_token(bb, obj.head_size, lens, train=False)
+    groups = [[pad_batch(g) for g in pad_groups(b, args.micro_batch_tokens)] for b in batches]
+    egroups = [[pad_batch(g) for g in pad_groups(b, args.eval_micro_batch_tokens)] for b in batches]
+    padded = sum(int(p["input_ids"].numel()) for gs in groups[args.warmup:] for p in gs)
+    epadded = sum(int(p["input_ids"].numel()) for gs in egroups[args.warmup:] for p in gs)
+    n_mb = np.mean([len(g) for g in groups[args.warmup:]])
+    train_note = f"{n_mb:.1f} padded mb/step, {100 * (1 - real / padded):.0f}% pad"
+    eval_note = f"padded mb, {100 * (1 - real / epadded):.0f}% pad"
+
+    cfg = Qwen2Config(
+        vocab_size=bb.vocab_size, hidden_size=bb.hidden_size, intermediate_size=bb.ffn_hidden_size,
+        num_hidden_layers=bb.num_layers, num_attention_heads=bb.num_attention_heads,
+        num_key_value_heads=bb.num_query_groups, max_position_embeddings=bb.max_seq_len,
+        rope_theta=bb.rotary_base, rms_norm_eps=bb.norm_epsilon, tie_word_embeddings=False,
+        use_cache=False, attention_dropout=0.0,
+    )
+    model = head = opt = None
+    try:
+        t0 = time.perf_counter()
+        with torch.device(dev):
+            try:
+                model = AutoModel.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+            except TypeError:
+                model = AutoModel.from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
+            head = torch.nn.Linear(bb.hidden_size, obj.head_size, dtype=torch.float32)
+        model.config.use_cache = False
+        print(f"  built hf {name} in {time.perf_counter() - t0:.1f}s "
+              f"(attn {getattr(model.config, '_attn_implementation', '?')}, {next(model.parameters()).dtype})",
+              flush=True)
+
+        def forward(p):
+            hs = model(input_ids=p["input_ids"], attention_mask=p["attention_mask"], use_cache=False).last_hidden_state
+            return head(hs.float())
+
+        def to_dev(p):
+            return {k: v.to(dev, non_blocking=True) for k, v in p.items()}
+
+        # -- forward-only
+        reset_peak()
+        try:
+            model.eval()
+
+            def fwd(gs_list):
+                with torch.no_grad():
+                    for gs in gs_list:
+                        for p in gs:
+                            d = to_dev(p)
+                            v = predicted_values(forward(d), obj)
+                            v.cpu()
+
+            dt = timed(lambda: fwd(egroups[:args.warmup]), lambda: fwd(egroups[args.warmup:]))
+            res.add(name, "hf", "fwd", seconds=dt, tokens=real, flops_tok=f_fwd, steps=len(timed_b),
+                    notes=eval_note)
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                traceback.print_exc()
+            res.add(name, "hf", "fwd", error=("OOM" if is_oom(exc) else type(exc).__name__))
+        finally:
+            model.train()
+            free_memory()
+
+        # -- training
+        reset_peak()
+        try:
+            params = list(model.parameters()) + list(head.parameters())
+            kw = {"fused": True} if CUDA else {}
+            opt = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **kw)
+
+            def step(gs):
+                opt.zero_grad(set_to_none=True)
+                for p in gs:
+                    d = to_dev(p)
+                    out = forward(d)
+                    tl = token_losses(out.reshape(-1, out.shape[-1]), d["returns"].reshape(-1), obj)
+                    tl = tl.reshape(d["mask"].shape) * d["mask"]
+                    loss = (tl.sum(1) / d["mask"].sum(1)).sum() / G
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+
+            def steps(gs_list):
+                for gs in gs_list:
+                    step(gs)
+
+            dt = timed(lambda: steps(groups[:args.warmup]), lambda: steps(groups[args.warmup:]))
+            res.add(name, "hf", "train", seconds=dt, tokens=real, flops_tok=f_train, steps=len(timed_b),
+                    notes=train_note)
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                traceback.print_exc()
+            res.add(name, "hf", "train", error=("OOM" if is_oom(exc) else type(exc).__name__))
+    except Exception as exc:  # noqa: BLE001  (build failed)
+        if not is_oom(exc):
+            traceback.print_exc()
+        for mode in ("fwd", "train"):
+            if not any((r["model"], r["system"], r["mode"]) == (name, "hf", mode) for r in res.rows):
+                res.add(name, "hf", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
+    finally:
+        model = head = opt = None  # noqa: F841
+        free_memory()
+
+
+# ------------------------------------------------------------------------------------- main
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="0.5b,1.5b", help="comma list of 0.5b, 1.5b (tiny with --smoke)")
+    ap.add_argument("--systems", default="ours,hf", help="comma list of ours, hf")
+    ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps (global batches)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--eval-micro-batch-tokens", type=int, default=None,
+                    help="forward-only micro-batch token budget (default: 2x --micro-batch-tokens)")
+    ap.add_argument("--global-batch", type=int, default=64, help="rows per optimizer step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler over 2 steps of ours-train on the 1.5B shape (or the last model)")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args(argv)
+
+    from value_assets.core.objective import Objective
+    from value_assets.gpu.model import BackboneConfig
+    from value_assets.gpu.parallel import destroy, free_port, init_distributed
+
+    if args.smoke:
+        args.steps, args.warmup = 2, 1
+        args.global_batch = min(args.global_batch, 8)
+        args.micro_batch_tokens = min(args.micro_batch_tokens, 256)
+        names = ["tiny"]
+    else:
+        names = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    if args.eval_micro_batch_tokens is None:
+        args.eval_micro_batch_tokens = 2 * args.micro_batch_tokens
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    presets = {"0.5b": BackboneConfig.qwen2_5_0_5b, "1.5b": BackboneConfig.qwen2_5_1_5b,
+               "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096)}
+    for n in names:
+        if n not in presets:
+            ap.error(f"unknown model {n!r}; choose from 0.5b, 1.5b")
+    obj = Objective()  # classification, 51 bins, HL-Gauss (the default objective)
+
+    dev_name = torch.cuda.get_device_name() if CUDA else "CPU (smoke; MFU meaningless)"
+    print(f"device: {dev_name}; torch {torch.__version__}; "
+          f"varlen_attn: {_varlen_available()}; MFU denominator {PEAK_TFLOPS:.0f} TFLOP/s "
+          "(measured bf16 matmul rate on this H200)", flush=True)
+    t_start = time.perf_counter()
+    init_distributed(rank=0, world_size=1, master_port=free_port())
+    print(f"init_distributed in {time.perf_counter() - t_start:.1f}s", flush=True)
+    res = Results()
+    data_lines = []
+    try:
+        for name in names:
+            bb = presets[name]()
+            batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size,
+                                   args.seed, args.smoke)
+            lens = [n for b in batches[args.warmup:] for n in model_lens(b)]
+            line = (f"{name}: {len(lens)} timed rows, {sum(lens) / args.steps:,.0f} real tokens/step "
+                    f"(mean row {np.mean(lens):.0f}, max {max(lens)}), s_eff {s_eff(lens):.0f}, "
+                    f"N {matmul_params(bb, obj.head_size) / 1e9:.3f}B, "
+                    f"train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok, "
+                    f"fwd {flops_per_token(bb, obj.head_size, lens, train=False) / 1e9:.2f} GFLOP/tok")
+            data_lines.append(line)
+            print(f"== {line}", flush=True)
+            want_profile = args.profile and (name == "1.5b" or (name == names[-1] and "1.5b" not in names))
+            if "ours" in systems:
+                run_ours(name, bb, obj, batches, args, res, want_profile)
+            if "hf" in systems:
+                run_hf(name, bb, obj, batches, args, res)
+    finally:
+        destroy()
+
+    print("\n" + "=" * 100)
+    print(f"critic throughput on {dev_name}: global batch {args.global_batch} rows, {args.steps} timed steps "
+          f"after {args.warmup} warm-up, train micro-batch <= {args.micro_batch_tokens} tokens, "
+          f"eval <= {args.eval_micro_batch_tokens}")
+    for line in data_lines:
+        print("  data " + line)
+    print(res.table())
+    print(f"tokens/s = real (non-pad) tokens / s; MFU = achieved useful TFLOP/s / {PEAK_TFLOPS:.0f} TFLOP/s "
+          "(measured bf16 matmul rate on this H200); step s = time per global batch")
+    print(FORMULA)
+    for name in names:
+        ot, oe, of_ = res.get(name, "ours", "train"), res.get(name, "ours", "eval"), res.get(name, "ours", "fwd")
+        ht, hf_ = res.get(name, "hf", "train"), res.get(name, "hf", "fwd")
+        mfu = next((r["mfu"] for r in res.rows if (r["model"], r["system"], r["mode"]) == (name, "ours", "train")
+                    and r.get("mfu") is not None), None)
+        parts = [f"targets {name}:"]
+        if mfu is not None:
+            parts.append(f"ours train MFU {100 * mfu:.1f}%" + (" (target >= 45% for 1.5b)" if name == "1.5b" else ""))
+        if ot and ht:
+            parts.append(f"ours/hf train {ot / ht:.2f}x (>= 2x)")
+        if of_ and hf_:
+            parts.append(f"ours/hf fwd {of_ / hf_:.2f}x")
+        if ot and oe:
+            parts.append(f"eval/train {oe / ot:.2f}x (>= 3x)")
+        if ot and of_:
+            parts.append(f"fwd/train {of_ / ot:.2f}x")
+        print("  " + ", ".join(parts))
+    print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(
+            {"device": dev_name, "peak_tflops": PEAK_TFLOPS, "formula": FORMULA, "args": vars(args),
+             "data": data_lines, "results": res.rows}, indent=2))
+    return 0
+
+
+def _varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
