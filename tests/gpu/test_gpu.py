@@ -53,8 +53,12 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
 
     obj = Objective()
     model = build_critic(BackboneConfig.tiny(), obj)
-    assert next(model.decoder.parameters()).dtype == torch.bfloat16
-    assert model.output_layer.weight.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    from value_assets.gpu.model import critic_forward
+
+    out = critic_forward(model, torch.arange(8, device="cuda"), torch.arange(8, device="cuda"),
+                         torch.tensor([0, 8], dtype=torch.int32, device="cuda"), 8)
+    assert out.dtype == torch.float32 and out.shape == (8, obj.head_size)  # the head outputs float32
     ddp, opt = wrap_for_training(model, lr=2e-3)
     rng = np.random.default_rng(0)
     rows = []

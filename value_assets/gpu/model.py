@@ -197,8 +197,11 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
         model.output_layer = ValueHead(backbone.hidden_size, objective.head_size, seed=head_seed)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-        if post:
-            model.output_layer.float()
+    if cfg.bf16:
+        # Every parameter bf16, as megatron's Float16Module would make it: its mixed-precision
+        # optimizer keeps the fp32 master copies (the head's too) and assumes no fp32 parameter
+        # sits among the bf16 ones. The head still computes and outputs in float32.
+        model.bfloat16()
     return model
 
 
