@@ -19,7 +19,6 @@ from value_assets.assets import (
     train_dataset,
     value_manifest,
 )
-from value_assets.partitions import manifests_partitions
 
 DAY_S = 24 * 3600
 
@@ -29,7 +28,6 @@ full_job = define_asset_job(
     selection=AssetSelection.assets(
         value_manifest, train_dataset, heldout_dataset, batch_plan, critic_training, ev_report, promoted_critic
     ),
-    partitions_def=manifests_partitions,
     description="validate -> plan -> train -> evaluate -> gate -> promote, for one manifest.",
     tags={"dagster/max_runtime": str(7 * DAY_S), "dagster/max_retries": "0"},
 )
@@ -37,7 +35,6 @@ full_job = define_asset_job(
 evaluation_job = define_asset_job(
     "evaluate",
     selection=AssetSelection.assets(ev_report, promoted_critic),
-    partitions_def=manifests_partitions,
     description="Re-evaluate the latest contracted critic of a manifest, gate it, promote it if it passes.",
     tags={"dagster/max_runtime": str(DAY_S), "dagster/max_retries": "0"},
 )
@@ -45,7 +42,6 @@ evaluation_job = define_asset_job(
 canary_job = define_asset_job(
     "canary",
     selection=AssetSelection.assets(value_manifest, train_dataset, batch_plan, canary_receipt),
-    partitions_def=manifests_partitions,
     description="Validate, plan and run exactly one training step; writes a receipt, never a contract.",
     tags={"dagster/max_runtime": str(3600), "dagster/max_retries": "0"},
 )
