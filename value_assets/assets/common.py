@@ -37,17 +37,21 @@ def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: st
     return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
 
 
-def plot_metadata(paths: list[str] | None, base: Path) -> dict[str, Any]:
-    """Report plots inline (markdown data-URI images) when small, else as file paths."""
+def plot_metadata(paths: list[str] | None, base: Path, strip_prefix: str = "") -> dict[str, Any]:
+    """Report plots inline (markdown data-URI images) when small, else as file paths.
+
+    Keys are ``plot_<name>`` where name is the file stem without `strip_prefix`.
+    """
     out: dict[str, Any] = {}
     for raw in paths or []:
         path = Path(raw) if Path(raw).is_absolute() else base / raw
-        name = f"plot_{path.stem}"
+        label = path.stem.removeprefix(strip_prefix) or path.stem
+        name = f"plot_{label}"
         if not path.is_file():
             out[name] = MetadataValue.text(f"missing: {path}")
         elif path.stat().st_size <= INLINE_PLOT_MAX_BYTES and path.suffix.lower() == ".png":
             data = base64.b64encode(path.read_bytes()).decode("ascii")
-            out[name] = MetadataValue.md(f"![{path.stem}](data:image/png;base64,{data})")
+            out[name] = MetadataValue.md(f"![{label}](data:image/png;base64,{data})")
         else:
             out[name] = MetadataValue.path(str(path))
     return out

@@ -135,7 +135,7 @@ def canary_receipt(
     with fail_on_bad_input("canary_receipt"):
         manifest = _manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
-    output = artifacts.canary_dir(key, context.run_id)
+    output = artifacts.canary_dir(key, context.run.run_id)
     argv = train_argv(manifest.path, output, config, plan) + ["--canary"]
     (result,) = [r for r in launcher.launch(context, "canary", argv, _job_extras(context, manifest, output_dir=output))
                  if isinstance(r, MaterializeResult)]
@@ -159,7 +159,7 @@ def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dic
         "manifest_sha256": to_metadata_value(report.get("manifest_sha256")),
         **{k: to_metadata_value(v) for k, v in summary.items()},
     }
-    metadata.update(plot_metadata(report.get("plots"), report_path.parent))
+    metadata.update(plot_metadata(report.get("plots"), report_path.parent, strip_prefix=report_path.stem + "-"))
     return metadata
 
 

@@ -15,10 +15,12 @@ step was asked to produce fails the step: silence is never success.
 
 
 import shlex
+import warnings
 import sys
 from typing import Any, Mapping, Sequence
 
 from dagster import (
+    AssetCheckKey,
     AssetCheckResult,
     ConfigurableResource,
     Failure,
@@ -28,6 +30,9 @@ from dagster import (
 )
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
+
+# Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
+warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
 
 PIPES_MODULE = "value_assets.gpu.pipes_job"
 TASKS = ("train", "evaluate", "canary")
@@ -52,7 +57,9 @@ class GpuJobLauncher(ConfigurableResource):
         payload = {**(extras or {}), "task": task, "argv": [str(a) for a in argv]}
         context.log.info(f"GPU job {task} via {type(self).__name__}: {shlex.join(payload['argv'])}")
         invocation = self._invoke(context, task, payload)
-        return accept_results(context, task, invocation.get_results())
+        # Pipes would invent an empty materialization for every selected asset the job did not
+        # report; a silent job must fail instead.
+        return accept_results(context, task, invocation.get_results(implicit_materializations=False))
 
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
         raise NotImplementedError(f"{type(self).__name__} does not implement _invoke")
@@ -78,7 +85,7 @@ def accept_results(context: Any, task: str, results: Sequence[PipesResult]) -> l
             seen.add(key)
             kept.append(result)
         elif isinstance(result, AssetCheckResult):
-            check_key = result.check_key if result.asset_key else None
+            check_key = AssetCheckKey(result.asset_key, result.check_name) if result.asset_key else None
             if check_key is None or check_key not in wanted_checks:
                 context.log.warning(f"GPU job {task} reported an undeclared check {result.check_name!r}: dropped")
                 continue
