@@ -22,12 +22,12 @@ DEMO_DIR ?= demo_data
 
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
-	$(BIN)/value-assets make-demo-data $(DEMO_DIR)/learnable --seed 0
-	$(BIN)/value-assets make-demo-data $(DEMO_DIR)/shuffled --seed 0 --shuffle-labels
-	$(BIN)/value-assets validate $(DEMO_DIR)/learnable/manifest.json
-	$(BIN)/value-assets validate $(DEMO_DIR)/shuffled/manifest.json
-	$(BIN)/value-assets plan $(DEMO_DIR)/learnable/manifest.json --global-batch-size 16 --epochs 2
-	$(BIN)/value-assets plan $(DEMO_DIR)/learnable/manifest.json --gpus 2 --max-global-batch-size 64
+	$(BIN)/value-assets make-demo-data $(DEMO_DIR) --seed 0
+	$(BIN)/value-assets make-demo-data $(DEMO_DIR) --seed 0 --shuffle-labels
+	$(BIN)/value-assets validate $(DEMO_DIR)/demo.json
+	$(BIN)/value-assets validate $(DEMO_DIR)/demo-shuffled.json
+	$(BIN)/value-assets plan $(DEMO_DIR)/demo.json --global-batch-size 16 --epochs 2
+	$(BIN)/value-assets plan $(DEMO_DIR)/demo.json --gpus 2 --max-global-batch-size 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests

@@ -1,0 +1,228 @@
+"""The `value-assets` command line.
+
+Exit status 0 on success, 2 on invalid input (a one-paragraph message on stderr naming the value and
+where it came from; nothing is written), 1 on an unexpected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .core.errors import InputError
+
+EXIT_INVALID = 2
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too; keep one message format
+        self.print_usage(sys.stderr)
+        raise InputError("command line", message)
+
+
+class _ProgressBar:
+    """A stderr progress bar that appears only once a file has taken more than a second."""
+
+    def __init__(self, label: str, stream=sys.stderr, delay: float = 1.0):
+        self.label = label
+        self.stream = stream
+        self.start = time.monotonic()
+        self.delay = delay
+        self.shown = False
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.start < self.delay or total <= 0:
+            return
+        self.shown = True
+        frac = min(done / total, 1.0)
+        bar = "#" * int(frac * 30)
+        self.stream.write(f"\r{self.label} {phase:<8} [{bar:<30}] {frac * 100:5.1f}%")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _data_roots(args) -> list[str] | None:
+    roots = list(args.data_root or [])
+    env = os.environ.get("VALUE_ASSETS_DATA_ROOTS")
+    if env:
+        roots += [r for r in env.split(os.pathsep) if r]
+    return roots or None
+
+
+def _load_manifest(args):
+    from .core.manifest import load_manifest
+
+    return load_manifest(args.manifest, pinned_sha256=getattr(args, "manifest_sha256", None), data_roots=_data_roots(args))
+
+
+def cmd_validate(args) -> int:
+    from .core.dataset import validate_dataset
+
+    manifest = _load_manifest(args)
+    out: dict[str, Any] = {"manifest": str(manifest.path), "sha256": manifest.sha256, "objective": manifest.objective.canonical()}
+    for ref in manifest.splits():
+        bar = _ProgressBar(f"{ref.split}:")
+        try:
+            ds = validate_dataset(ref, manifest.objective, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, progress=bar)
+        finally:
+            bar.close()
+        s = ds.stats
+        out[ref.split] = {"path": str(ds.path), "sha256": ds.sha256, "format": ds.format, "rows": s.rows, "tokens": s.tokens,
+                          "active_targets": s.active_targets, "label_counts": s.label_counts, "max_tokens": s.max_tokens,
+                          "length_quantiles": s.length_quantiles}
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(f"manifest  {out['manifest']}")
+    print(f"sha256    {out['sha256']}")
+    obj = out["objective"]
+    print(f"objective {obj['loss_type']}, {obj['num_bins']} bins over {obj['reward_range']}, {obj['target_type']} (sigma ratio {obj['hl_gauss_sigma_ratio']})")
+    print()
+    print(f"{'split':<8} {'format':<8} {'rows':>8} {'tokens':>10} {'active':>10} {'max len':>8}  labels              sha256")
+    for split in ("train", "heldout"):
+        if split not in out:
+            continue
+        d = out[split]
+        labels = ", ".join(f"{k}:{v}" for k, v in d["label_counts"].items()) or "-"
+        print(f"{split:<8} {d['format']:<8} {d['rows']:>8} {d['tokens']:>10} {d['active_targets']:>10} {d['max_tokens']:>8}  {labels:<19} {d['sha256'][:16]}...")
+    if "heldout" not in out:
+        print("\nnote: no heldout split: a critic trained on this manifest can train but cannot be promoted")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .core.plan import build_plan, choose_exact_coverage
+
+    manifest = _load_manifest(args)
+    n = manifest.train.num_samples
+    if args.gpus is not None or args.max_global_batch_size is not None:
+        if args.gpus is None or args.max_global_batch_size is None:
+            raise InputError("command line", "--gpus and --max-global-batch-size go together")
+        if args.global_batch_size is not None:
+            raise InputError("command line", "--global-batch-size cannot be combined with --gpus/--max-global-batch-size (they choose it)")
+        c = choose_exact_coverage(n, args.gpus, args.max_global_batch_size)
+        res = {"num_rows": n, "gpus": args.gpus, "max_global_batch_size": args.max_global_batch_size,
+               "dp": c.dp, "global_batch_size": c.global_batch_size, "dropped": c.dropped, "repeated": c.repeated}
+        if args.json:
+            print(json.dumps(res, sort_keys=True))
+        else:
+            print(f"rows {n}, GPUs {args.gpus}, max G {args.max_global_batch_size}: dp = {c.dp}, G = {c.global_batch_size}, "
+                  f"steps per epoch = {n // c.global_batch_size}, dropped rows = {c.dropped}, repeated rows = {c.repeated}")
+        return 0
+    if args.global_batch_size is None:
+        raise InputError("command line", "give --global-batch-size G, or --gpus N with --max-global-batch-size M")
+    plan = build_plan(n, args.global_batch_size, args.epochs, args.seed)
+    cov = plan.coverage()
+    if args.json:
+        print(json.dumps({"sha256": plan.sha256, **plan.to_json(), **cov}, sort_keys=True))
+        return 0
+    print(f"plan sha256 {plan.sha256}")
+    print(f"rows {n}, G {plan.global_batch_size}, epochs {plan.epochs}, seed {plan.seed}: {plan.num_steps} steps, "
+          f"dropped {cov['dropped']} row slots, repeated {cov['repeated']}")
+    for k, batch in enumerate(plan.steps, start=1):
+        if k > 6 and k < plan.num_steps:
+            if k == 7:
+                print("  ...")
+            continue
+        shown = ", ".join(map(str, batch[:12])) + (", ..." if len(batch) > 12 else "")
+        print(f"  step {k:>4}: [{shown}]")
+    return 0
+
+
+def cmd_make_demo_data(args) -> int:
+    from .core.demo_data import make_demo_data
+
+    if args.rows < 1:
+        raise InputError("--rows", f"must be >= 1, got {args.rows}")
+    if args.heldout_rows < 0:
+        raise InputError("--heldout-rows", f"must be >= 0, got {args.heldout_rows}")
+    path = make_demo_data(args.out_dir, rows=args.rows, heldout_rows=args.heldout_rows, seed=args.seed,
+                          shuffle_labels=args.shuffle_labels, fmt=args.format, name=args.name)
+    print(path)
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(prog="value-assets", description="Offline critic pretraining with an explained-variance promotion gate.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+
+    def manifest_args(sp):
+        sp.add_argument("manifest", help="manifest JSON (miles.value-pretrain.v1)")
+        sp.add_argument("--data-root", action="append", help="refuse dataset paths outside these folders (repeatable; also VALUE_ASSETS_DATA_ROOTS)")
+
+    v = sub.add_parser("validate", help="validate a manifest and every dataset it names")
+    manifest_args(v)
+    v.add_argument("--manifest-sha256", help="pin the manifest's sha256 (checked before parsing)")
+    v.add_argument("--vocab-size", type=_positive)
+    v.add_argument("--max-seq-len", type=_positive)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_validate)
+
+    pl = sub.add_parser("plan", help="print the batch plan, or choose G and dp for exact coverage")
+    manifest_args(pl)
+    pl.add_argument("--manifest-sha256")
+    pl.add_argument("--global-batch-size", type=_positive)
+    pl.add_argument("--epochs", type=_positive, default=1)
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--gpus", type=_positive)
+    pl.add_argument("--max-global-batch-size", type=_positive)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+
+    d = sub.add_parser("make-demo-data", help="write synthetic rollouts with a learnable value signal")
+    d.add_argument("out_dir")
+    d.add_argument("--rows", type=int, default=512)
+    d.add_argument("--heldout-rows", type=int, default=128)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--shuffle-labels", action="store_true", help="negative control: permute rewards across rows")
+    d.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    d.add_argument("--name", help="manifest stem (default: demo, or demo-shuffled with --shuffle-labels)")
+    d.set_defaults(func=cmd_make_demo_data)
+
+    _add_engine_commands(sub)
+    return p
+
+
+def _add_engine_commands(sub) -> None:
+    """The GPU-job commands live in value_assets.gpu; they register only where it is importable."""
+    try:
+        from .gpu.cli import add_commands
+    except ImportError:
+        return
+    add_commands(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except InputError as exc:
+        print(f"value-assets: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

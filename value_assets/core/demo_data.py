@@ -1,0 +1,122 @@
+"""Synthetic rollouts with a learnable value signal, for demos, tests and benchmarks.
+
+Each prompt opens with one of eight *task* tokens; the task fixes the success probability p
+(known to the generator). The reward is Bernoulli(p), broadcast to every response token (the
+Monte-Carlo return with gamma = lambda = 1). Some response spans are masked out as tool
+"observation" tokens. A critic can therefore learn V = p from the prompt, and the best possible
+trajectory-weighted EV on the held-out split (predicting p exactly) is recorded in the manifest's
+provenance. `shuffle_labels` permutes rewards across rows: the negative control, optimal EV ~ 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .hashing import sha256_file
+from .manifest import SCHEMA
+from .objective import Objective
+
+TASK_TOKENS = np.arange(1000, 1008)
+TASK_P = np.linspace(0.05, 0.95, TASK_TOKENS.shape[0])
+VOCAB = 49152
+MAX_TOKENS = 511
+
+
+def _rows(n: int, rng: np.random.Generator, split: str, seed: int) -> tuple[list[dict[str, Any]], np.ndarray, np.ndarray]:
+    rows = []
+    task = rng.integers(0, TASK_TOKENS.shape[0], size=n)
+    p = TASK_P[task]
+    reward = (rng.random(n) < p).astype(np.float64)
+    for i in range(n):
+        plen = int(rng.integers(8, 49))
+        rlen = int(rng.integers(8, 65))
+        prompt = np.concatenate([[TASK_TOKENS[task[i]]], rng.integers(2000, VOCAB, size=plen - 1)])
+        response = rng.integers(2000, VOCAB, size=rlen)
+        row: dict[str, Any] = {
+            "sample_id": f"{split}-{seed}-{i:06d}",
+            "tokens": np.concatenate([prompt, response]).astype(int).tolist(),
+            "response_length": rlen,
+            "returns": [float(reward[i])] * rlen,
+        }
+        if rng.random() < 0.5:
+            # An observation span (tool output) inside the response is not trained on.
+            start = int(rng.integers(1, rlen))
+            stop = int(min(rlen, start + rng.integers(1, max(2, rlen // 3))))
+            mask = [1] * rlen
+            mask[start:stop] = [0] * (stop - start)
+            row["loss_mask"] = mask
+        rows.append(row)
+    return rows, p, reward
+
+
+def trajectory_ev(labels: np.ndarray, predictions: np.ndarray) -> float:
+    """Trajectory-weighted EV of `predictions` for per-row scalar `labels` (population variances)."""
+    e = labels - predictions
+    return float(1.0 - e.var() / labels.var())
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([("sample_id", pa.string()), ("tokens", pa.list_(pa.int64())), ("response_length", pa.int64()),
+                            ("returns", pa.list_(pa.float64())), ("loss_mask", pa.list_(pa.int64()))])
+        cols = {name: [r.get(name, [1] * r["response_length"] if name == "loss_mask" else None) for r in rows] for name in schema.names}
+        pq.write_table(pa.table(cols, schema=schema), path)
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+
+
+def make_demo_data(out_dir: str | Path, *, rows: int = 512, heldout_rows: int = 128, seed: int = 0,
+                   shuffle_labels: bool = False, fmt: str = "jsonl", name: str | None = None) -> Path:
+    """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path.
+
+    `name` defaults to "demo" ("demo-shuffled" for the negative control), so both fit one watched folder.
+    """
+    out = Path(out_dir)
+    name = name or ("demo-shuffled" if shuffle_labels else "demo")
+    data_dir = out / name
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    ext = "jsonl" if fmt == "jsonl" else "parquet"
+    splits = {}
+    heldout_ev = None
+    for split, n in (("train", rows), ("heldout", heldout_rows)):
+        if n == 0:
+            continue
+        rs, p, reward = _rows(n, rng, split, seed)
+        if shuffle_labels:
+            perm = rng.permutation(n)
+            reward = reward[perm]
+            for r, new in zip(rs, reward):
+                r["returns"] = [float(new)] * r["response_length"]
+        path = data_dir / f"{split}.{ext}"
+        write_rows(path, rs, fmt)
+        splits[split] = {"path": f"{name}/{split}.{ext}", "sha256": sha256_file(path), "num_samples": n}
+        if split == "heldout":
+            heldout_ev = trajectory_ev(reward, p)
+    manifest = {
+        "schema": SCHEMA,
+        "train": splits["train"],
+        "heldout": splits.get("heldout"),
+        "objective": Objective().canonical(),
+        "provenance": {
+            "generator": "value_assets.core.demo_data",
+            "seed": seed,
+            "shuffle_labels": shuffle_labels,
+            "task_success_probabilities": TASK_P.tolist(),
+            "bayes_optimal_trajectory_ev_heldout": heldout_ev,
+        },
+    }
+    mpath = out / f"{name}.json"
+    mpath.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return mpath

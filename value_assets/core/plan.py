@@ -1,0 +1,151 @@
+"""Batch plans (SPEC 3): the Miles-compatible shuffle, the exact-coverage planner, topology checks.
+
+A plan is an artifact with its own sha: the canonical JSON of seed, G, epochs, algorithm and the
+step -> row indices table.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InputError, show
+from .hashing import sha256_bytes
+from .strict_json import canonical_bytes, is_int
+
+ALGORITHM = "miles.epoch_shuffle.v1"
+SCHEMA = "value-assets.batch-plan.v1"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    num_rows: int
+    global_batch_size: int
+    epochs: int
+    seed: int
+    steps: tuple[tuple[int, ...], ...]  # steps[k] holds the row indices of step k + 1
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def spec(self) -> dict[str, Any]:
+        """The plan identity a contract binds: what resume compares."""
+        return {"seed": self.seed, "global_batch_size": self.global_batch_size, "drop_incomplete_batch": True, "algorithm": ALGORITHM}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            **self.spec(),
+            "num_rows": self.num_rows,
+            "epochs": self.epochs,
+            "num_steps": self.num_steps,
+            "steps": [list(s) for s in self.steps],
+        }
+
+    def to_bytes(self) -> bytes:
+        return canonical_bytes(self.to_json())
+
+    @property
+    def sha256(self) -> str:
+        return sha256_bytes(self.to_bytes())
+
+    def batch(self, step: int) -> tuple[int, ...]:
+        """Row indices of 1-based `step`."""
+        if not 1 <= step <= self.num_steps:
+            raise IndexError(f"step {step} outside 1..{self.num_steps}")
+        return self.steps[step - 1]
+
+    def coverage(self) -> dict[str, int]:
+        return coverage(self.num_rows, self.steps, self.epochs)
+
+
+def _positive_int(value: object, name: str) -> int:
+    if not is_int(value) or value < 1:
+        raise InputError(name, f"must be an integer >= 1, got {show(value)}")
+    return value  # type: ignore[return-value]
+
+
+def build_plan(num_rows: int, global_batch_size: int, epochs: int = 1, seed: int = 0) -> BatchPlan:
+    n = _positive_int(num_rows, "num_rows")
+    g = _positive_int(global_batch_size, "global_batch_size")
+    e = _positive_int(epochs, "epochs")
+    if not is_int(seed):
+        raise InputError("seed", f"must be an integer, got {show(seed)}")
+    if n < g:
+        raise InputError("global_batch_size", f"{g} exceeds the {n} rows of the dataset: the plan would have zero steps")
+    steps: list[tuple[int, ...]] = []
+    per_epoch = n // g
+    for epoch in range(e):
+        order = list(range(n))
+        random.Random(seed + epoch).shuffle(order)
+        steps.extend(tuple(order[k * g:(k + 1) * g]) for k in range(per_epoch))
+    return BatchPlan(num_rows=n, global_batch_size=g, epochs=e, seed=seed, steps=tuple(steps))
+
+
+def coverage(num_rows: int, steps, epochs: int) -> dict[str, int]:
+    """Rows dropped (never seen) and repeated (seen more than `epochs` times... per epoch) by a plan.
+
+    `dropped` counts row slots left out: epochs x N minus the rows used; `repeated` counts uses of a
+    row beyond its first within the same epoch (zero for the shuffle plan, non-zero for plans that pad).
+    """
+    used = sum(len(s) for s in steps)
+    seen = [0] * num_rows
+    for s in steps:
+        for i in s:
+            seen[i] += 1
+    repeated = sum(max(0, c - epochs) for c in seen)
+    dropped = epochs * num_rows - (used - repeated)
+    return {"dropped": dropped, "repeated": repeated}
+
+
+@dataclass(frozen=True)
+class ExactCoverage:
+    dp: int
+    global_batch_size: int
+    dropped: int
+    repeated: int
+
+
+def choose_exact_coverage(num_rows: int, gpus: int, max_global_batch_size: int) -> ExactCoverage:
+    """Largest dp <= min(N, GPUs, max G) dividing N; then the largest multiple of dp <= min(N, max G) dividing N."""
+    n = _positive_int(num_rows, "num_rows")
+    gp = _positive_int(gpus, "gpus")
+    mg = _positive_int(max_global_batch_size, "max_global_batch_size")
+    dp = max(d for d in range(1, min(n, gp, mg) + 1) if n % d == 0)
+    g = max(m for m in range(dp, min(n, mg) + 1, dp) if n % m == 0)
+    return ExactCoverage(dp=dp, global_batch_size=g, dropped=n % g, repeated=0)
+
+
+def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                   global_batch_size: int, micro_batch_size: int = 1) -> int:
+    """Check SPEC 3 topology rules before launch; return the data-parallel size."""
+    total = _positive_int(total_gpus, "gpus")
+    tp = _positive_int(tensor_parallel, "tensor_parallel")
+    pp = _positive_int(pipeline_parallel, "pipeline_parallel")
+    g = _positive_int(global_batch_size, "global_batch_size")
+    mb = _positive_int(micro_batch_size, "micro_batch_size")
+    if total % (tp * pp):
+        raise InputError("gpus", f"{total} GPUs are not divisible by the model-parallel size tp x pp = {tp} x {pp} = {tp * pp}")
+    dp = total // (tp * pp)
+    if g % dp:
+        raise InputError("global_batch_size", f"{g} is not divisible by the data-parallel size {dp}")
+    if (g // dp) % mb:
+        raise InputError("micro_batch_size", f"the local batch G / dp = {g // dp} is not divisible by the micro-batch size {mb}")
+    return dp
+
+
+def assign_to_ranks(batch: tuple[int, ...] | list[int], dp: int) -> list[list[int]]:
+    """Rows of a batch go to dp ranks round-robin by position (SPEC 5)."""
+    return [list(batch[r::dp]) for r in range(dp)]
+
+
+def plan_from_json(obj: Any, where: str) -> BatchPlan:
+    """Rebuild a plan from its JSON and check it equals the plan its parameters generate."""
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        raise InputError(where, f"not a {SCHEMA} document")
+    plan = build_plan(obj.get("num_rows"), obj.get("global_batch_size"), obj.get("epochs"), obj.get("seed"))
+    if obj.get("algorithm") != ALGORITHM or [list(s) for s in plan.steps] != obj.get("steps"):
+        raise InputError(where, "steps do not match the plan its seed, global batch size and epochs generate")
+    return plan
