@@ -114,26 +114,40 @@ def contract_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactS
 
 # ---------------------------------------------------------------- ev_gate
 
-GATE_CRITERIA = ("split == heldout; for token and trajectory weighting: aggregate EV > 0 and "
-                 "positive-EV batches x 2 > batches; the report's own `passed` must agree")
-
-
 def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
-    """Re-apply the SPEC 7 gate to a published report's aggregates."""
+    """Re-decide the SPEC 7 gate from the report's per-batch sufficient statistics.
+
+    The report's own `passed` is not trusted: both weightings are recomputed with the core gate
+    (aggregate EV from summed statistics > 0, positive-EV batches a strict majority) and must
+    agree with the report's aggregates and verdict.
+    """
+    from value_assets.core.stats import GATE_CRITERIA, SuffStats, gate_weighting
+
     summary = ev_summary(report)
-    failures = []
-    if summary["split"] != "heldout":
-        failures.append(f"split is {summary['split']!r}: only heldout rows gate (no heldout: not promotable)")
+    failures: list[str] = []
+    recomputed: dict[str, Any] = {}
+    if report.get("split") != "heldout":
+        failures.append(f"split is {report.get('split')!r}: only heldout rows gate (no heldout split: not promotable)")
     for weighting in ("token", "trajectory"):
-        ev, pos, n = (summary[f"{weighting}_ev"], summary[f"{weighting}_positive_batches"], summary[f"{weighting}_batches"])
-        if not isinstance(ev, (int, float)) or not ev > 0:
-            failures.append(f"{weighting} EV {ev!r} is not > 0")
-        if not isinstance(pos, int) or not isinstance(n, int) or not pos * 2 > n:
-            failures.append(f"{weighting} positive-EV batches {pos!r} of {n!r} is not a majority")
-    recomputed = not failures
-    if recomputed != summary["passed"]:
-        failures.append(f"report says passed={summary['passed']} but its aggregates give {recomputed}")
-    metadata = {"report_sha256": report_sha, "criteria": GATE_CRITERIA, **summary}
+        try:
+            parts = [SuffStats.from_json(batch[weighting]["stats"]) for batch in report.get("batches") or []]
+            if not parts:
+                raise InputError("report", "has no per-batch statistics")
+            gate = gate_weighting(parts, f"{weighting}-weighted EV")
+        except (InputError, KeyError, TypeError, ValueError) as exc:
+            failures.append(f"{weighting}-weighted: cannot recompute the gate: {exc}")
+            continue
+        recomputed[weighting] = gate.to_json()
+        if not gate.passed:
+            failures.append(f"{weighting}-weighted: aggregate EV {gate.ev:.4g} (needs > 0), positive-EV batches "
+                            f"{gate.positive_batches} of {gate.batches} (needs a strict majority)")
+        reported = summary[f"{weighting}_ev"]
+        if not isinstance(reported, (int, float)) or abs(reported - gate.ev) > 1e-9 * max(1.0, abs(gate.ev)):
+            failures.append(f"{weighting}-weighted: report's aggregate EV {reported!r} != recomputed {gate.ev!r}")
+    if (not failures) != summary["passed"]:
+        failures.append(f"report says passed={summary['passed']}, recomputation says {not failures}")
+    metadata = {"report_sha256": report_sha, "criteria": dict(GATE_CRITERIA, split="heldout only"),
+                "recomputed": recomputed, **summary}
     if failures:
         return _failed("; ".join(failures), failures=failures, **metadata)
     return AssetCheckResult(passed=True, metadata={k: to_metadata_value(v) for k, v in metadata.items()})

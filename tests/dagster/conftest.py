@@ -32,7 +32,7 @@ def write_dataset(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
-def write_manifest(folder: Path, name: str, *, rows: int = 16, heldout_rows: int | None = 16,
+def write_manifest(folder: Path, name: str, *, rows: int = 32, heldout_rows: int | None = 32,
                    standin: dict | None = None, data_dir: Path | None = None) -> Path:
     """A manifest with datasets in `data_dir` (default: beside it, referenced by relative paths)."""
     data_dir = data_dir or folder / "data" / name

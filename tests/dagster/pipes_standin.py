@@ -1,14 +1,15 @@
 """Stand-in for `python -m value_assets.gpu.pipes_job`, used by the launcher tests.
 
-A real subprocess speaking real Dagster Pipes. It writes what the GPU job writes (contracts and a
-`latest` pointer, a write-once EV report with two PNG plots, a canary receipt) without any model,
-and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
+A real subprocess speaking real Dagster Pipes. It writes what the GPU job writes, with the core's
+own builders (contracts and the `latest` pointer, a write-once EV report with two PNG plots, a
+canary receipt), without any model, and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
 `provenance.standin` (kept, not interpreted, by the product): `ev` (float, the EV it reports for
 both weightings), `silent` (report nothing, exit 0), `exit_code` (fail after writing nothing).
 """
 
 import argparse
 import json
+import math
 import os
 import struct
 import sys
@@ -17,13 +18,15 @@ from pathlib import Path
 
 from dagster_pipes import open_dagster_pipes
 
-from value_assets.core.hashing import sha256_bytes, sha256_file
-from value_assets.core.objective import Objective
+from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
+from value_assets.core.dataset import validate_dataset
+from value_assets.core.manifest import load_manifest
+from value_assets.core.mixed import mixed_label_batches
 from value_assets.core.plan import build_plan
-
-
-def canonical(obj) -> bytes:
-    return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+from value_assets.core.publish import publish_once
+from value_assets.core.report import build_report
+from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+from value_assets.core.strict_json import canonical_bytes
 
 
 def png_1x1(rgb=(200, 30, 30)) -> bytes:
@@ -32,15 +35,6 @@ def png_1x1(rgb=(200, 30, 30)) -> bytes:
     raw = b"\x00" + bytes(rgb)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
-
-
-def write_once(path: Path, data: bytes) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "xb") as f:
-        f.write(data)
-    sha = sha256_bytes(data)
-    path.with_name(path.name + ".sha256").write_text(sha + "\n")
-    return sha
 
 
 def knobs(manifest_path: str) -> dict:
@@ -62,40 +56,28 @@ def train(pipes, argv, canary: bool):
         sys.exit(k["exit_code"])
     if k.get("silent"):
         return
-    mpath = Path(a.manifest)
-    manifest = json.loads(mpath.read_text())
-    train_ref = manifest["train"]
-    plan = build_plan(train_ref["num_samples"], a.global_batch_size, a.epochs, a.seed)
-    steps = 1 if canary else plan.steps
+    manifest = load_manifest(a.manifest)
+    plan = build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed)
     out = Path(a.output)
-    save = out / f"iter_{steps:07d}"
+    if canary:
+        train = validate_dataset(manifest.train, manifest.objective)
+        ids = [row.sample_id for row in train.rows(plan.batch(1))]
+        receipt = build_receipt(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256, plan=plan,
+                                first_batch_sample_ids=ids)
+        sha = publish_once(out / "canary_receipt.json", canonical_bytes(receipt))
+        pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
+                                           metadata={"receipt_sha256": sha, "executed_steps": 1, "final_loss": 1.9})
+        return
+    steps = plan.num_steps
+    save = out / iter_dirname(steps)
     save.mkdir(parents=True, exist_ok=True)
     (save / "model.safetensors").write_bytes(b"stand-in weights")
     losses = [round(2.0 / (1 + s), 4) for s in range(1, steps + 1)]
-    base = {"manifest_sha256": sha256_file(mpath), "train_dataset_sha256": train_ref["sha256"],
-            "batch_plan_sha256": plan.sha256}
-    if canary:
-        receipt = canonical({"schema": "value-assets.canary-receipt.v1", **base, "executed_steps": 1,
-                             "first_batch_sample_ids_sha256": sha256_bytes(repr(plan.to_json()).encode())})
-        sha = write_once(out / "canary_receipt.json", receipt)
-        pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
-                                           metadata={"receipt_sha256": sha, "executed_steps": 1, "final_loss": losses[-1]})
-        return
-    contract = canonical({
-        "schema": "value-assets.contract.v1",
-        "source_manifest_sha256": base["manifest_sha256"],
-        "train_dataset_sha256": base["train_dataset_sha256"],
-        "objective": Objective.from_json(manifest["objective"]).canonical(),
-        "batch_plan": {"seed": a.seed, "global_batch_size": a.global_batch_size,
-                       "drop_incomplete_batch": True, "algorithm": "miles"},
-        "batch_plan_sha256": plan.sha256,
-        "completed_steps": steps,
-        "model": {"backbone": a.backbone},
-        "checkpoint": str(save),
-    })
-    (save / "value_pretrain_contract.json").write_bytes(contract)
-    (out / "latest").write_text(save.name + "\n")
-    sha = sha256_bytes(contract)
+    contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256,
+                              objective=manifest.objective.canonical(), plan=plan, completed_steps=steps,
+                              model={"backbone": a.backbone}, backbone_config={"name": "stand-in"},
+                              checkpoint=str(save))
+    sha = write_contract(out, contract)
     pipes.report_asset_materialization(
         asset_key="critic_checkpoint", data_version=sha,
         metadata={"steps": steps, "final_loss": losses[-1], "loss_curve": losses, "contract_sha256": sha,
@@ -107,6 +89,7 @@ def train(pipes, argv, canary: bool):
 
 
 def evaluate(pipes, argv):
+    """A real core report from synthetic values V = a*R + (1-a)/2, whose EV is exactly 1 - (1-a)^2."""
     p = argparse.ArgumentParser()
     for flag in ("--checkpoint", "--manifest", "--contract-sha256", "--report", "--split"):
         p.add_argument(flag)
@@ -116,29 +99,37 @@ def evaluate(pipes, argv):
     k = knobs(a.manifest)
     if k.get("silent"):
         return
-    ev = float(k.get("ev", 0.4))
-    batches = a.num_batches
-    positive = batches if ev > 0 else 0
-    agg = {"ev": ev, "positive_batches": positive, "batches": batches}
-    passed = ev > 0 and positive * 2 > batches and a.split == "heldout"
+    ev_target = float(k.get("ev", 0.4))
+    slope = 1.0 - math.sqrt(1.0 - ev_target)
+    manifest = load_manifest(a.manifest)
+    ref = manifest.heldout if a.split == "heldout" else manifest.train
+    data = validate_dataset(ref, manifest.objective)
+    batches = mixed_label_batches(list(data.labels), a.global_batch_size, a.num_batches, 0)
+    rank_reports, active = [], []
+    for batch in batches:
+        tok, traj, row_values = [], [], []
+        for row in data.rows(batch):
+            values = slope * row.returns + (1.0 - slope) / 2
+            tok.append(token_stats(row.returns, values, row.loss_mask))
+            traj.append(trajectory_stats(row.returns, values, row.loss_mask))
+            row_values.append(float(values.mean()))
+        rank_reports.append([RankReport(0, list(batch), SuffStats.merge(tok), SuffStats.merge(traj), row_values)])
+        active.append(int(sum(data.active_targets[i] for i in batch)))
+    report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
+                          checkpoint=a.checkpoint, contract_sha256=a.contract_sha256, dp=1, seed=0,
+                          global_batch_size=a.global_batch_size, batches=batches, rank_reports=rank_reports,
+                          active_targets=active, labels=list(data.labels))
     report_path = Path(a.report)
-    plots = []
+    report["plots"] = []
     for name in ("calibration", "ev_per_batch"):
         plot = report_path.with_name(f"{report_path.stem}-{name}.png")
         plot.parent.mkdir(parents=True, exist_ok=True)
         plot.write_bytes(png_1x1())
-        plots.append(str(plot))
-    report = {
-        "schema": "value-assets.ev-report.v1", "passed": passed, "split": a.split,
-        "manifest_sha256": sha256_file(a.manifest), "contract_sha256": a.contract_sha256,
-        "checkpoint": a.checkpoint, "execution": {"forward_only": True, "optimizer_steps": 0, "dp": 1},
-        "aggregates": {"token": dict(agg), "trajectory": dict(agg)},
-        "r2": ev - 0.01, "auroc": 0.5 + max(ev, 0) / 2, "plots": plots,
-    }
-    sha = write_once(report_path, canonical(report))
+        report["plots"].append(str(plot))
+    sha = publish_once(report_path, canonical_bytes(report))
     pipes.report_asset_materialization(
         asset_key="ev_report", data_version=sha,
-        metadata={"report_sha256": sha, "token_ev": ev, "trajectory_ev": ev, "passed": passed})
+        metadata={"report_sha256": sha, "token_ev": report["aggregates"]["token"]["ev"], "passed": report["passed"]})
 
 
 def main():

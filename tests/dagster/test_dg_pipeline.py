@@ -37,7 +37,7 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
                       ("training_contract", "contract_integrity"): True, ("ev_report", "ev_gate"): True}
 
     ckpt = latest_metadata(instance, "critic_checkpoint", key)
-    assert ckpt["steps"] == 1 and isinstance(ckpt["final_loss"], float) and ckpt["loss_curve"]  # job-reported
+    assert ckpt["steps"] == 2 and isinstance(ckpt["final_loss"], float) and ckpt["loss_curve"]  # job-reported
     contract_sha = ckpt["contract_sha256"]
     report = latest_metadata(instance, "ev_report", key)
     assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
@@ -135,7 +135,7 @@ def test_evaluation_job_reuses_the_published_report(instance, test_defs, test_re
 
 
 def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifests_dir, write_manifest, register):
-    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16))
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32))
     config = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
                       "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}}}}
     result = run(test_defs, "full", instance, key, config)

@@ -5,15 +5,12 @@ import os
 
 import pytest
 
-from value_assets.assets.lineage import (
-    ContractRef,
-    PromotionRefused,
-    canonical_json,
-    latest_contract_path,
-    resolve_latest_contract,
-    verify_promotion,
-)
+from value_assets.assets.lineage import PromotionRefused, canonical_json, resolve_latest_contract, verify_promotion
+from value_assets.core.contract import build_contract, iter_dirname, write_contract
+from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
+from value_assets.core.objective import Objective
+from value_assets.core.plan import build_plan
 
 pytestmark = pytest.mark.unit
 MANIFEST_SHA = "a" * 64
@@ -21,18 +18,18 @@ MANIFEST_SHA = "a" * 64
 
 @pytest.fixture
 def published(tmp_path):
-    """A contracted save and a passing report naming it."""
-    save = tmp_path / "critic" / "iter_0000004"
-    save.mkdir(parents=True)
-    contract_bytes = canonical_json({"schema": "value-assets.contract.v1", "source_manifest_sha256": MANIFEST_SHA,
-                                     "completed_steps": 4})
-    (save / "value_pretrain_contract.json").write_bytes(contract_bytes)
-    (tmp_path / "critic" / "latest").write_text("iter_0000004\n")
-    contract = ContractRef(path=save / "value_pretrain_contract.json", sha256=sha256_bytes(contract_bytes),
-                           contract=json.loads(contract_bytes))
+    """A contracted save (written by the core) and a passing report naming it."""
+    critic = tmp_path / "critic"
+    plan = build_plan(8, 4, 1, 0)
+    (critic / iter_dirname(plan.num_steps)).mkdir(parents=True)
+    write_contract(critic, build_contract(
+        manifest_sha256=MANIFEST_SHA, train_sha256="b" * 64, objective=Objective().canonical(), plan=plan,
+        completed_steps=plan.num_steps, model={"backbone": "tiny"}, backbone_config={},
+        checkpoint=str(critic / iter_dirname(plan.num_steps))))
+    contract = resolve_latest_contract(critic)
     report = tmp_path / "reports" / f"ev-{contract.sha256[:12]}.json"
     write_report(report, {"passed": True, "split": "heldout", "contract_sha256": contract.sha256,
-                          "manifest_sha256": MANIFEST_SHA})
+                          "source_manifest_sha256": MANIFEST_SHA})
     return contract, report
 
 
@@ -68,7 +65,7 @@ def test_missing_report_is_refused(published):
 def test_report_that_no_longer_hashes_to_its_recorded_sha_is_refused(published):
     contract, report = published
     report.write_bytes(report.read_bytes().replace(b'"passed":true', b'"passed":true '))
-    with pytest.raises(PromotionRefused, match="not its recorded sha"):
+    with pytest.raises(PromotionRefused, match="sidecar records"):
         promote(contract, report)
 
 
@@ -82,7 +79,7 @@ def test_failed_gate_is_refused(published):
     contract, report = published
     report.unlink()
     write_report(report, {"passed": False, "split": "heldout", "contract_sha256": contract.sha256,
-                          "manifest_sha256": MANIFEST_SHA})
+                          "source_manifest_sha256": MANIFEST_SHA})
     with pytest.raises(PromotionRefused, match="did not pass"):
         promote(contract, report)
 
@@ -91,7 +88,7 @@ def test_report_of_a_different_contract_is_refused(published):
     contract, report = published
     report.unlink()
     write_report(report, {"passed": True, "split": "heldout", "contract_sha256": "c" * 64,
-                          "manifest_sha256": MANIFEST_SHA})
+                          "source_manifest_sha256": MANIFEST_SHA})
     with pytest.raises(PromotionRefused, match="not the one being promoted"):
         promote(contract, report)
 
@@ -106,7 +103,7 @@ def test_train_split_report_is_refused(published):
     contract, report = published
     report.unlink()
     write_report(report, {"passed": True, "split": "train", "contract_sha256": contract.sha256,
-                          "manifest_sha256": MANIFEST_SHA})
+                          "source_manifest_sha256": MANIFEST_SHA})
     with pytest.raises(PromotionRefused, match="only heldout"):
         promote(contract, report)
 
@@ -120,10 +117,14 @@ def test_symlinked_report_is_refused(published, tmp_path):
         promote(contract, report)
 
 
-@pytest.mark.parametrize("pointer", ["iter_0000004", "iter_0000004/value_pretrain_contract.json",
-                                     '{"iteration": 4}', '{"path": "iter_0000004"}'])
-def test_latest_pointer_forms(published, pointer):
+def test_latest_pointer_must_name_the_recorded_contract(published):
     contract, _ = published
-    (contract.path.parent.parent / "latest").write_text(pointer)
-    assert latest_contract_path(contract.path.parent.parent) == contract.path
-    assert resolve_latest_contract(contract.path.parent.parent).sha256 == contract.sha256
+    critic = contract.path.parent.parent
+    assert resolve_latest_contract(critic, pinned_sha256=contract.sha256).path == contract.path
+    with pytest.raises(InputError, match="lineage recorded"):
+        resolve_latest_contract(critic, pinned_sha256="e" * 64)
+
+
+def test_no_contracted_save_is_refused(tmp_path):
+    with pytest.raises(InputError, match="no contracted save"):
+        resolve_latest_contract(tmp_path / "critic")

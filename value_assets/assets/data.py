@@ -20,8 +20,7 @@ from dagster import (
 from pydantic import Field
 
 from value_assets.assets.common import fail_on_bad_input
-from value_assets.assets.lineage import canonical_json, load_registered_manifest
-from value_assets.core.hashing import sha256_bytes, sha256_file
+from value_assets.assets.lineage import load_registered_manifest
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
@@ -113,41 +112,27 @@ class PlanConfig(Config):
     seed: int = 0
 
 
-def publish_plan(path, plan_bytes: bytes) -> tuple[str, bool]:
-    """Publish the plan write-once; an identical existing plan is reused, a different one refused."""
-    from value_assets.core.errors import InputError
-    from value_assets.core.publish import publish_once
-
-    if path.exists():
-        existing = sha256_file(path)
-        if existing == sha256_bytes(plan_bytes):
-            return existing, False
-        raise InputError(str(path), f"a different plan (sha {existing}) is already published for this partition; "
-                         "plans are write-once: keep its config or register a new manifest")
-    return publish_once(path, plan_bytes), True
-
-
 @asset(partitions_def=manifests_partitions, deps=[train_dataset], code_version="1", group_name=GROUP)
 def batch_plan(
     context: AssetExecutionContext, config: PlanConfig, artifacts: ArtifactStore, inbox: ManifestInbox
 ) -> MaterializeResult:
     """The published batch plan: seed, G, epochs, step -> row indices, with its own sha."""
     from value_assets.core.plan import build_plan
+    from value_assets.core.publish import publish_once
 
     with fail_on_bad_input("batch_plan"):
         manifest = _manifest(context, artifacts, inbox)
         plan = build_plan(manifest.train.num_samples, config.global_batch_size, config.epochs, config.seed)
         path = artifacts.plan_path(context.partition_key)
-        file_sha, fresh = publish_plan(path, canonical_json(plan.to_json()))
-    if not fresh:
-        context.log.info(f"plan already published at {path} with the same content; reused")
+        # Write-once; the identical plan again is a no-op, a different one for this partition is
+        # refused (its critic folder's contract binds the first plan).
+        publish_once(path, plan.to_bytes())
     return MaterializeResult(
         data_version=DataVersion(plan.sha256),
         metadata={
             "plan_sha256": plan.sha256,
-            "plan_file_sha256": file_sha,
             "plan_path": MetadataValue.path(str(path)),
-            "steps": plan.steps,
+            "steps": plan.num_steps,
             "global_batch_size": config.global_batch_size,
             "epochs": config.epochs,
             "seed": config.seed,

@@ -24,12 +24,13 @@ from value_assets.core.hashing import is_sha, sha256_bytes, sha256_file
 
 REGISTRATION_SCHEMA = "value-assets.registration.v1"
 PROMOTION_SCHEMA = "value-assets.promotion.v1"
-CONTRACT_FILE = "value_pretrain_contract.json"
 
 
 def canonical_json(obj: Any) -> bytes:
     """Sorted keys, compact separators, UTF-8, trailing newline (SPEC 6's canonical form)."""
-    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+    from value_assets.core.strict_json import canonical_bytes
+
+    return canonical_bytes(obj)
 
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
@@ -125,38 +126,23 @@ class ContractRef:
         return self.path.parent
 
 
-def latest_contract_path(critic_dir: Path) -> Path:
-    """Follow ``<critic>/latest``: a file naming the newest contracted save.
-
-    Accepted forms: a symlink, a text file holding a folder name or path (relative to the critic
-    folder), or a JSON object with one of the keys ``contract``, ``path``, ``checkpoint``,
-    ``iteration``. The named target is a save folder (holding the contract) or the contract file.
-    """
-    pointer = critic_dir / "latest"
-    if not pointer.exists() and not pointer.is_symlink():
-        raise InputError(str(pointer), "no contracted save: the latest pointer does not exist")
-    if pointer.is_dir():
-        target = pointer
-    else:
-        text = pointer.read_text(encoding="utf-8").strip()
-        name: Any = text
-        if text.startswith("{"):
-            obj = json.loads(text)
-            name = next((obj[k] for k in ("contract", "path", "checkpoint", "iteration") if k in obj), None)
-            if isinstance(name, int):
-                name = f"iter_{name:07d}"
-        if not isinstance(name, str) or not name:
-            raise InputError(str(pointer), f"latest pointer names nothing usable: {text[:200]!r}")
-        target = Path(name) if Path(name).is_absolute() else critic_dir / name
-    return target / CONTRACT_FILE if target.is_dir() else target
-
-
 def resolve_latest_contract(critic_dir: Path, pinned_sha256: str | None = None) -> ContractRef:
-    from value_assets.core.contract import load_contract
+    """The contract ``<critic>/latest`` names, loaded with the pointer's sha pinned.
 
-    path = latest_contract_path(critic_dir)
-    contract, sha = load_contract(path, pinned_sha256=pinned_sha256)
-    return ContractRef(path=path, sha256=sha, contract=contract)
+    `pinned_sha256`, when given (e.g. the sha a materialization recorded), must agree too: the
+    newest save is promoted or evaluated only if it is the one the lineage recorded.
+    """
+    from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
+
+    latest = read_latest(critic_dir)
+    if latest is None:
+        raise InputError(str(Path(critic_dir) / "latest"), "no contracted save: the latest pointer does not exist")
+    step_dir, pointer_sha = latest
+    if pinned_sha256 is not None and pinned_sha256 != pointer_sha:
+        raise InputError(str(Path(critic_dir) / "latest"),
+                         f"names contract {pointer_sha}, but the lineage recorded {pinned_sha256}")
+    contract, sha = load_contract(step_dir / CONTRACT_NAME, pinned_sha256=pointer_sha)
+    return ContractRef(path=step_dir / CONTRACT_NAME, sha256=sha, contract=contract)
 
 
 def contract_disagreements(contract: dict[str, Any], *, manifest, plan_sha256: str | None) -> list[str]:
@@ -178,35 +164,30 @@ def contract_disagreements(contract: dict[str, Any], *, manifest, plan_sha256: s
 
 def read_published(path: Path, what: str) -> tuple[dict[str, Any], str]:
     """A write-once JSON publication and its sha, verified against the ``.sha256`` beside it."""
+    from value_assets.core.publish import verify_published
+
     path = Path(path)
     if path.is_symlink():
         raise InputError(str(path), f"{what} is a symlink; published files are never followed")
-    if not path.is_file():
+    if not path.exists():
         raise InputError(str(path), f"{what} does not exist")
-    sidecar = path.with_name(path.name + ".sha256")
-    if not sidecar.is_file():
-        raise InputError(str(sidecar), f"{what} has no recorded sha beside it")
-    recorded = sidecar.read_text(encoding="utf-8").split()[0] if sidecar.read_text(encoding="utf-8").split() else ""
-    actual = sha256_file(path)
-    if actual != recorded:
-        raise InputError(str(path), f"{what} hashes to {actual}, not its recorded sha {recorded!r}")
-    return read_json_object(path, what), actual
+    sha = verify_published(path)
+    return read_json_object(path, what), sha
+
+
+def report_manifest_sha(report: dict[str, Any]) -> Any:
+    return report.get("source_manifest_sha256", report.get("manifest_sha256"))
 
 
 def ev_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """The gate-relevant numbers of an EV report, flattened for metadata and checks."""
+    """The gate-relevant numbers of an EV report (core/report.py layout), flat for metadata."""
     aggregates = report.get("aggregates") or {}
     out: dict[str, Any] = {"passed": report.get("passed") is True, "split": report.get("split")}
     for weighting in ("token", "trajectory"):
         agg = aggregates.get(weighting) or {}
-        out[f"{weighting}_ev"] = agg.get("ev")
-        out[f"{weighting}_positive_batches"] = agg.get("positive_batches")
-        out[f"{weighting}_batches"] = agg.get("batches")
-    for key in ("r2", "auroc"):
-        value = report.get(key, aggregates.get(key))
-        if isinstance(value, dict):  # per weighting
-            value = value.get("trajectory", value.get("token"))
-        out[key] = value
+        for field in ("ev", "positive_batches", "batches", "r2", "bias"):
+            out[f"{weighting}_{field}"] = agg.get(field)
+    out["auroc"] = aggregates.get("auroc")
     return out
 
 
@@ -242,9 +223,9 @@ def verify_promotion(
     if report.get("contract_sha256") != contract.sha256:
         raise PromotionRefused(
             f"{report_path}: names contract {report.get('contract_sha256')!r}, not the one being promoted {contract.sha256}")
-    if report.get("manifest_sha256") != manifest_sha256:
-        raise PromotionRefused(f"{report_path}: names manifest {report.get('manifest_sha256')!r}, not {manifest_sha256}")
-    if report.get("split", "heldout") != "heldout":
+    if report_manifest_sha(report) != manifest_sha256:
+        raise PromotionRefused(f"{report_path}: names manifest {report_manifest_sha(report)!r}, not {manifest_sha256}")
+    if report.get("split") != "heldout":
         raise PromotionRefused(f"{report_path}: evaluated on split {report.get('split')!r}; only heldout gates")
     if contract.contract.get("source_manifest_sha256") != manifest_sha256:
         raise PromotionRefused(f"{contract.path}: contract is for manifest {contract.contract.get('source_manifest_sha256')!r}")
