@@ -41,7 +41,7 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     contract_sha = ckpt["contract_sha256"]
     report = latest_metadata(instance, "ev_report", key)
     assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
-    assert report["token_positive_batches"] == 4 and report["auroc"] > 0.5 and report["r2"] is not None
+    assert report["token_positive_batches"] == 4 and report["auroc"] > 0.5 and report["trajectory_r2"] is not None
     assert report["plot_calibration"].startswith("![calibration](data:image/png;base64,")
     assert str(report["report_path"]).endswith(f"reports/ev-{contract_sha[:12]}.json")
 
