@@ -6,9 +6,10 @@ variables so the same image serves every deployment:
 
 | variable | used by | default |
 | --- | --- | --- |
-| VALUE_ASSETS_ARTIFACTS | all | `artifacts` (relative to the working directory) |
-| VALUE_ASSETS_MANIFESTS | all | `manifests` |
+| VALUE_ASSETS_ARTIFACTS | all | `artifacts/` in the project checkout (else the working directory) |
+| VALUE_ASSETS_MANIFESTS | all | `manifests/` likewise |
 | VALUE_ASSETS_DATA_ROOTS | all | unset: no restriction (`:`-separated folders) |
+| VALUE_ASSETS_GPU_COMMAND | local | `<this python> -m value_assets.gpu.pipes_job`; e.g. a GPU venv's python |
 | RAY_ADDRESS | ray | required: the Ray dashboard address |
 | VALUE_ASSETS_GPU_IMAGE | kubernetes | required: the GPU job image |
 | VALUE_ASSETS_K8S_NAMESPACE, VALUE_ASSETS_K8S_PVCS (`claim=/mount,...`), VALUE_ASSETS_GPUS | kubernetes | |
@@ -19,6 +20,8 @@ This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/
 from __future__ import annotations
 
 import os
+import shlex
+from pathlib import Path
 from typing import Any, Mapping
 
 from dagster import Definitions, EnvVar
@@ -33,6 +36,16 @@ DEPLOYMENT_ENV = "VALUE_ASSETS_DEPLOYMENT"
 DEPLOYMENTS = ("local", "ray", "kubernetes")
 
 
+def project_root() -> Path:
+    """The source checkout holding this package (editable install), else the working directory.
+
+    Anchoring the project-local defaults here keeps the code server, the daemon and run workers
+    on the same folders whatever their working directory.
+    """
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "pyproject.toml").is_file() else Path.cwd()
+
+
 def _pvcs(spec: str) -> dict[str, str]:
     pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
     return {claim.strip(): mount.strip() for claim, mount in pairs}
@@ -40,14 +53,15 @@ def _pvcs(spec: str) -> dict[str, str]:
 
 def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[str, dict[str, Any]]:
     shared = {
-        "artifacts": ArtifactStore(root=env.get("VALUE_ASSETS_ARTIFACTS", "artifacts")),
+        "artifacts": ArtifactStore(root=env.get("VALUE_ASSETS_ARTIFACTS") or str(project_root() / "artifacts")),
         "inbox": ManifestInbox(
-            folder=env.get("VALUE_ASSETS_MANIFESTS", "manifests"),
+            folder=env.get("VALUE_ASSETS_MANIFESTS") or str(project_root() / "manifests"),
             data_roots=[r for r in env.get("VALUE_ASSETS_DATA_ROOTS", "").split(":") if r],
         ),
     }
     return {
-        "local": {**shared, "launcher": SubprocessLauncher()},
+        "local": {**shared, "launcher": SubprocessLauncher(
+            command=shlex.split(env["VALUE_ASSETS_GPU_COMMAND"]) if env.get("VALUE_ASSETS_GPU_COMMAND") else None)},
         "ray": {**shared, "launcher": RayJobLauncher(address=EnvVar("RAY_ADDRESS"))},
         "kubernetes": {
             **shared,
@@ -56,7 +70,7 @@ def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[st
                 namespace=env.get("VALUE_ASSETS_K8S_NAMESPACE") or None,
                 gpus=int(env.get("VALUE_ASSETS_GPUS", "1")),
                 pvc_mounts=_pvcs(env.get("VALUE_ASSETS_K8S_PVCS", "")),
-                env={"VALUE_ASSETS_ARTIFACTS": env.get("VALUE_ASSETS_ARTIFACTS", "artifacts")},
+                env={"VALUE_ASSETS_ARTIFACTS": env.get("VALUE_ASSETS_ARTIFACTS", "/artifacts")},
             ),
         },
     }

@@ -25,4 +25,17 @@ ALL_ASSETS = [
     promoted_critic,
 ]
 
-__all__ = ["ALL_ASSETS", "PlanConfig", "TrainConfig", "EvalConfig", *[a.op.name for a in ALL_ASSETS]]
+__all__ = [
+    "ALL_ASSETS",
+    "PlanConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "value_manifest",
+    "train_dataset",
+    "heldout_dataset",
+    "batch_plan",
+    "critic_training",
+    "canary_receipt",
+    "ev_report",
+    "promoted_critic",
+]

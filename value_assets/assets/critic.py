@@ -145,6 +145,16 @@ def canary_receipt(
     )
 
 
+def recorded_contract_sha(context: AssetExecutionContext, partition_key: str) -> str:
+    """The contract sha the lineage recorded for this partition (training_contract's data)."""
+    recorded = latest_metadata(context.instance, "training_contract", partition_key) or {}
+    sha = recorded.get("contract_sha256")
+    if not isinstance(sha, str):
+        raise Failure(description="training_contract has no materialization for this partition; train first",
+                      allow_retries=False)
+    return sha
+
+
 class EvalConfig(Config):
     num_batches: int = Field(default=4, ge=1, description="B mixed-label batches (SPEC 7).")
     global_batch_size: int = Field(default=8, ge=2)
@@ -177,7 +187,7 @@ def ev_report(
     key = context.partition_key
     with fail_on_bad_input("ev_report"):
         manifest = _manifest(context, artifacts, inbox)
-        ref = resolve_latest_contract(artifacts.critic_dir(key))
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
     report_path = artifacts.report_path(key, ref.sha256)
     extra: dict[str, Any] = {}
     if report_path.exists():
@@ -213,7 +223,7 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
     key = context.partition_key
     with fail_on_bad_input("promoted_critic refused"):
         manifest = _manifest(context, artifacts, inbox)
-        ref = resolve_latest_contract(artifacts.critic_dir(key))
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
         report_path = artifacts.report_path(key, ref.sha256)
         recorded = latest_metadata(context.instance, "ev_report", key) or {}
         if str(recorded.get("report_path")) != str(report_path):
