@@ -123,6 +123,7 @@ class RayJobLauncher(GpuJobLauncher):
 
     address: str = Field(description="Ray dashboard address, e.g. http://raycluster-head-svc:8265.")
     python: str = Field(default="python", description="Interpreter on the cluster's image.")
+    command: list[str] | None = Field(default=None, description="Entrypoint argv; default: <python> -m value_assets.gpu.pipes_job.")
     working_dir: str | None = Field(default=None, description="runtime_env working_dir, if the image lacks the code.")
     env: dict[str, str] = Field(default_factory=dict)
     entrypoint_num_cpus: float = 1.0
@@ -130,7 +131,7 @@ class RayJobLauncher(GpuJobLauncher):
     timeout_s: float = 600.0
 
     def entrypoint(self) -> str:
-        return shlex.join([self.python, "-m", PIPES_MODULE])
+        return shlex.join(list(self.command) if self.command else [self.python, "-m", PIPES_MODULE])
 
     def submit_params(self, task: str) -> dict[str, Any]:
         runtime_env: dict[str, Any] = {"env_vars": dict(self.env)}
