@@ -87,3 +87,17 @@ def test_missing_folder_is_a_skip(tick, write_manifest, instance, test_resources
     manifests_dir.rmdir()
     result = tick(instance, test_resources)
     assert "does not exist" in result.skip_message
+
+
+def test_manifest_outside_the_data_roots_is_invalid(tick, write_manifest, instance, test_resources, manifests_dir,
+                                                    tmp_path):
+    from value_assets.resources import ManifestInbox
+
+    write_manifest(manifests_dir, "outside", data_dir=tmp_path / "elsewhere")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    resources = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), data_roots=[str(allowed)])}
+    result = tick(instance, resources)
+    assert not result.run_requests
+    assert "outside.json" in result.skip_reason.skip_message
+    assert instance.get_dynamic_partitions("manifests") == []

@@ -70,6 +70,14 @@ def _job_extras(context: AssetExecutionContext, manifest, **paths: Any) -> dict[
     }
 
 
+def materialization_of(results, task: str) -> MaterializeResult:
+    """The (last) materialization a single-asset GPU task reported; `launch` guarantees one."""
+    materializations = [r for r in results if isinstance(r, MaterializeResult)]
+    if not materializations:
+        raise Failure(description=f"GPU job {task} reported no materialization")
+    return materializations[-1]
+
+
 def contract_metadata(ref: ContractRef) -> dict[str, Any]:
     contract = ref.contract
     return {
@@ -137,8 +145,8 @@ def canary_receipt(
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.canary_dir(key, context.run.run_id)
     argv = train_argv(manifest.path, output, config, plan) + ["--canary"]
-    (result,) = [r for r in launcher.launch(context, "canary", argv, _job_extras(context, manifest, output_dir=output))
-                 if isinstance(r, MaterializeResult)]
+    result = materialization_of(
+        launcher.launch(context, "canary", argv, _job_extras(context, manifest, output_dir=output)), "canary")
     return MaterializeResult(
         data_version=result.data_version,
         metadata={**(result.metadata or {}), "promotable": False, "output_dir": MetadataValue.path(str(output))},
@@ -198,9 +206,9 @@ def ev_report(
         argv = ["--checkpoint", str(ref.checkpoint_dir), "--manifest", str(manifest.path),
                 "--contract-sha256", ref.sha256, "--report", str(report_path), "--split", split,
                 "--num-batches", str(config.num_batches), "--global-batch-size", str(config.global_batch_size)]
-        (result,) = [r for r in launcher.launch(context, "evaluate", argv,
-                                                _job_extras(context, manifest, report_path=report_path))
-                     if isinstance(r, MaterializeResult)]
+        result = materialization_of(
+            launcher.launch(context, "evaluate", argv, _job_extras(context, manifest, report_path=report_path)),
+            "evaluate")
         extra.update(result.metadata or {})
     with fail_on_bad_input("ev_report: published report"):
         report, report_sha = read_published(report_path, "EV report")
