@@ -1,6 +1,5 @@
 """Promotion re-verification (SPEC 8): every refusal, on files, without Dagster."""
 
-import json
 import os
 
 import pytest
