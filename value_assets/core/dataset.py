@@ -284,6 +284,8 @@ class _JsonlBatch:
 
 def _fast_parse(line: bytes):
     """(sample_id, tokens, response_length, returns, mask or None) as buffers, or None to defer to the exact path."""
+    if line[:1] != b"{":
+        return None  # leading whitespace, a BOM or not an object: rare, judged exactly
     try:
         obj = simdjson.Parser().parse(line)
         keys = obj.keys()

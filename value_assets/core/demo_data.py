@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import InputError
 from .hashing import sha256_file
 from .manifest import SCHEMA
 from .objective import Objective
@@ -53,8 +54,11 @@ def _rows(n: int, rng: np.random.Generator, split: str, seed: int) -> tuple[list
     return rows, p, reward
 
 
-def trajectory_ev(labels: np.ndarray, predictions: np.ndarray) -> float:
-    """Trajectory-weighted EV of `predictions` for per-row scalar `labels` (population variances)."""
+def trajectory_ev(labels: np.ndarray, predictions: np.ndarray) -> float | None:
+    """Trajectory-weighted EV of `predictions` for per-row scalar `labels` (population variances);
+    None where it is undefined (fewer than two rows, or all labels equal)."""
+    if labels.size < 2 or labels.var() <= 1e-8:
+        return None
     e = labels - predictions
     return float(1.0 - e.var() / labels.var())
 
@@ -85,7 +89,10 @@ def make_demo_data(out_dir: str | Path, *, rows: int = 512, heldout_rows: int = 
     out = Path(out_dir)
     name = name or ("demo-shuffled" if shuffle_labels else "demo")
     data_dir = out / name
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(str(out), f"cannot create the output folder: {exc.strerror}") from None
     rng = np.random.default_rng(seed)
     ext = "jsonl" if fmt == "jsonl" else "parquet"
     splits = {}
@@ -103,7 +110,11 @@ def make_demo_data(out_dir: str | Path, *, rows: int = 512, heldout_rows: int = 
         write_rows(path, rs, fmt)
         splits[split] = {"path": f"{name}/{split}.{ext}", "sha256": sha256_file(path), "num_samples": n}
         if split == "heldout":
+            # With shuffled labels the reward no longer depends on the prompt: the best critic
+            # predicts a constant, whose EV is 0 (where EV is defined at all).
             heldout_ev = trajectory_ev(reward, p)
+            if shuffle_labels and heldout_ev is not None:
+                heldout_ev = 0.0
     manifest = {
         "schema": SCHEMA,
         "train": splits["train"],

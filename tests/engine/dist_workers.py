@@ -1,0 +1,127 @@
+"""Worker bodies for the multi-process engine tests (spawned with torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from value_assets.core.objective import Objective
+from value_assets.gpu.model import BackboneConfig, build_critic, critic_forward
+from value_assets.gpu.packing import Row, pack_rows
+from value_assets.gpu.parallel import destroy, init_distributed
+
+OBJ = Objective()
+BACKBONE = BackboneConfig.tiny(num_layers=2, hidden_size=32, ffn_hidden_size=64, vocab_size=49152)
+
+
+def make_rows(n: int, seed: int = 0) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        L = int(rng.integers(6, 24)); r = int(rng.integers(1, L - 1))
+        ret = np.full(r, float(rng.integers(0, 2)))
+        rows.append(Row(row_id=i, tokens=rng.integers(0, 49152, L), response_length=r, returns=ret))
+    return rows
+
+
+def probe(model) -> torch.Tensor:
+    rows = make_rows(3, seed=99)
+    mb = pack_rows(rows, 10_000)[0]
+    model.eval()
+    with torch.no_grad():
+        out = critic_forward(model, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+    return out
+
+
+def run(rank: int, world: int, port: int, tp: int, fn_name: str, args: tuple) -> None:
+    init_distributed(rank, world, master_port=port, tp=tp, seed=1234)
+    try:
+        globals()[fn_name](rank, world, tp, *args)
+    finally:
+        destroy()
+
+
+def _reinit(tp: int) -> None:
+    """Rebuild megatron parallel state with another TP size inside the same process group."""
+    from megatron.core import parallel_state as ps
+
+    from value_assets.gpu.compat import seed_model_parallel
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    seed_model_parallel(1234)
+
+
+def tp_reshard(rank, world, tp, ckpt, out_file):
+    """Save at TP=2, reload at TP=1 (DP=2) and at TP=2, probing outputs each time."""
+    from value_assets.gpu.checkpoint import load_critic, save_critic
+
+    model = build_critic(BACKBONE, OBJ, tp=2)
+    # Perturb away from init so that a load that silently kept init would be caught.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.sin(torch.arange(p.numel(), dtype=torch.float32)).view_as(p))
+    saved = probe(model)
+    save_critic(ckpt, model, iteration=7)
+    res = {"saved": saved}
+    for new_tp in (1, 2):
+        _reinit(new_tp)
+        torch.manual_seed(4321)
+        fresh = build_critic(BACKBONE, OBJ, tp=new_tp, head_seed=5)
+        res[f"init{new_tp}"] = probe(fresh)
+        res[f"iter{new_tp}"] = load_critic(ckpt, fresh)
+        res[f"tp{new_tp}"] = probe(fresh)
+    if rank == 0:
+        torch.save(res, out_file)
+
+
+def _train(rows, steps, start, ddp, opt, rows_per_step):
+    from megatron.core import parallel_state as ps
+
+    from value_assets.gpu.train import train_step
+
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    history = []
+    for step in range(start, steps):
+        batch = rows[step * rows_per_step:(step + 1) * rows_per_step]
+        mine = batch[dpr::dp]  # round-robin by position
+        history.append(train_step(ddp, opt, pack_rows(mine, micro_batch_tokens=30), rows_per_step, OBJ))
+    return history
+
+
+def train_dp(rank, world, tp, rows_per_step, steps, out_file):
+    from value_assets.gpu.train import wrap_for_training
+
+    model = build_critic(BACKBONE, OBJ, tp=tp)
+    ddp, opt = wrap_for_training(model, lr=1e-3)
+    rows = make_rows(rows_per_step * steps, seed=1)
+    history = _train(rows, steps, 0, ddp, opt, rows_per_step)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"history": history, "params": params}, out_file)
+
+
+def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file):
+    """Uninterrupted run that saves at `save_at`, then a fresh model+optimizer resumed from it."""
+    from value_assets.gpu.checkpoint import load_critic, save_critic
+    from value_assets.gpu.train import wrap_for_training
+
+    rows = make_rows(rows_per_step * steps, seed=1)
+    model = build_critic(BACKBONE, OBJ, tp=tp)
+    ddp, opt = wrap_for_training(model, lr=1e-3)
+    full = _train(rows, save_at, 0, ddp, opt, rows_per_step)
+    save_critic(ckpt, ddp, opt, iteration=save_at)
+    full += _train(rows, steps, save_at, ddp, opt, rows_per_step)
+    full_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(999)
+    model2 = build_critic(BACKBONE, OBJ, tp=tp, head_seed=3)
+    ddp2, opt2 = wrap_for_training(model2, lr=1e-3)
+    start = load_critic(ckpt, ddp2, opt2)
+    resumed = _train(rows, steps, start, ddp2, opt2, rows_per_step)
+    params2 = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    if rank == 0:
+        torch.save({"full": full, "resumed": resumed, "start": start,
+                    "full_params": full_params, "resumed_params": params2}, out_file)

@@ -1,0 +1,136 @@
+"""Critic model and packed attention on CPU, in-process (world size 1, gloo)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from value_assets.core.objective import Objective
+from value_assets.gpu.attention import packed_causal_attention
+from value_assets.gpu.model import BackboneConfig
+
+
+def _naive_attention(q, k, v, bounds, scale):
+    """Loop reference: per sequence, per head, explicit causal softmax; GQA by head // group."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    rep = q.shape[1] // k.shape[1]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for h in range(q.shape[1]):
+            for i in range(a, b):
+                s = torch.stack([(q[i, h].double() @ k[j, h // rep].double()) * scale for j in range(a, i + 1)])
+                p = torch.softmax(s, 0)
+                out[i, h] = sum(p[j - a] * v[j, h // rep].double() for j in range(a, i + 1))
+    return out
+
+
+def test_packed_attention_matches_loop_reference_with_gqa():
+    g = torch.Generator().manual_seed(0)
+    bounds = [0, 3, 4, 9]
+    q = torch.randn(9, 4, 8, generator=g)
+    k = torch.randn(9, 2, 8, generator=g)
+    v = torch.randn(9, 2, 8, generator=g)
+    got = packed_causal_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), 1 / math.sqrt(8))
+    torch.testing.assert_close(got.double(), _naive_attention(q, k, v, bounds, 1 / math.sqrt(8)),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed_causal_attention(q, k, v, torch.tensor([0, 8], dtype=torch.int32), 1.0)
+
+
+def test_backbone_config_validation_and_presets():
+    assert BackboneConfig.tiny().vocab_size >= 49152
+    assert BackboneConfig.qwen2_5_0_5b().head_dim == 64
+    assert BackboneConfig.qwen2_5_1_5b().head_dim == 128
+    with pytest.raises(ValueError, match="num_query_groups"):
+        BackboneConfig.tiny(num_query_groups=3)
+    with pytest.raises(ValueError, match="family"):
+        BackboneConfig.tiny(family="gpt2")
+    assert BackboneConfig.from_json(BackboneConfig.tiny().to_json()) == BackboneConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def dist():
+    from value_assets.gpu.parallel import destroy, free_port, init_distributed
+
+    init_distributed(0, 1, master_port=free_port(), seed=7)
+    try:
+        yield
+    finally:
+        destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("qk_layernorm,loss_type", [(False, "classification"), (True, "mse")])
+def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_type):
+    from value_assets.gpu.model import build_critic, critic_forward
+
+    obj = Objective(loss_type=loss_type, num_bins=51 if loss_type == "classification" else 1)
+    bb = BackboneConfig.tiny(qk_layernorm=qk_layernorm, family="qwen3" if qk_layernorm else "qwen2",
+                             qkv_bias=not qk_layernorm)
+    model = build_critic(bb, obj)
+    head = model.output_layer
+    assert head.weight.dtype == torch.float32 and torch.count_nonzero(head.bias) == 0
+    assert abs(float(head.weight.std()) - 0.02) < 0.004
+    assert head.weight.shape == (obj.head_size, bb.hidden_size)
+    g = torch.Generator().manual_seed(1)
+    lens = [5, 1, 9, 3]
+    seqs = [torch.randint(0, bb.vocab_size, (n,), generator=g) for n in lens]
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    model.eval()
+    with torch.no_grad():
+        packed = critic_forward(model, torch.cat(seqs), pos, cu, max(lens))
+        single = torch.cat([model(s.unsqueeze(0), torch.arange(len(s)).unsqueeze(0), None)[0] for s in seqs])
+    assert packed.dtype == torch.float32 and packed.shape == (sum(lens), obj.head_size)
+    torch.testing.assert_close(packed, single, rtol=1e-5, atol=1e-5)
+    # Positions restart per sequence: the same tokens at another offset give the same values.
+    with torch.no_grad():
+        swapped = critic_forward(model, torch.cat([seqs[2], seqs[0]]),
+                                 torch.cat([torch.arange(9), torch.arange(5)]),
+                                 torch.tensor([0, 9, 14], dtype=torch.int32), 9)
+    torch.testing.assert_close(swapped[9:], packed[:5], rtol=1e-5, atol=1e-5)
+
+
+def test_evaluate_rows_alignment(dist):
+    import numpy as np
+
+    from value_assets.gpu.losses import predicted_values
+    from value_assets.gpu.model import build_critic
+    from value_assets.gpu.packing import Row, pack_rows
+    from value_assets.gpu.train import evaluate_rows
+
+    obj = Objective()
+    model = build_critic(BackboneConfig.tiny(), obj)
+    toks = np.arange(10, 20)
+    row = Row(row_id=42, tokens=toks, response_length=4, returns=np.array([0.1, 0.2, 0.3, 0.4]))
+    out = evaluate_rows(model, pack_rows([row], 100), obj)
+    with torch.no_grad():
+        full = model(torch.from_numpy(toks).unsqueeze(0), torch.arange(10).unsqueeze(0), None)[0]
+    v = predicted_values(full, obj).double().numpy()
+    # response token j (prompt_len 6) is predicted at position 6 + j - 1
+    np.testing.assert_allclose(out[42]["values"], v[5:9], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[42]["returns"], [0.1, 0.2, 0.3, 0.4], atol=1e-7)
+
+
+def test_compat_is_idempotent_and_cpu_only():
+    from value_assets.gpu import compat
+
+    if torch.cuda.is_available():
+        assert compat.apply_cpu_compat() is False
+    else:
+        assert compat.apply_cpu_compat() is True and compat.apply_cpu_compat() is True
+        assert torch.cuda.current_device() == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_kernel_matches_sdpa_loop_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bounds = torch.tensor([0, 17, 18, 80], dtype=torch.int32, device="cuda")
+    q = torch.randn(80, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(80, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(80, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    got = packed_causal_attention(q, k, v, bounds, 0.125).float()
+    ref = packed_causal_attention(q.float(), k.float(), v.float(), bounds, 0.125)  # SDPA loop path
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)

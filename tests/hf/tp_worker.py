@@ -1,0 +1,38 @@
+"""Worker for test_hf_tp: one rank of a TP=2 gloo group running the converted model on CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]]) -> None:
+    """cases: (hf folder, input ids .pt, output hidden .pt written by rank 0)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron_fixture import _NullTracker, build_gpt, final_hidden, load_backbone
+
+    from value_assets.gpu.hf_convert import load_hf_backbone_state, read_hf_config
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NullTracker()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        for folder, ids_path, out_path in cases:
+            cfg = read_hf_config(folder)
+            # Vocab padded to a multiple of 64 * tp like Megatron's training scripts do.
+            padded = -(-cfg["vocab_size"] // (64 * world)) * 64 * world
+            gpt = build_gpt(cfg, padded_vocab_size=padded, tp=world)
+            load_backbone(gpt, load_hf_backbone_state(folder, rank, world, padded_vocab_size=padded))
+            hidden = final_hidden(gpt, torch.load(ids_path))
+            if rank == 0:
+                torch.save(hidden, out_path)
+    finally:
+        dist.destroy_process_group()

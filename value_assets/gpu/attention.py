@@ -1,0 +1,145 @@
+"""Core attention for megatron's local layer spec, on PyTorch fused kernels, with packed sequences.
+
+`PackedCoreAttention` replaces `DotProductAttention` in `get_gpt_layer_local_spec()`. Megatron
+0.16.1 hands core attention:
+
+- unpacked ('sbhd'): query [s, b, np, hn], key/value [s, b, ng, hn]; we run causal SDPA;
+- packed ('thd', `PackedSeqParams` given to `GPTModel.forward`): the attention module squeezes the
+  dummy batch dim, so query is [t, np, hn] and key/value [t, ng, hn] for t packed tokens, with
+  `cu_seqlens_q/kv` (int32 [n+1]) marking sequence starts. RoPE was already applied per
+  sequence by megatron (positions restart at every `cu_seqlens` boundary, `rope_utils`
+  `_apply_rotary_pos_emb_thd`), so we only need attention that is causal within each sequence
+  and blind across sequences.
+
+Kernels: on CUDA with bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash-attention varlen:
+no compute on other sequences or padding). Everywhere else (CPU, fp32) one causal SDPA call per
+packed sequence: exact, no cross-sequence compute, deterministic on CPU; the Python loop costs
+one kernel launch per sequence, which is negligible at critic batch sizes on CPU.
+Output is [s, b, np*hn] (unpacked) or [t, np*hn] (packed). Dropout is not supported (a critic
+is pretrained with attention dropout 0); GQA is handled without materialising repeated K/V where
+the kernel allows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+try:  # torch >= 2.9
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+    _VARLEN_PARAMS = set()
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention within each packed sequence, none across.
+
+    q [t, nq, d], k/v [t, nkv, d] (nq % nkv == 0), cu_seqlens int [n+1] with cu_seqlens[0] == 0
+    and cu_seqlens[-1] == t. Returns [t, nq, d] in q's dtype.
+    """
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens must run from 0 to {q.shape[0]}, got {bounds}")
+    nq, nkv = q.shape[1], k.shape[1]
+    if (
+        _varlen_attn is not None
+        and q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+    ):
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        kwargs: dict[str, Any] = {"scale": scale}
+        if "window_size" in _VARLEN_PARAMS:
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+        if nq != nkv:
+            if "enable_gqa" in _VARLEN_PARAMS:
+                kwargs["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(nq // nkv, dim=1)
+                v = v.repeat_interleave(nq // nkv, dim=1)
+        return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        # SDPA wants [batch, heads, seq, dim]
+        qs = q[a:b].transpose(0, 1).unsqueeze(0)
+        ks = k[a:b].transpose(0, 1).unsqueeze(0)
+        vs = v[a:b].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=nq != nkv
+        )
+        outs.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+class PackedCoreAttention(MegatronModule):
+    """Drop-in for megatron's `DotProductAttention` (same constructor and forward signature)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("PackedCoreAttention does not support context parallelism")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout != 0.0:
+            raise ValueError(f"PackedCoreAttention needs attention_dropout 0, got {dropout}")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"PackedCoreAttention is causal only, got {attn_mask_type}")
+        tp = config.tensor_model_parallel_size
+        head_dim = config.kv_channels
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not support attention_bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if query.dim() == 4:  # [t, 1, np, hn] if megatron did not squeeze
+                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            cu_q = packed_seq_params.cu_seqlens_q
+            cu_kv = packed_seq_params.cu_seqlens_kv
+            if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+                raise ValueError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv")
+            out = packed_causal_attention(query, key, value, cu_q, self.scale)
+            return out.reshape(out.shape[0], -1)
+        # [s, b, h, d] -> [b, h, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        s, b = query.shape[0], query.shape[1]
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)

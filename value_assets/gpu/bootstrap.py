@@ -1,0 +1,100 @@
+"""Where a fresh critic's backbone comes from (SPEC 4 bootstrap).
+
+`resolve_backbone` runs on the driver (CPU, before anything is reserved): it reads the backbone's
+shape and identity. `load_backbone_into` runs on each worker: it loads every backbone tensor
+strictly, leaving only the value head new.
+
+Sources:
+* ``tiny``: a small random backbone (seeded), for demos and tests;
+* a Hugging Face folder (``config.json`` + safetensors; Llama, Qwen2, Qwen3);
+* a Megatron distributed checkpoint folder saved by this project (``backbone.json`` beside the
+  torch_dist files), e.g. a critic's checkpoint reused as another critic's actor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from value_assets.core.errors import InputError
+from value_assets.core.hashing import sha256_file
+from value_assets.core.strict_json import canonical_bytes
+
+BACKBONE_JSON = "backbone.json"
+
+
+def _folder_digest(folder: Path, patterns: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for pattern in patterns:
+        for f in sorted(folder.glob(pattern)):
+            h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def resolve_backbone(spec: str, *, seed: int = 0):
+    """(BackboneConfig, worker source, identity for the contract) for `spec` ("tiny" or a folder)."""
+    from .model import BackboneConfig
+
+    if spec == "tiny":
+        cfg = BackboneConfig.tiny()
+        return cfg, {"kind": "tiny", "seed": seed}, {"kind": "tiny-random", "seed": seed}
+    folder = Path(spec)
+    if not folder.is_dir():
+        raise InputError("--backbone", f"{spec!r} is neither 'tiny' nor an existing folder")
+    if (folder / "config.json").is_file():
+        from .hf_convert import backbone_config_kwargs, read_hf_config
+
+        cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))
+        ident = {"kind": "huggingface", "path": str(folder.resolve()),
+                 "sha256": _folder_digest(folder, ("config.json", "*.safetensors", "*.safetensors.index.json"))}
+        return cfg, {"kind": "hf", "path": str(folder.resolve())}, ident
+    if (folder / BACKBONE_JSON).is_file():
+        try:
+            cfg = BackboneConfig.from_json(json.loads((folder / BACKBONE_JSON).read_text()))
+        except (ValueError, TypeError) as exc:
+            raise InputError(str(folder / BACKBONE_JSON), f"not a backbone config: {exc}") from None
+        ident = {"kind": "megatron", "path": str(folder.resolve()), "sha256": _folder_digest(folder, ("*",))}
+        return cfg, {"kind": "megatron", "path": str(folder.resolve())}, ident
+    raise InputError("--backbone", f"{spec!r} holds neither a Hugging Face checkpoint (config.json) nor a Megatron one ({BACKBONE_JSON})")
+
+
+def write_backbone_json(folder: Path, cfg) -> None:
+    (folder / BACKBONE_JSON).write_bytes(canonical_bytes(cfg.to_json()))
+
+
+def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, Any]:
+    """Load the backbone into a freshly built critic module on this rank; only the head stays new."""
+    kind = source["kind"]
+    if kind == "tiny":
+        return {"loaded": 0}
+    if kind == "hf":
+        from megatron.core import parallel_state as ps
+
+        from .hf_convert import load_hf_backbone_state
+
+        state = load_hf_backbone_state(source["path"], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+        own = module.state_dict()
+        state = {k: v.to(dtype=own[k].dtype) if k in own else v for k, v in state.items()}
+        result = module.load_state_dict(state, strict=False)
+        _check_only_head_missing(result.missing_keys, result.unexpected_keys, source["path"])
+        return {"loaded": len(state)}
+    if kind == "megatron":
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        sd = module.sharded_state_dict(prefix="")
+        backbone_sd = {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
+        loaded = dist_checkpointing.load({"model": backbone_sd}, source["path"], strict=StrictHandling.LOG_UNEXPECTED)
+        result = module.load_state_dict(loaded["model"], strict=False)
+        _check_only_head_missing(result.missing_keys, result.unexpected_keys, source["path"])
+        return {"loaded": len(loaded["model"])}
+    raise InputError("backbone", f"unknown backbone source {kind!r}")
+
+
+def _check_only_head_missing(missing, unexpected, where: str) -> None:
+    missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise InputError(where, f"backbone does not match the critic: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -1,0 +1,79 @@
+"""Critic checkpoint IO with megatron `dist_checkpointing` (re-shardable across TP/PP/DP).
+
+A checkpoint folder holds the model's sharded state dict (and optionally the optimizer's) in
+megatron's torch_dist format; loading with a different tensor-parallel size re-shards. The
+folder must exist and be empty before saving (megatron refuses otherwise). psutil must be
+installed: without it `dist_checkpointing.save` hangs.
+
+All ranks call `save_critic` / `load_critic` collectively. Only tensors are stored (the iteration
+is a tensor too) so nothing but tensors is unpickled on load.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def _model_sharded_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    sd = _unwrap(model).sharded_state_dict(prefix="")
+    # megatron marks output_layer.* shape-mismatch-tolerant for vocab padding; for the value
+    # head a shape mismatch means a different objective (K) and must fail loudly.
+    for key in ("output_layer.weight", "output_layer.bias"):
+        if key in sd:
+            sd[key].allow_shape_mismatch = False
+    return sd
+
+
+def _state(model: torch.nn.Module, optimizer: Any, iteration: int) -> dict[str, Any]:
+    model_sd = _model_sharded_state_dict(model)
+    state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(iteration, dtype=torch.int64)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False)
+    return state
+
+
+def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
+                iteration: int = 0) -> None:
+    """Save model (and optimizer) to `path`, an existing empty folder. Collective."""
+    from megatron.core import dist_checkpointing
+
+    p = Path(path)
+    if torch.distributed.get_rank() == 0:
+        if not p.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {p} must exist (and be empty)")
+        if any(p.iterdir()):
+            raise FileExistsError(f"checkpoint folder {p} is not empty")
+    torch.distributed.barrier()
+    dist_checkpointing.save(_state(model, optimizer, iteration), str(p))
+    torch.distributed.barrier()
+
+
+def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
+                strict: bool = True) -> int:
+    """Load model (and optimizer when given) from `path` into the already-built modules, for any
+    TP size. Returns the stored iteration. Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    m = _unwrap(model)
+    model_sd = _model_sharded_state_dict(m)
+    state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(0, dtype=torch.int64)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(
+        state, str(path),
+        strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED,
+    )
+    m.load_state_dict(loaded["model"], strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    it = loaded.get("iteration")
+    return int(it) if it is not None else 0

@@ -1,0 +1,112 @@
+"""Ray placement group and worker lifecycle for the GPU job.
+
+`start_workers` reserves one bundle per GPU (per CPU slot without GPUs), starts one `CriticWorker`
+per bundle, wires torch.distributed between them and yields a `Cluster`. Everything it started is
+ended in its `finally`, on success and on failure alike; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+DEFAULT_TIMEOUT_S = 900.0
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be reserved or a worker failed."""
+
+
+@dataclass
+class Cluster:
+    workers: list[Any]
+    infos: list[dict[str, int]]
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def dp(self) -> int:
+        return self.infos[0]["dp_size"]
+
+    def all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` with the same arguments on every rank; results in rank order."""
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], None)
+
+    def each(self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None) -> list[Any]:
+        """Call `method` with rank-specific (args, kwargs)."""
+        return self._get([getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)], deadline_s)
+
+    def _get(self, refs, timeout_s):
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout_s or self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"workers did not answer within {timeout_s or self.timeout_s:.0f} s") from None
+
+
+def _use_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any], objective: dict[str, Any],
+                  train: bool, lr: float = 1e-4, weight_decay: float = 0.0, clip_grad: float = 1.0,
+                  ray_address: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, log=print) -> Iterator[Cluster]:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from .worker import CriticWorker
+
+    use_gpu = _use_gpu() if ray_address is None else True
+    started_ray = False
+    pg = None
+    actors: list[Any] = []
+    try:
+        if not ray.is_initialized():
+            if ray_address:
+                ray.init(address=ray_address, log_to_driver=True)
+            else:
+                cpus = max(world_size, os.cpu_count() or 1)
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                         runtime_env={"env_vars": {"VALUE_ASSETS_LOOPBACK": "1"}})
+            started_ray = True
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise ClusterError(f"could not reserve {world_size} x {bundle} within {timeout_s:.0f} s (cluster resources: {ray.cluster_resources()})")
+        threads = None if use_gpu else max(1, (os.cpu_count() or 1) // world_size)
+        remote_cls = ray.remote(CriticWorker)
+        for rank in range(world_size):
+            actors.append(remote_cls.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
+            ).remote(rank=rank, world_size=world_size, tp=tp, pp=pp, seed=seed, backbone=backbone, objective=objective, threads=threads))
+        cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
+        addr, port = cluster._get([actors[0].address.remote()], timeout_s)[0]
+        cluster.infos = cluster.all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
+        log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, {'GPU' if use_gpu else 'CPU'} bundles")
+        yield cluster
+    finally:
+        if actors:
+            try:
+                ray.get([a.shutdown.remote() for a in actors], timeout=60)
+            except Exception:  # noqa: BLE001 - teardown must go on; the actors are killed next
+                pass
+            for a in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(a)
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        if started_ray:
+            ray.shutdown()

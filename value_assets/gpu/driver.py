@@ -1,0 +1,249 @@
+"""The training job (SPEC 5): validate on the CPU, then train on a Ray placement group.
+
+Everything that can refuse a run is checked before the cluster is reserved: manifest, data,
+objective, topology, the resume contract. Then one optimizer step per planned batch, checkpoints
+at `save_interval` and at the end, each published by its contract (SPEC 6) once its files are
+complete. Canary mode runs the first step only and writes a non-promotable receipt instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from value_assets.core.contract import (
+    CONTRACT_NAME, build_contract, build_receipt, check_resume, iter_dirname, load_contract, read_latest,
+    refuse_uncontracted, write_contract,
+)
+from value_assets.core.dataset import Dataset, validate_dataset
+from value_assets.core.errors import InputError
+from value_assets.core.manifest import Manifest, load_manifest
+from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
+from value_assets.core.publish import publish_once
+from value_assets.core.strict_json import canonical_bytes
+
+RECEIPT_NAME = "canary_receipt.json"
+_ITER_RE = re.compile(r"iter_(\d{7})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    manifest: Path
+    output: Path
+    backbone: str = "tiny"
+    global_batch_size: int = 16
+    epochs: int = 1
+    seed: int = 0
+    save_interval: int = 0  # 0: save at the end only
+    gpus: int = 1  # worker slots: GPUs, or CPU processes without CUDA
+    tensor_parallel: int = 1
+    micro_batch_tokens: int = 4096
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    canary: bool = False
+    stop_after: int | None = None  # stop (with a save) after this many steps of this run
+    manifest_sha256: str | None = None
+    data_roots: tuple[str, ...] | None = None
+    ray_address: str | None = None
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "epochs", "gpus", "tensor_parallel", "micro_batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"--{name.replace('_', '-')}", f"must be an integer >= 1, got {v!r}")
+        if not isinstance(self.save_interval, int) or self.save_interval < 0:
+            raise InputError("--save-interval", f"must be an integer >= 0, got {self.save_interval!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise InputError("--lr", f"must be a finite number > 0, got {self.lr!r}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise InputError("stop_after", f"must be >= 1, got {self.stop_after!r}")
+
+
+@dataclass
+class TrainResult:
+    critic_dir: str
+    checkpoint: str | None
+    contract_sha256: str | None
+    receipt: str | None
+    completed_steps: int
+    plan_steps: int
+    plan_sha256: str
+    manifest_sha256: str
+    train_sha256: str
+    resumed_from: int
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["final_loss"] = self.final_loss
+        return d
+
+
+@dataclass
+class _Prepared:
+    manifest: Manifest
+    train: Dataset
+    plan: BatchPlan
+    dp: int
+    backbone_cfg: Any
+    backbone_source: dict[str, Any]
+    backbone_identity: dict[str, Any]
+    resume_contract: dict[str, Any] | None
+    resume_dir: Path | None
+    start_step: int
+
+
+def _existing_iterations(critic_dir: Path) -> list[int]:
+    if not critic_dir.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in critic_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name)) and p.is_dir())
+
+
+def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
+    """Every CPU-side check of SPEC 5, before anything is reserved. Writes nothing."""
+    from .bootstrap import resolve_backbone
+
+    manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
+    backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed)
+    train = validate_dataset(manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len)
+    log(f"train data ok: {len(train)} rows, {train.stats.tokens} tokens, {train.stats.active_targets} active targets")
+    plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)
+    dp = check_topology(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, global_batch_size=cfg.global_batch_size)
+    longest = int(train.lengths.max()) - 1
+    if cfg.micro_batch_tokens < longest:
+        raise InputError("--micro-batch-tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
+    critic_dir = cfg.output
+    latest = read_latest(critic_dir) if critic_dir.is_dir() else None
+    contract = resume_dir = None
+    start = 0
+    if cfg.canary:
+        if latest is not None or any((critic_dir / iter_dirname(i) / CONTRACT_NAME).exists() for i in _existing_iterations(critic_dir)):
+            raise InputError(str(critic_dir), "refusing a canary run: the output folder already holds a contracted checkpoint")
+        if (critic_dir / RECEIPT_NAME).exists() or (critic_dir / RECEIPT_NAME).is_symlink():
+            raise InputError(str(critic_dir / RECEIPT_NAME), "refusing a canary run: a receipt is already published here")
+    elif latest is not None:
+        step_dir, sha = latest
+        contract, _ = load_contract(step_dir, pinned_sha256=sha)
+        start = check_resume(contract, where=str(step_dir), manifest_sha256=manifest.sha256, train_sha256=train.sha256,
+                             objective=manifest.objective.canonical(), plan=plan, loaded_iterations=[contract["completed_steps"]])
+        resume_dir = step_dir
+        log(f"resuming after step {start} from {step_dir}")
+    else:
+        its = _existing_iterations(critic_dir)
+        if its:
+            refuse_uncontracted(max(its), str(critic_dir / iter_dirname(max(its))))
+    return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start)
+
+
+def _row_payload(ds: Dataset, index: int) -> dict[str, Any]:
+    r = ds.row(index)
+    return {"row_id": index, "tokens": r.tokens, "response_length": r.response_length, "returns": r.returns, "loss_mask": r.loss_mask}
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    return cfg.lr
+
+
+def _save(cluster, critic_dir: Path, step: int) -> Path:
+    step_dir = critic_dir / iter_dirname(step)
+    if step_dir.exists():
+        # A folder without a contract was never published (an interrupted save): start it afresh.
+        if (step_dir / CONTRACT_NAME).exists():
+            raise InputError(str(step_dir), "refusing to overwrite a contracted checkpoint")
+        shutil.rmtree(step_dir)
+    step_dir.mkdir(parents=True)
+    cluster.all("save", str(step_dir), step)
+    return step_dir
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    from .bootstrap import write_backbone_json
+    from .cluster import start_workers
+    from .metrics_log import MetricsLog
+
+    prep = prepare(cfg, log)
+    plan, train_ds, manifest = prep.plan, prep.train, prep.manifest
+    critic_dir = cfg.output
+    last_step = 1 if cfg.canary else plan.num_steps
+    if cfg.stop_after is not None:
+        last_step = min(last_step, prep.start_step + cfg.stop_after)
+    result = TrainResult(critic_dir=str(critic_dir), checkpoint=None, contract_sha256=None, receipt=None,
+                         completed_steps=prep.start_step, plan_steps=plan.num_steps, plan_sha256=plan.sha256,
+                         manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256, resumed_from=prep.start_step)
+    if prep.start_step >= last_step:
+        step_dir, sha = read_latest(critic_dir)
+        result.checkpoint, result.contract_sha256 = str(step_dir), sha
+        log(f"nothing to do: {prep.start_step} of {plan.num_steps} planned steps are already done")
+        return result
+    objective_json = manifest.objective.canonical()
+    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=1, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
+                       objective=objective_json, train=True, lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
+        dp_of_rank = [info["dp_rank"] for info in cluster.infos]
+        if prep.resume_dir is not None:
+            loaded = cluster.all("load", str(prep.resume_dir), True)
+            check_resume(prep.resume_contract, where=str(prep.resume_dir), manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
+                         objective=objective_json, plan=plan, loaded_iterations=loaded)
+        else:
+            cluster.all("bootstrap", prep.backbone_source)
+        critic_dir.mkdir(parents=True, exist_ok=True)
+        metrics_log = MetricsLog(critic_dir)
+        try:
+            for step in range(prep.start_step + 1, last_step + 1):
+                batch = plan.batch(step)
+                per_dp = assign_to_ranks(batch, prep.dp)
+                payload = {d: [_row_payload(train_ds, i) for i in rows] for d, rows in enumerate(per_dp)}
+                lr = _lr_at(cfg, step)
+                metrics = cluster.each("train_step", [((payload[d], plan.global_batch_size, cfg.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
+                metrics["step"] = step
+                result.losses.append(float(metrics["loss"]))
+                result.metrics.append(metrics)
+                metrics_log.write(step, metrics)
+                log(f"step {step}/{plan.num_steps} loss {metrics['loss']:.4f} acc {_fmt(metrics.get('value_accuracy'))} "
+                    f"ev {_fmt(metrics.get('explained_variance'))} grad {_fmt(metrics.get('grad_norm'))} "
+                    f"lr {lr:.2e} tok/s {_fmt(metrics.get('tokens_per_s'), '.0f')}")
+                if on_step:
+                    on_step(step, metrics)
+                due = cfg.save_interval and step % cfg.save_interval == 0
+                if step == last_step or due:
+                    step_dir = _save(cluster, critic_dir, step)
+                    write_backbone_json(step_dir, prep.backbone_cfg)
+                    result.checkpoint = str(step_dir)
+                    result.completed_steps = step
+                    if cfg.canary:
+                        receipt = build_receipt(manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256, plan=plan,
+                                                first_batch_sample_ids=[train_ds.row(i).sample_id for i in plan.batch(1)])
+                        path = critic_dir / RECEIPT_NAME
+                        publish_once(path, canonical_bytes(receipt))
+                        result.receipt = str(path)
+                        log(f"canary: saved {step_dir}, receipt {path} (not promotable)")
+                    else:
+                        contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
+                                                  objective=objective_json, plan=plan, completed_steps=step,
+                                                  model=prep.backbone_identity, backbone_config=prep.backbone_cfg.to_json(),
+                                                  checkpoint=step_dir.name)
+                        result.contract_sha256 = write_contract(critic_dir, contract)
+                        log(f"saved {step_dir} with contract {result.contract_sha256}")
+        finally:
+            metrics_log.close()
+    return result
+
+
+def _fmt(v, spec: str = ".4f") -> str:
+    return "n/a" if v is None else format(v, spec)

@@ -1,0 +1,152 @@
+"""Forward-only evaluation and the EV report (SPEC 7).
+
+No optimizer exists on the workers, no step is taken, dropout is off (eval mode), and the workers
+are pure data parallel (or tensor parallel inside each data-parallel replica). Each data-parallel
+rank returns float64 sufficient statistics; the driver checks their coverage, sums, decides the
+gate and publishes the report write-once, with its two plots. A failing gate still publishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
+from value_assets.core.dataset import validate_dataset
+from value_assets.core.errors import InputError
+from value_assets.core.hashing import require_sha
+from value_assets.core.manifest import load_manifest
+from value_assets.core.mixed import mixed_label_batches
+from value_assets.core.plan import assign_to_ranks
+from value_assets.core.publish import publish_once
+from value_assets.core.report import build_report
+from value_assets.core.stats import RankReport
+from value_assets.core.strict_json import canonical_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    checkpoint: Path
+    manifest: Path
+    contract_sha256: str
+    report: Path
+    split: str = "heldout"
+    num_batches: int = 8
+    global_batch_size: int | None = None
+    seed: int = 0
+    gpus: int = 1
+    tensor_parallel: int = 1
+    micro_batch_tokens: int = 8192
+    data_roots: tuple[str, ...] | None = None
+    ray_address: str | None = None
+    timeout_s: float = 900.0
+
+
+@dataclass
+class EvalResult:
+    report_path: str
+    report_sha256: str
+    passed: bool
+    report: dict[str, Any]
+    plots: dict[str, str]
+
+
+def _step_dir(checkpoint: Path) -> Path:
+    if (checkpoint / CONTRACT_NAME).is_file():
+        return checkpoint
+    latest = read_latest(checkpoint) if checkpoint.is_dir() else None
+    if latest is None:
+        raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")
+    return latest[0]
+
+
+def _default_batch_size(n: int, num_batches: int, dp: int) -> int:
+    g = min(64, n // num_batches)
+    g -= g % dp
+    return g
+
+
+def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
+    from .cluster import start_workers
+    from .model import BackboneConfig
+    from .plots import calibration_png, ev_per_batch_png
+
+    # --- everything that can refuse, before the cluster is reserved ---------------------------
+    require_sha(cfg.contract_sha256, "--contract-sha256")
+    if cfg.split not in ("heldout", "train"):
+        raise InputError("--split", f"must be 'heldout' or 'train', got {cfg.split!r}")
+    step_dir = _step_dir(cfg.checkpoint)
+    contract, contract_sha = load_contract(step_dir, pinned_sha256=cfg.contract_sha256)
+    manifest = load_manifest(cfg.manifest, data_roots=cfg.data_roots)
+    if contract["source_manifest_sha256"] != manifest.sha256:
+        raise InputError(str(cfg.manifest), f"manifest sha256 {manifest.sha256} is not the one the contract binds ({contract['source_manifest_sha256']})")
+    if contract["objective"] != manifest.objective.canonical():
+        raise InputError(str(cfg.manifest), "objective differs from the contract's")
+    ref = manifest.heldout if cfg.split == "heldout" else manifest.train
+    if ref is None:
+        raise InputError(f"{manifest.path}: heldout", "the manifest has no heldout split: its critic can train but cannot be evaluated for promotion")
+    backbone = BackboneConfig.from_json(contract["backbone_config"])
+    ds = validate_dataset(ref, manifest.objective, vocab_size=backbone.vocab_size, max_seq_len=backbone.max_seq_len)
+    no_label = np.flatnonzero(np.isnan(ds.labels))
+    if no_label.size:
+        i = int(no_label[0])
+        raise InputError(ds.location(i), "row has no single scalar active label (its active returns differ); EV batches need one label per row")
+    if cfg.gpus % cfg.tensor_parallel:
+        raise InputError("--gpus", f"{cfg.gpus} is not divisible by the tensor-parallel size {cfg.tensor_parallel}")
+    dp = cfg.gpus // cfg.tensor_parallel
+    g = cfg.global_batch_size or _default_batch_size(len(ds), cfg.num_batches, dp)
+    if g < 2 or g % dp:
+        raise InputError("--global-batch-size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
+    batches = mixed_label_batches(ds.labels.tolist(), g, cfg.num_batches, cfg.seed)
+    report_path = cfg.report
+    if report_path.exists() or report_path.is_symlink():
+        raise InputError(str(report_path), "a report already exists here; reports are write-once")
+    longest = int(ds.lengths.max()) - 1
+    mbt = max(cfg.micro_batch_tokens, longest)
+
+    # --- forward-only on the cluster -------------------------------------------------------------
+    rank_reports: list[list[RankReport]] = []
+    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=1, seed=cfg.seed, backbone=contract["backbone_config"],
+                       objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
+        loaded = cluster.all("load", str(step_dir), False)
+        if sorted(set(loaded)) != [contract["completed_steps"]]:
+            raise InputError(str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}")
+        for k, batch in enumerate(batches):
+            per_dp = assign_to_ranks(batch, dp)
+            calls = []
+            for info in cluster.infos:
+                rows = [{"row_id": i, **_row(ds, i)} for i in per_dp[info["dp_rank"]]]
+                calls.append(((rows, mbt, info["dp_rank"]), {}))
+            out = cluster.each("evaluate", calls)
+            # Tensor-parallel peers compute the same statistics; one report per data-parallel rank.
+            reps = [RankReport.from_json(o) for o, info in zip(out, cluster.infos) if info["tp_rank"] == 0]
+            rank_reports.append(reps)
+            log(f"evaluated batch {k + 1}/{len(batches)}")
+    report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=ds.sha256, split=cfg.split, checkpoint=str(step_dir),
+                          contract_sha256=contract_sha, dp=dp, seed=cfg.seed, global_batch_size=g, batches=batches,
+                          rank_reports=rank_reports, active_targets=[int(ds.active_targets[list(b)].sum()) for b in batches],
+                          labels=ds.labels.tolist())
+    # --- publication: plots first, then the report that names them -----------------------------------
+    values = [v for reps in rank_reports for r in reps for v in r.row_values]
+    labels = [float(ds.labels[i]) for reps in rank_reports for r in reps for i in r.row_indices]
+    stem = report_path.name[:-5] if report_path.name.endswith(".json") else report_path.name
+    plots = {}
+    for name, data in (("ev_per_batch", ev_per_batch_png(report)),
+                       ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range)))):
+        path = report_path.with_name(f"{stem}-{name}.png")
+        plots[name] = {"file": path.name, "sha256": publish_once(path, data)}
+    report["plots"] = plots
+    sha = publish_once(report_path, canonical_bytes(report))
+    agg = report["aggregates"]
+    log(f"report {report_path} sha256 {sha}: token EV {agg['token']['ev']:.4f}, trajectory EV {agg['trajectory']['ev']:.4f}, "
+        f"gate {'PASSED' if report['passed'] else 'FAILED'}")
+    return EvalResult(report_path=str(report_path), report_sha256=sha, passed=bool(report["passed"]), report=report,
+                      plots={k: str(report_path.with_name(v["file"])) for k, v in plots.items()})
+
+
+def _row(ds, i: int) -> dict[str, Any]:
+    r = ds.row(i)
+    return {"tokens": r.tokens, "response_length": r.response_length, "returns": r.returns, "loss_mask": r.loss_mask}

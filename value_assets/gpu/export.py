@@ -1,0 +1,43 @@
+"""Export a contracted critic checkpoint to Hugging Face format (one process, any saved TP size)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
+from value_assets.core.errors import InputError
+from value_assets.core.objective import Objective
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> Path:
+    from .hf_convert import export_critic_to_hf
+    from .model import BackboneConfig, build_critic
+    from .parallel import destroy, free_port, init_distributed
+    from .checkpoint import load_critic
+
+    step_dir = checkpoint
+    if not (step_dir / CONTRACT_NAME).is_file():
+        latest = read_latest(checkpoint) if checkpoint.is_dir() else None
+        if latest is None:
+            raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")
+        step_dir = latest[0]
+    contract, _ = load_contract(step_dir)
+    if out.exists() and any(out.iterdir()):
+        raise InputError(str(out), "output folder exists and is not empty")
+    backbone = BackboneConfig.from_json(contract["backbone_config"])
+    objective = Objective.from_json(contract["objective"])
+    init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
+    try:
+        model = build_critic(backbone, objective, bf16=False)
+        load_critic(step_dir, model)
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if hasattr(v, "detach")}
+        export_critic_to_hf(state, backbone, objective.head_size, out, objective=objective)
+    finally:
+        destroy()
+    return out
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

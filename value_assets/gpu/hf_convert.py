@@ -1,0 +1,494 @@
+"""Hugging Face <-> Megatron conversion for the critic: actor checkpoints in, critic out.
+
+In: `load_hf_backbone_state` maps an actor's Hugging Face safetensors checkpoint (Llama, Qwen2,
+Qwen3) onto the parameter names of Megatron-core's `GPTModel` built from the *local* (non-Transformer-
+Engine) layer spec, optionally sliced for one tensor-parallel rank. Every backbone tensor is consumed
+and every expected one found, or an `InputError` names the tensor. Out: `export_critic_to_hf` writes a
+trained critic as a `transformers` token-classification checkpoint (`<Family>ForTokenClassification`,
+value head = `score` with bias) plus `value_head.json`. transformers' generic token-classification
+head is `nn.Linear(hidden, num_labels)` with bias on by default, so SPEC 4's head (bias on, float32)
+maps onto it one to one, and `AutoModelForTokenClassification` loads the critic with no custom code.
+
+Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
+- megatron-bridge 0.3.1 requires transformer-engine (CUDA build), megatron-core < 0.17 and
+  transformers < 5. It cannot install on this CPU machine (transformers 5 here) nor on the H200
+  image, whose Python 3.12 gets megatron-core 0.19.x and has no Transformer Engine.
+- mbridge 0.15.1 installs (pure Python) but builds its models with
+  `get_gpt_decoder_block_spec(use_transformer_engine=True)`, i.e. TE modules and TE parameter names
+  (`linear_qkv.layer_norm_weight`), moves weights with `torch.cuda.current_device()`, and owns the
+  model construction, while the critic is a local-spec GPTModel with a value head instead of the LM
+  output layer. Using it would mean patching around it in both environments.
+- The mapping for three dense families is ~150 lines of tensor reshapes that we can test exactly
+  against `transformers` on CPU (tests/hf), runs unchanged on megatron-core 0.16 and 0.19, and
+  keeps the strictness SPEC 4 demands (no silent partial loads). Other families or MoE: add a
+  family in `hf_families.py` and a mapping here, or revisit a bridge when TE is available.
+
+Megatron layout facts used here (megatron-core 0.16.1 local spec, checked by instantiating it;
+the 0.19.2 wheel's local spec and fused-qkv split read the same):
+- `self_attention.linear_qkv.weight` is [ng * (np/ng + 2) * hn, h], interleaved per query group g
+  as [q heads of g; k_g; v_g]; TP shards split it contiguously along dim 0 (also when tp > ng,
+  where Megatron all-gathers and re-slices).
+- norms are separate modules: `input_layernorm.weight`, `pre_mlp_layernorm.weight`,
+  `self_attention.{q,k}_layernorm.weight` (per head dim), `decoder.final_layernorm.weight`.
+- `mlp.linear_fc1.weight` is [gate; up] per TP shard; `linear_proj`/`linear_fc2` are row-parallel
+  (dim 1); the embedding is vocab-parallel (dim 0, padded vocab).
+- RoPE is non-interleaved (rotate-half), the same convention as the HF families here.
+
+Never unpickles: `.bin`/`.pt` checkpoints are refused; convert them to safetensors first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from value_assets.core.errors import InputError, show
+from value_assets.gpu.hf_families import read_hf_config
+
+__all__ = [
+    "read_hf_config",
+    "load_hf_backbone_state",
+    "export_critic_to_hf",
+    "load_hf_value_head",
+    "backbone_config_kwargs",
+    "megatron_backbone_names",
+    "HF_TOKEN_CLASSIFICATION",
+    "VALUE_HEAD_FORMAT",
+]
+
+HF_TOKEN_CLASSIFICATION = {
+    "llama": "LlamaForTokenClassification",
+    "qwen2": "Qwen2ForTokenClassification",
+    "qwen3": "Qwen3ForTokenClassification",
+}
+VALUE_HEAD_FORMAT = "value_assets.value_head/1"
+# Non-weight entries some older checkpoints carry; they are recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ----------------------------------------------------------------------------- reading files
+
+
+class _SafetensorsFolder:
+    """Lazy access to the tensors of a local safetensors checkpoint (single file or sharded)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise InputError(str(index), f"needs a non-empty 'weight_map', got {show(weight_map)}")
+            self.where = {name: folder / shard for name, shard in weight_map.items()}
+            for shard in sorted(set(self.where.values())):
+                if not shard.is_file():
+                    raise InputError(str(index), f"names shard {shard.name!r}, which does not exist")
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                self.where = {name: single for name in f.keys()}
+        else:
+            pickles = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            if pickles:
+                raise InputError(
+                    str(folder),
+                    f"holds only pickle checkpoints {pickles}; refusing to unpickle. Convert them to "
+                    "safetensors first (model.save_pretrained(..., safe_serialization=True)).",
+                )
+            raise InputError(str(folder), "has neither model.safetensors nor model.safetensors.index.json")
+        self._open: dict[Path, Any] = {}
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.where[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path].get_tensor(name)
+
+
+# ----------------------------------------------------------------------------- name mapping
+
+
+# `read_hf_config` name -> the same field under `gpu.model.BackboneConfig`'s names, and defaults for
+# fields that config does not carry.
+_ALIASES = {
+    "max_position_embeddings": "max_seq_len",
+    "rope_theta": "rotary_base",
+    "rms_norm_eps": "norm_epsilon",
+    "kv_channels": "head_dim",
+}
+_DEFAULTS = {"rope_scaling": False, "rope_scaling_factor": 1.0}
+
+
+def _field(cfg: Any, name: str) -> Any:
+    """A backbone field from a `read_hf_config` dict or a `BackboneConfig`-like object."""
+    for key in (name, _ALIASES.get(name)):
+        if key is None:
+            continue
+        if isinstance(cfg, Mapping) and key in cfg:
+            return cfg[key]
+        if not isinstance(cfg, Mapping) and hasattr(cfg, key):
+            return getattr(cfg, key)
+    if name in _DEFAULTS:
+        return _DEFAULTS[name]
+    raise InputError(f"backbone_config.{name}", f"missing on {type(cfg).__name__}")
+
+
+def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """`read_hf_config` output as keyword arguments of `gpu.model.BackboneConfig`.
+
+    Refuses what that config cannot express yet (head_dim != hidden/heads as in Qwen3, RoPE
+    scaling) instead of building a critic that silently differs from the actor.
+    """
+    if cfg["kv_channels"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise InputError("config.json: head_dim", f"{cfg['kv_channels']} != hidden_size/num_attention_heads "
+                         f"({cfg['hidden_size']}/{cfg['num_attention_heads']}); BackboneConfig has no head_dim")
+    if cfg["rope_scaling"]:
+        raise InputError("config.json: rope scaling", "llama3 RoPE scaling is not expressible in BackboneConfig")
+    return {
+        "family": cfg["family"],
+        "num_layers": cfg["num_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["ffn_hidden_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_query_groups": cfg["num_query_groups"],
+        "vocab_size": cfg["vocab_size"],
+        "max_seq_len": cfg["max_position_embeddings"],
+        "rotary_base": cfg["rope_theta"],
+        "norm_epsilon": cfg["rms_norm_eps"],
+        "qkv_bias": cfg["qkv_bias"],
+        "qk_layernorm": cfg["qk_layernorm"],
+    }
+
+
+def megatron_backbone_names(cfg: Any) -> list[str]:
+    """Megatron GPTModel (local spec) parameter names of the backbone, final norm included.
+
+    `cfg` is a `read_hf_config` dict (or an object with those attributes).
+    """
+    names = ["embedding.word_embeddings.weight"]
+    for i in range(_field(cfg, "num_layers")):
+        p = f"decoder.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
+        if _field(cfg, "qkv_bias"):
+            names.append(p + "self_attention.linear_qkv.bias")
+        if _field(cfg, "qk_layernorm"):
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [
+            p + "self_attention.linear_proj.weight",
+            p + "pre_mlp_layernorm.weight",
+            p + "mlp.linear_fc1.weight",
+            p + "mlp.linear_fc2.weight",
+        ]
+    names.append("decoder.final_layernorm.weight")
+    return names
+
+
+def _hf_layer_names(cfg: Mapping[str, Any], prefix: str, i: int) -> dict[str, str]:
+    p = f"{prefix}layers.{i}."
+    names = {
+        "ln1": p + "input_layernorm.weight",
+        "q": p + "self_attn.q_proj.weight",
+        "k": p + "self_attn.k_proj.weight",
+        "v": p + "self_attn.v_proj.weight",
+        "o": p + "self_attn.o_proj.weight",
+        "ln2": p + "post_attention_layernorm.weight",
+        "gate": p + "mlp.gate_proj.weight",
+        "up": p + "mlp.up_proj.weight",
+        "down": p + "mlp.down_proj.weight",
+    }
+    if cfg["qkv_bias"]:
+        names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias", vb=p + "self_attn.v_proj.bias")
+    if cfg["qk_layernorm"]:
+        names.update(qn=p + "self_attn.q_norm.weight", kn=p + "self_attn.k_norm.weight")
+    return names
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    if size == 1:
+        return t
+    if t.shape[dim] % size:
+        raise InputError(name, f"dim {dim} of shape {tuple(t.shape)} is not divisible by tp_size {size}")
+    return t.chunk(size, dim=dim)[rank]
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[q; k; v] (HF, head-major) -> Megatron's per-group interleave [q_g..., k_g, v_g] along dim 0."""
+    tail = q.shape[1:]
+    qg = q.reshape(groups, -1, *tail)
+    kg = k.reshape(groups, -1, *tail)
+    vg = v.reshape(groups, -1, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(qkv: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups = _field(cfg, "num_query_groups")
+    hd = _field(cfg, "kv_channels")
+    per = _field(cfg, "num_attention_heads") // groups
+    tail = qkv.shape[1:]
+    g = qkv.reshape(groups, (per + 2) * hd, *tail)
+    q, k, v = torch.split(g, [per * hd, hd, hd], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(want):
+        raise InputError(name, f"has shape {tuple(t.shape)}, expected {tuple(want)} from config.json")
+
+
+# ----------------------------------------------------------------------------- HF -> Megatron
+
+
+def load_hf_backbone_state(
+    folder: str | Path,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    padded_vocab_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Backbone tensors of the HF checkpoint in `folder`, named and sliced for Megatron TP rank `tp_rank`.
+
+    Returns {megatron name: tensor} with exactly `megatron_backbone_names(read_hf_config(folder))`:
+    the embedding (rows padded with zeros to `padded_vocab_size` when given, then vocab-sharded),
+    every layer and `decoder.final_layernorm.weight`. No LM head: the critic replaces it (a
+    `lm_head.weight` in the checkpoint is read past; tied checkpoints have none). Tensors keep the
+    checkpoint dtype unless `dtype` is given. Raises `InputError` naming the tensor for anything
+    missing, unexpected or of the wrong shape.
+    """
+    folder = Path(folder)
+    cfg = read_hf_config(folder)
+    if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise InputError("tp_rank/tp_size", f"need 0 <= tp_rank < tp_size, got {tp_rank}/{tp_size}")
+    files = _SafetensorsFolder(folder)
+    available = files.names()
+    if "model.embed_tokens.weight" in available:
+        prefix = "model."
+    elif "embed_tokens.weight" in available:
+        prefix = ""
+    else:
+        raise InputError(str(folder), "has no 'model.embed_tokens.weight' (nor 'embed_tokens.weight')")
+
+    h, ffn, hd = cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["kv_channels"]
+    heads, groups, vocab = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["vocab_size"]
+    consumed: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in available:
+            raise InputError(f"{folder}: {name}", "missing from the checkpoint")
+        t = files.get(name)
+        _check_shape(f"{folder}: {name}", t, shape)
+        consumed.add(name)
+        return t if dtype is None else t.to(dtype)
+
+    out: dict[str, torch.Tensor] = {}
+    emb = take(prefix + "embed_tokens.weight", (vocab, h))
+    if padded_vocab_size is not None:
+        if padded_vocab_size < vocab:
+            raise InputError("padded_vocab_size", f"{padded_vocab_size} is smaller than vocab_size {vocab}")
+        emb = torch.cat([emb, emb.new_zeros(padded_vocab_size - vocab, h)])
+    out["embedding.word_embeddings.weight"] = _shard(emb, 0, tp_rank, tp_size, "embedding.word_embeddings.weight")
+
+    for i in range(cfg["num_layers"]):
+        n = _hf_layer_names(cfg, prefix, i)
+        p = f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = take(n["ln1"], (h,))
+        qkv = _fuse_qkv(take(n["q"], (heads * hd, h)), take(n["k"], (groups * hd, h)), take(n["v"], (groups * hd, h)), groups)
+        out[p + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tp_rank, tp_size, p + "self_attention.linear_qkv.weight")
+        if cfg["qkv_bias"]:
+            qkv_b = _fuse_qkv(take(n["qb"], (heads * hd,)), take(n["kb"], (groups * hd,)), take(n["vb"], (groups * hd,)), groups)
+            out[p + "self_attention.linear_qkv.bias"] = _shard(qkv_b, 0, tp_rank, tp_size, p + "self_attention.linear_qkv.bias")
+        if cfg["qk_layernorm"]:
+            out[p + "self_attention.q_layernorm.weight"] = take(n["qn"], (hd,))
+            out[p + "self_attention.k_layernorm.weight"] = take(n["kn"], (hd,))
+        out[p + "self_attention.linear_proj.weight"] = _shard(take(n["o"], (h, heads * hd)), 1, tp_rank, tp_size, p + "self_attention.linear_proj.weight")
+        out[p + "pre_mlp_layernorm.weight"] = take(n["ln2"], (h,))
+        gate = _shard(take(n["gate"], (ffn, h)), 0, tp_rank, tp_size, n["gate"])
+        up = _shard(take(n["up"], (ffn, h)), 0, tp_rank, tp_size, n["up"])
+        out[p + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[p + "mlp.linear_fc2.weight"] = _shard(take(n["down"], (h, ffn)), 1, tp_rank, tp_size, p + "mlp.linear_fc2.weight")
+    out["decoder.final_layernorm.weight"] = take(prefix + "norm.weight", (h,))
+
+    # Heads are not backbone: the LM head (actor) or the value head `score.*` (an exported critic)
+    # is read past on purpose; the critic adds its own head. Everything else must be consumed.
+    if "lm_head.weight" in available:
+        _check_shape(f"{folder}: lm_head.weight", files.get("lm_head.weight"), (vocab, h))
+        consumed.add("lm_head.weight")
+    consumed.update(n for n in ("score.weight", "score.bias") if n in available)
+    leftover = sorted(n for n in available - consumed if not n.endswith(_IGNORED_SUFFIXES))
+    if leftover:
+        raise InputError(
+            str(folder),
+            f"unexpected tensor(s) for a {cfg['family']} backbone: {leftover[:8]}" + (" ..." if len(leftover) > 8 else ""),
+        )
+    want = megatron_backbone_names(cfg)
+    assert list(out) == want, (list(out), want)  # internal consistency, not input validation
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_hf_value_head(folder: str | Path, head_prefix: str = "output_layer") -> dict[str, torch.Tensor]:
+    """The value head of a critic exported by `export_critic_to_hf` (`score.weight` [K, hidden],
+    `score.bias` [K]), renamed to `{head_prefix}.weight`/`.bias` for a resume from that folder."""
+    folder = Path(folder)
+    cfg = read_hf_config(folder)
+    files = _SafetensorsFolder(folder)
+    missing = [n for n in ("score.weight", "score.bias") if n not in files.names()]
+    if missing:
+        raise InputError(str(folder), f"has no value head: missing {missing} (not an exported critic?)")
+    w, b = files.get("score.weight"), files.get("score.bias")
+    if w.dim() != 2 or w.shape[1] != cfg["hidden_size"] or tuple(b.shape) != (w.shape[0],):
+        raise InputError(f"{folder}: score.weight", f"shapes {tuple(w.shape)} / {tuple(b.shape)} do not form a "
+                         f"[K, {cfg['hidden_size']}] head with a [K] bias")
+    return {f"{head_prefix}.weight": w, f"{head_prefix}.bias": b}
+
+
+# ----------------------------------------------------------------------------- Megatron -> HF
+
+
+def _hf_config_dict(cfg: Any, num_labels: int, dtype: torch.dtype) -> dict[str, Any]:
+    family = _field(cfg, "family")
+    if family not in HF_TOKEN_CLASSIFICATION:
+        raise InputError("backbone_config.family", f"{show(family)} is not supported; supported: {list(HF_TOKEN_CLASSIFICATION)}")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_field(cfg, "rope_theta"))}
+    if _field(cfg, "rope_scaling"):
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": float(_field(cfg, "rope_theta")),
+            "factor": float(_field(cfg, "rope_scaling_factor")),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    out = {
+        "model_type": family,
+        "architectures": [HF_TOKEN_CLASSIFICATION[family]],
+        "num_hidden_layers": _field(cfg, "num_layers"),
+        "hidden_size": _field(cfg, "hidden_size"),
+        "intermediate_size": _field(cfg, "ffn_hidden_size"),
+        "num_attention_heads": _field(cfg, "num_attention_heads"),
+        "num_key_value_heads": _field(cfg, "num_query_groups"),
+        "head_dim": _field(cfg, "kv_channels"),
+        "vocab_size": _field(cfg, "vocab_size"),
+        "max_position_embeddings": _field(cfg, "max_position_embeddings"),
+        "rms_norm_eps": float(_field(cfg, "rms_norm_eps")),
+        "hidden_act": "silu",
+        # Both layouts: transformers 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling.
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "tie_word_embeddings": False,  # the critic's embeddings are untied (SPEC 4)
+        "num_labels": num_labels,
+        "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
+        "classifier_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "dtype": str(dtype).removeprefix("torch."),
+        "use_cache": False,
+    }
+    if family == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif family == "qwen3":
+        out.update(attention_bias=False, use_sliding_window=False)
+    else:
+        out.update(use_sliding_window=False)
+    return out
+
+
+def export_critic_to_hf(
+    megatron_state: Mapping[str, torch.Tensor],
+    backbone_config: Any,
+    objective_head_size: int,
+    out_folder: str | Path,
+    *,
+    head_prefix: str = "output_layer",
+    objective: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a full (TP=1, unsharded) Megatron critic state as an HF token-classification checkpoint.
+
+    `megatron_state`: the critic's state dict (backbone names of `megatron_backbone_names` plus
+    `{head_prefix}.weight` [K, hidden] and `{head_prefix}.bias` [K] -- the default prefix is where
+    `gpu.model.build_critic` puts its `ValueHead`; `_extra_state` entries are
+    skipped; embedding rows beyond `vocab_size` (TP padding) are dropped). `backbone_config`: a
+    `read_hf_config` dict or a `BackboneConfig` (its names `max_seq_len`, `rotary_base`,
+    `norm_epsilon`, `head_dim` are accepted as aliases). `objective`: optional
+    `core.objective.Objective`, recorded in `value_head.json`.
+
+    Writes `model.safetensors` (all tensors in `dtype`), `config.json` for
+    `<Family>ForTokenClassification` with `num_labels=K`, the head as `score.weight`/`score.bias`
+    (transformers' `GenericForTokenClassification` head: `nn.Linear(hidden, num_labels)`, bias on
+    by default), and `value_head.json`. The HF model's logits [b, s, K] equal the critic head's.
+    Returns the folder.
+    """
+    out_folder = Path(out_folder)
+    k = objective_head_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InputError("objective_head_size", f"must be a positive integer, got {show(k)}")
+    if objective is not None and getattr(objective, "head_size", k) != k:
+        raise InputError("objective_head_size", f"{k} disagrees with objective.head_size {objective.head_size}")
+    h, vocab = _field(backbone_config, "hidden_size"), _field(backbone_config, "vocab_size")
+    state = {n: t for n, t in megatron_state.items() if not n.endswith("_extra_state")}
+    head_names = [f"{head_prefix}.weight", f"{head_prefix}.bias"]
+    want = megatron_backbone_names(backbone_config)
+    missing = [n for n in want + head_names if n not in state]
+    unexpected = sorted(set(state) - set(want) - set(head_names))
+    if missing or unexpected:
+        raise InputError("megatron_state", f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    _check_shape(head_names[0], state[head_names[0]], (k, h))
+    _check_shape(head_names[1], state[head_names[1]], (k,))
+
+    def get(name: str) -> torch.Tensor:
+        return state[name].detach().to("cpu", dtype)
+
+    emb = get("embedding.word_embeddings.weight")
+    if emb.shape[0] < vocab or emb.shape[1] != h:
+        raise InputError("embedding.word_embeddings.weight", f"shape {tuple(emb.shape)} does not cover vocab {vocab} x hidden {h}")
+    ffn = _field(backbone_config, "ffn_hidden_size")
+    hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb[:vocab]}
+    for i in range(_field(backbone_config, "num_layers")):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        hf[q + "input_layernorm.weight"] = get(p + "input_layernorm.weight")
+        qw, kw, vw = _split_qkv(get(p + "self_attention.linear_qkv.weight"), backbone_config)
+        hf.update({q + "self_attn.q_proj.weight": qw, q + "self_attn.k_proj.weight": kw, q + "self_attn.v_proj.weight": vw})
+        if _field(backbone_config, "qkv_bias"):
+            qb, kb, vb = _split_qkv(get(p + "self_attention.linear_qkv.bias"), backbone_config)
+            hf.update({q + "self_attn.q_proj.bias": qb, q + "self_attn.k_proj.bias": kb, q + "self_attn.v_proj.bias": vb})
+        if _field(backbone_config, "qk_layernorm"):
+            hf[q + "self_attn.q_norm.weight"] = get(p + "self_attention.q_layernorm.weight")
+            hf[q + "self_attn.k_norm.weight"] = get(p + "self_attention.k_layernorm.weight")
+        hf[q + "self_attn.o_proj.weight"] = get(p + "self_attention.linear_proj.weight")
+        hf[q + "post_attention_layernorm.weight"] = get(p + "pre_mlp_layernorm.weight")
+        fc1 = get(p + "mlp.linear_fc1.weight")
+        _check_shape(p + "mlp.linear_fc1.weight", fc1, (2 * ffn, h))
+        hf[q + "mlp.gate_proj.weight"], hf[q + "mlp.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
+        hf[q + "mlp.down_proj.weight"] = get(p + "mlp.linear_fc2.weight")
+    hf["model.norm.weight"] = get("decoder.final_layernorm.weight")
+    hf["score.weight"] = get(head_names[0])
+    hf["score.bias"] = get(head_names[1])
+
+    out_folder.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in hf.items()}, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
+    (out_folder / "config.json").write_text(json.dumps(_hf_config_dict(backbone_config, k, dtype), indent=2) + "\n")
+    head_info: dict[str, Any] = {
+        "format": VALUE_HEAD_FORMAT,
+        "hf_module": "score",
+        "num_outputs": k,
+        "logits_dtype": "float32",
+        "objective": objective.canonical() if objective is not None else None,
+    }
+    if objective is not None:
+        low, high = objective.reward_range
+        head_info["prediction"] = (
+            f"V = softmax(logits) . linspace({low}, {high}, {k})" if objective.loss_type == "classification" else "V = logits[..., 0]"
+        )
+        head_info["support"] = [low, high, k] if objective.loss_type == "classification" else None
+    head_info["read_position"] = "value of response token j at absolute position prompt_len + j - 1"
+    (out_folder / "value_head.json").write_text(json.dumps(head_info, indent=2, sort_keys=True) + "\n")
+    return out_folder

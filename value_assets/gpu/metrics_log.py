@@ -1,0 +1,37 @@
+"""Per-step training metrics: a JSON-lines file and TensorBoard event files beside the checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SCALARS = ("loss", "value_accuracy", "entropy", "explained_variance", "grad_norm", "lr", "tokens_per_s")
+
+
+class MetricsLog:
+    def __init__(self, critic_dir: Path):
+        self.path = critic_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(critic_dir / "tensorboard"))
+        except ImportError:  # tensorboard is optional at run time; the JSON log always exists
+            self._tb = None
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in SCALARS:
+                v = metrics.get(key)
+                if v is not None:  # an undefined in-batch EV is left out, never logged as 0
+                    self._tb.add_scalar(f"train/{key}", float(v), step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

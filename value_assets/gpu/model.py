@@ -1,0 +1,223 @@
+"""The critic: a megatron-core `GPTModel` backbone (Llama / Qwen2 / Qwen3 shape) with a value head.
+
+Architecture only; parallel setup lives in `parallel.py`, training in `train.py`.
+
+- Local (non-Transformer-Engine) layer spec, with `PackedCoreAttention` as core attention so
+  packed variable-length rows run on PyTorch fused kernels.
+- The LM output layer is replaced by `ValueHead` (Linear hidden -> K, bias, weight N(0, 0.02),
+  bias 0, computed in float32) on the last pipeline stage only (SPEC 4). Embeddings untied.
+- Forward returns per-token head outputs, float32 [t, K] for a packed row of t tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from value_assets.core.objective import Objective
+
+from .attention import PackedCoreAttention
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackboneConfig:
+    """Shape of the actor transformer the critic is built from."""
+
+    family: str = "qwen2"
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    max_seq_len: int
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"backbone.family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"backbone.{name} must be an int >= 1, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"backbone.hidden_size {self.hidden_size} not divisible by "
+                f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"backbone.num_attention_heads {self.num_attention_heads} not divisible by "
+                f"num_query_groups {self.num_query_groups}")
+        if not (self.rotary_base > 0 and self.norm_epsilon > 0):
+            raise ValueError(
+                f"backbone.rotary_base and norm_epsilon must be > 0, got "
+                f"{self.rotary_base!r}, {self.norm_epsilon!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "BackboneConfig":
+        return cls(**obj)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "BackboneConfig":
+        """2 layers, hidden 64, 4 heads / 2 KV groups; vocab 49152 covers the demo token ids."""
+        base = dict(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                    num_attention_heads=4, num_query_groups=2, vocab_size=49152,
+                    max_seq_len=1024, rotary_base=10000.0, norm_epsilon=1e-6, qkv_bias=True)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def qwen2_5_0_5b(cls) -> "BackboneConfig":
+        return cls(family="qwen2", num_layers=24, hidden_size=896, ffn_hidden_size=4864,
+                   num_attention_heads=14, num_query_groups=2, vocab_size=151936,
+                   max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
+
+    @classmethod
+    def qwen2_5_1_5b(cls) -> "BackboneConfig":
+        return cls(family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960,
+                   num_attention_heads=12, num_query_groups=2, vocab_size=151936,
+                   max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
+
+
+def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
+                       bf16: Optional[bool] = None) -> Any:
+    """megatron `TransformerConfig` for the backbone. bf16 defaults to "CUDA available"."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if bf16 is None:
+        bf16 = torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=backbone.num_layers,
+        hidden_size=backbone.hidden_size,
+        ffn_hidden_size=backbone.ffn_hidden_size,
+        num_attention_heads=backbone.num_attention_heads,
+        num_query_groups=backbone.num_query_groups,
+        kv_channels=backbone.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=backbone.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=backbone.qkv_bias,
+        qk_layernorm=backbone.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        # Full weights are initialised on CPU and split, so a model is the same for any TP size.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # The loss function does its own (per-row, global-batch) normalisation: megatron must
+        # neither divide by the micro-batch count nor average gradients over data parallel.
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,  # packed micro-batches differ in length (pipeline p2p)
+        moe_token_dispatcher_type="alltoall",  # only to satisfy the variable-length check
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        deterministic_mode=not cuda,
+    )
+
+
+class ValueHead(torch.nn.Module):
+    """Linear hidden -> K in float32; replaces `GPTModel.output_layer`, so it takes the output
+    layer's call signature and returns (values, None). Parameters are named `weight` / `bias`
+    because megatron's `LanguageModule.sharded_state_dict` looks up `output_layer.weight`.
+    Replicated (not tensor-parallel) on every TP rank."""
+
+    def __init__(self, hidden_size: int, head_size: int, seed: int = 0):
+        super().__init__()
+        # A dedicated generator: identical on every TP rank and independent of backbone init.
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(head_size, hidden_size, generator=gen) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(head_size))
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None,
+                runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:
+        return F.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
+
+
+def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1, pp: int = 1,
+                 bf16: Optional[bool] = None, head_seed: int = 0) -> torch.nn.Module:
+    """Build this rank's critic module (megatron parallel state must be initialised).
+
+    Returns a `GPTModel` whose `output_layer` is a `ValueHead` on the last pipeline stage.
+    Parameters are on the current CUDA device (CPU without CUDA); the head stays float32.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = transformer_config(backbone, tp=tp, pp=pp, bf16=bf16)
+    spec = get_gpt_layer_local_spec(qk_layernorm=backbone.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    pre = ps.is_pipeline_first_stage()
+    post = ps.is_pipeline_last_stage()
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=backbone.vocab_size,
+        max_sequence_length=backbone.max_seq_len,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(backbone.rotary_base) if float(backbone.rotary_base).is_integer()
+        else backbone.rotary_base,
+    )
+    if post:
+        # The vocab projection is dropped before it ever reaches a device or an optimizer.
+        model.output_layer = ValueHead(backbone.hidden_size, objective.head_size, seed=head_seed)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+        if post:
+            model.output_layer.float()
+    return model
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def critic_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
+                   cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """Run one packed micro-batch.
+
+    tokens int64 [t], position_ids int64 [t] (restart at 0 per sequence), cu_seqlens int32 [n+1].
+    Returns float32 [t, K] on the last pipeline stage (hidden states [t, 1, h] elsewhere).
+    """
+    out = model(tokens.unsqueeze(0), position_ids.unsqueeze(0), None,
+                packed_seq_params=packed_seq_params(cu_seqlens, max_seqlen))
+    if out.dim() == 3 and out.shape[0] == 1:  # GPTModel returns [b=1, t, K]
+        return out[0]
+    return out

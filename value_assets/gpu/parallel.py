@@ -1,0 +1,85 @@
+"""Process-group setup and teardown for one critic worker (one rank).
+
+`init_distributed` starts torch.distributed (gloo on CPU, NCCL on CUDA), megatron's model-parallel
+groups and the seeds; `destroy` undoes all of it and is safe to call from a `finally` whether or
+not init got that far.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+
+from .compat import apply_cpu_compat, seed_model_parallel
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    tp: int = 1,
+    pp: int = 1,
+    backend: Optional[str] = None,
+    seed: int = 1234,
+    timeout_s: float = 600.0,
+    local_rank: Optional[int] = None,
+) -> None:
+    """Join the process group and build megatron's parallel state (dp = world / (tp * pp)).
+
+    On CUDA the device is `local_rank` (default: rank modulo visible devices); on CPU the megatron
+    compatibility layer is applied first.
+    """
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} not divisible by tp*pp = {tp}*{pp}")
+    backend = backend or default_backend()
+    if torch.cuda.is_available():
+        dev = local_rank if local_rank is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(dev)
+    else:
+        if backend == "nccl":
+            raise ValueError("NCCL needs CUDA; use backend='gloo' on CPU")
+        apply_cpu_compat()
+    from megatron.core import parallel_state as ps
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", master_addr)
+        os.environ.setdefault("MASTER_PORT", str(master_port))
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    seed_model_parallel(seed)
+
+
+def destroy() -> None:
+    """Tear down megatron parallel state and the process group; idempotent."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (for tests and single-host launches)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

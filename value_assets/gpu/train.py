@@ -1,0 +1,181 @@
+"""One optimizer step per planned batch, and forward-only evaluation, for one rank.
+
+`wrap_for_training` puts the critic in megatron DDP and builds megatron's Adam (non-distributed
+optimizer; fp32 grads); `train_step` runs megatron's forward-backward schedule over this rank's
+packed micro-batches and steps; `evaluate_rows` returns per-row predicted values aligned with the
+returns.
+
+Scaling (why the config sets `calculate_per_token_loss=True`): each micro-batch's loss is already
+"sum of row means / global rows" (losses.py), so the schedule must not divide by the micro-batch
+count and DDP must sum gradients over data-parallel ranks instead of averaging them; that flag
+gives exactly both. Gradient finalisation is megatron's `finalize_model_grads` with
+`num_tokens=None` (no further token normalisation).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from value_assets.core.objective import Objective
+
+from .losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
+from .model import critic_forward
+from .packing import MicroBatch, response_slices
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def wrap_for_training(
+    model: torch.nn.Module,
+    *,
+    lr: float = 1e-5,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    clip_grad: float = 1.0,
+) -> tuple[torch.nn.Module, Any]:
+    """Wrap the critic in megatron DDP and build the Adam optimizer. Returns (ddp_model, optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = model.config
+    ddp = DistributedDataParallel(
+        config=cfg,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            check_for_nan_in_grad=True, bucket_size=None,
+        ),
+        module=model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+            adam_beta2=betas[1], adam_eps=eps, clip_grad=clip_grad, bf16=cfg.bf16,
+            params_dtype=cfg.params_dtype, use_distributed_optimizer=False,
+        ),
+        [ddp],
+    )
+    cfg.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None, **kw)
+    cfg.grad_scale_func = opt.scale_loss
+    return ddp, opt
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set the learning rate of every param group (the driver owns the schedule)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _dp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+    return t
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: Any,
+    microbatches: Sequence[MicroBatch],
+    global_num_rows: int,
+    objective: Objective,
+    *,
+    per_token: bool = False,
+    global_num_active: Optional[int] = None,
+) -> dict[str, Any]:
+    """One optimizer step over this rank's micro-batches (rows of the global batch assigned to this
+    dp rank, already packed). `global_num_rows` is the planned global batch size G.
+
+    Returns metrics (global, identical on every rank): loss, value_accuracy, entropy,
+    explained_variance (None where undefined), grad_norm, lr, update_successful, rows,
+    active_targets, tokens (global packed tokens), tokens_per_s, step_time_s.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        raise ValueError("train_step needs at least one micro-batch on every rank")
+    t0 = time.perf_counter()
+    dev = _device()
+    model.train()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    stats_acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=dev)
+
+    def loss_func(mb: MicroBatch, head_out: torch.Tensor):
+        loss, stats = loss_and_stats(head_out, mb.returns, mb.mask, mb.cu_seqlens, objective,
+                                     global_num_rows, per_token, global_num_active)
+        stats_acc.add_(stats.to(dev))
+        # (loss, num_tokens, reporting): with calculate_per_token_loss the schedule backprops
+        # `loss` unscaled; num_tokens is ignored by our finalize function.
+        return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
+
+    def forward_step(data_iterator, m):
+        mb = next(data_iterator).to(dev)
+        out = critic_forward(m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        return out, partial(loss_func, mb)
+
+    fb = get_forward_backward_func()
+    fb(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=max(mb.num_tokens for mb in microbatches),
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    tokens = torch.tensor([float(sum(mb.num_tokens for mb in microbatches))], dtype=torch.float64, device=dev)
+    _dp_all_reduce(stats_acc)
+    _dp_all_reduce(tokens)
+    metrics: dict[str, Any] = finalize_metrics(stats_acc, objective)
+    dt = time.perf_counter() - t0
+    metrics.update(
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        lr=float(optimizer.param_groups[0]["lr"]),
+        update_successful=bool(update_successful),
+        tokens=float(tokens.item()),
+        step_time_s=dt,
+        tokens_per_s=float(tokens.item()) / dt if dt > 0 else None,
+    )
+    return metrics
+
+
+@torch.no_grad()
+def evaluate_rows(
+    model: torch.nn.Module, microbatches: Iterable[MicroBatch], objective: Objective
+) -> dict[int, dict[str, np.ndarray]]:
+    """Forward-only (eval mode, no grad). Returns {row_id: {"values": float64 [r],
+    "returns": float64 [r], "mask": float64 [r]}}, values[j] = V at the position that predicts
+    response token j (SPEC 4). Single pipeline stage only."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() != 1:
+        raise NotImplementedError("evaluate_rows supports pipeline size 1")
+    dev = _device()
+    was_training = model.training
+    model.eval()
+    out: dict[int, dict[str, np.ndarray]] = {}
+    try:
+        for mb in microbatches:
+            mbd = mb.to(dev)
+            head = critic_forward(model, mbd.tokens, mbd.position_ids, mbd.cu_seqlens, mbd.max_seqlen)
+            v = predicted_values(head, objective).to(torch.float64).cpu().numpy()
+            for rid, sl in response_slices(mb):
+                out[rid] = {
+                    "values": v[sl].copy(),
+                    "returns": mb.returns[sl].to(torch.float64).numpy(),
+                    "mask": mb.mask[sl].to(torch.float64).numpy(),
+                }
+    finally:
+        model.train(was_training)
+    return out

@@ -1,0 +1,167 @@
+"""The per-GPU worker: one Ray actor per placement-group bundle.
+
+Each worker joins torch.distributed (NCCL on GPU, gloo on CPU) and megatron's parallel state,
+builds its shard of the critic, and executes what the driver asks, step by step: bootstrap or
+resume, one optimizer step over its rows, save, forward-only evaluation. Rows arrive from the
+driver already assigned to this worker's data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Sequence
+
+import numpy as np
+
+from value_assets.core.objective import Objective
+from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+
+
+def node_address() -> str:
+    """An address the other ranks can reach: loopback for a single-host run, else this node's IP."""
+    if os.environ.get("VALUE_ASSETS_LOOPBACK", "1") == "1":
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+class CriticWorker:
+    """Methods are called by the driver through Ray; every collective method is called on all ranks."""
+
+    def __init__(self, *, rank: int, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any],
+                 objective: dict[str, Any], threads: int | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.tp = tp
+        self.pp = pp
+        self.seed = seed
+        self.backbone_json = backbone
+        self.objective = Objective.from_json(objective)
+        self.model = None
+        self.optimizer = None
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+
+    # -- setup ------------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        from .parallel import free_port
+
+        return node_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, *, train: bool, lr: float, weight_decay: float,
+              clip_grad: float, timeout_s: float) -> dict[str, int]:
+        import torch
+
+        from .model import BackboneConfig, build_critic
+        from .parallel import init_distributed
+
+        init_distributed(self.rank, self.world_size, master_addr, master_port, tp=self.tp, pp=self.pp,
+                         seed=self.seed, timeout_s=timeout_s)
+        from megatron.core import parallel_state as ps
+
+        torch.manual_seed(self.seed)
+        model = build_critic(BackboneConfig.from_json(self.backbone_json), self.objective, tp=self.tp, pp=self.pp,
+                             head_seed=self.seed)
+        if train:
+            from .train import wrap_for_training
+
+            self.model, self.optimizer = wrap_for_training(model, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad)
+        else:
+            self.model = model
+        return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "dp_size": ps.get_data_parallel_world_size()}
+
+    def _module(self):
+        return self.model.module if hasattr(self.model, "module") else self.model
+
+    # -- weights ----------------------------------------------------------------------------
+    def bootstrap(self, source: dict[str, Any]) -> dict[str, Any]:
+        """Fresh critic: the backbone strictly from the actor checkpoint, only the head new."""
+        from .bootstrap import load_backbone_into
+
+        return load_backbone_into(self._module(), source, tp=self.tp)
+
+    def load(self, path: str, with_optimizer: bool) -> int:
+        """Load a saved critic (model and, for a resume, optimizer); return its iteration."""
+        if with_optimizer:
+            from .checkpoint import load_critic
+
+            return load_critic(path, self.model, self.optimizer)
+        # Forward-only: the model's tensors must all be there; the optimizer state is left unread.
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        from .checkpoint import _model_sharded_state_dict
+
+        module = self._module()
+        state = {"model": _model_sharded_state_dict(module), "iteration": _iteration_placeholder()}
+        loaded = dist_checkpointing.load(state, path, strict=StrictHandling.RAISE_UNEXPECTED)
+        module.load_state_dict(loaded["model"], strict=True)
+        return int(loaded["iteration"])
+
+    def save(self, path: str, iteration: int) -> None:
+        from .checkpoint import save_critic
+
+        save_critic(path, self.model, self.optimizer, iteration=iteration)
+
+    def state_digest(self) -> str:
+        """sha256 over this rank's parameters (names and bytes), for bitwise comparisons."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in sorted(self._module().state_dict().items()):
+            if p is None or not hasattr(p, "detach"):
+                continue
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    # -- work -------------------------------------------------------------------------------
+    def train_step(self, rows: Sequence[dict[str, Any]], global_rows: int, micro_batch_tokens: int, lr: float) -> dict[str, Any]:
+        from .packing import pack_rows
+        from .train import set_lr, train_step
+
+        set_lr(self.optimizer, lr)
+        mbs = pack_rows([_packing_row(r) for r in rows], micro_batch_tokens)
+        return train_step(self.model, self.optimizer, mbs, global_rows, self.objective)
+
+    def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any]:
+        """Float64 sufficient statistics over this rank's rows (SPEC 7), with its rank and row indices."""
+        from .packing import pack_rows
+        from .train import evaluate_rows
+
+        out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self.objective) if rows else {}
+        tok = SuffStats()
+        traj = SuffStats()
+        values = []
+        indices = []
+        for r in rows:
+            # Statistics use the dataset's float64 returns and mask; the model gives the values.
+            v = out[int(r["row_id"])]["values"]
+            ret = np.asarray(r["returns"], dtype=np.float64)
+            mask = np.asarray(r["loss_mask"], dtype=np.float64)
+            tok = tok + token_stats(ret, v, mask)
+            traj = traj + trajectory_stats(ret, v, mask)
+            values.append(float(v[mask.astype(bool)].mean()))
+            indices.append(int(r["row_id"]))
+        return RankReport(rank=dp_rank, row_indices=indices, token=tok, trajectory=traj, row_values=values).to_json()
+
+    def shutdown(self) -> None:
+        from .parallel import destroy
+
+        destroy()
+
+
+def _iteration_placeholder():
+    import torch
+
+    return torch.tensor(0, dtype=torch.int64)
+
+
+def _packing_row(r: dict[str, Any]):
+    from .packing import Row
+
+    return Row(row_id=int(r["row_id"]), tokens=np.asarray(r["tokens"], dtype=np.int64), response_length=int(r["response_length"]),
+               returns=np.asarray(r["returns"], dtype=np.float64), loss_mask=np.asarray(r["loss_mask"], dtype=np.int64))
