@@ -44,8 +44,9 @@ def knobs(manifest_path: str) -> dict:
 def train(pipes, argv, canary: bool):
     p = argparse.ArgumentParser()
     p.add_argument("manifest")
-    for flag in ("--output", "--backbone", "--lr"):
+    for flag in ("--output", "--backbone", "--lr", "--manifest-sha256"):
         p.add_argument(flag)
+    p.add_argument("--data-root", action="append")
     for flag in ("--global-batch-size", "--epochs", "--seed", "--gpus", "--save-interval", "--micro-batch-tokens"):
         p.add_argument(flag, type=int)
     p.add_argument("--canary", action="store_true")
@@ -56,7 +57,7 @@ def train(pipes, argv, canary: bool):
         sys.exit(k["exit_code"])
     if k.get("silent"):
         return
-    manifest = load_manifest(a.manifest)
+    manifest = load_manifest(a.manifest, pinned_sha256=a.manifest_sha256, data_roots=a.data_root)
     plan = build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed)
     out = Path(a.output)
     if canary:
@@ -95,6 +96,9 @@ def evaluate(pipes, argv):
         p.add_argument(flag)
     p.add_argument("--num-batches", type=int)
     p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--data-root", action="append")
     a = p.parse_args(argv)
     k = knobs(a.manifest)
     if k.get("silent"):
@@ -104,7 +108,7 @@ def evaluate(pipes, argv):
     manifest = load_manifest(a.manifest)
     ref = manifest.heldout if a.split == "heldout" else manifest.train
     data = validate_dataset(ref, manifest.objective)
-    batches = mixed_label_batches(list(data.labels), a.global_batch_size, a.num_batches, 0)
+    batches = mixed_label_batches(list(data.labels), a.global_batch_size, a.num_batches, a.seed)
     rank_reports, active = [], []
     for batch in batches:
         tok, traj, row_values = [], [], []
@@ -116,16 +120,15 @@ def evaluate(pipes, argv):
         rank_reports.append([RankReport(0, list(batch), SuffStats.merge(tok), SuffStats.merge(traj), row_values)])
         active.append(int(sum(data.active_targets[i] for i in batch)))
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
-                          checkpoint=a.checkpoint, contract_sha256=a.contract_sha256, dp=1, seed=0,
+                          checkpoint=a.checkpoint, contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
                           global_batch_size=a.global_batch_size, batches=batches, rank_reports=rank_reports,
                           active_targets=active, labels=list(data.labels))
     report_path = Path(a.report)
-    report["plots"] = []
-    for name in ("calibration", "ev_per_batch"):
+    # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.
+    report["plots"] = {}
+    for name in ("ev_per_batch", "calibration"):
         plot = report_path.with_name(f"{report_path.stem}-{name}.png")
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        plot.write_bytes(png_1x1())
-        report["plots"].append(str(plot))
+        report["plots"][name] = {"file": plot.name, "sha256": publish_once(plot, png_1x1())}
     sha = publish_once(report_path, canonical_bytes(report))
     pipes.report_asset_materialization(
         asset_key="ev_report", data_version=sha,

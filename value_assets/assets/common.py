@@ -37,23 +37,47 @@ def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: st
     return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
 
 
-def plot_metadata(paths: list[str] | None, base: Path, strip_prefix: str = "") -> dict[str, Any]:
-    """Report plots inline (markdown data-URI images) when small, else as file paths.
+def plot_files(plots: Any, base: Path, strip_prefix: str = "") -> list[tuple[str, Path, str | None]]:
+    """(name, path, recorded sha) of a report's plots.
 
-    Keys are ``plot_<name>`` where name is the file stem without `strip_prefix`.
+    Accepts the GPU job's form ``{name: {"file": ..., "sha256": ...}}`` as well as
+    ``{name: path}`` and a plain list of paths (name = file stem without `strip_prefix`).
     """
+    entries: list[tuple[str, Any, str | None]] = []
+    if isinstance(plots, dict):
+        for name, value in plots.items():
+            if isinstance(value, dict):
+                entries.append((str(name), value.get("file") or value.get("path"), value.get("sha256")))
+            else:
+                entries.append((str(name), value, None))
+    elif isinstance(plots, list):
+        for value in plots:
+            stem = Path(str(value)).stem
+            entries.append((stem.removeprefix(strip_prefix) or stem, value, None))
+    out = []
+    for name, raw, sha in entries:
+        if isinstance(raw, str) and raw:
+            out.append((name, Path(raw) if Path(raw).is_absolute() else base / raw, sha))
+    return out
+
+
+def plot_metadata(plots: Any, base: Path, strip_prefix: str = "") -> dict[str, Any]:
+    """Report plots inline (markdown data-URI images) when small, else as file paths; a plot that
+    no longer hashes to the sha the report recorded is flagged instead of shown."""
+    from value_assets.core.hashing import sha256_file
+
     out: dict[str, Any] = {}
-    for raw in paths or []:
-        path = Path(raw) if Path(raw).is_absolute() else base / raw
-        label = path.stem.removeprefix(strip_prefix) or path.stem
-        name = f"plot_{label}"
+    for label, path, sha in plot_files(plots, base, strip_prefix):
+        key = f"plot_{label}"
         if not path.is_file():
-            out[name] = MetadataValue.text(f"missing: {path}")
+            out[key] = MetadataValue.text(f"missing: {path}")
+        elif sha is not None and sha256_file(path) != sha:
+            out[key] = MetadataValue.text(f"{path} does not hash to the report's recorded {sha}")
         elif path.stat().st_size <= INLINE_PLOT_MAX_BYTES and path.suffix.lower() == ".png":
             data = base64.b64encode(path.read_bytes()).decode("ascii")
-            out[name] = MetadataValue.md(f"![{label}](data:image/png;base64,{data})")
+            out[key] = MetadataValue.md(f"![{label}](data:image/png;base64,{data})")
         else:
-            out[name] = MetadataValue.path(str(path))
+            out[key] = MetadataValue.path(str(path))
     return out
 
 

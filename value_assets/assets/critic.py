@@ -49,15 +49,20 @@ class TrainConfig(Config):
     micro_batch_tokens: int | None = Field(default=None, ge=1)
 
 
-def train_argv(manifest_path, output_dir, config: TrainConfig, plan: tuple[int, int, int]) -> list[str]:
+def train_argv(manifest, output_dir, config: TrainConfig, plan: tuple[int, int, int], data_roots=None) -> list[str]:
+    """`value-assets train` arguments; the manifest sha is pinned so the job trains on the very
+    bytes this partition registered."""
     g, epochs, seed = plan
-    argv = [str(manifest_path), "--output", str(output_dir), "--backbone", config.backbone,
+    argv = [str(manifest.path), "--manifest-sha256", manifest.sha256, "--output", str(output_dir),
+            "--backbone", config.backbone,
             "--global-batch-size", str(g), "--epochs", str(epochs), "--seed", str(seed),
             "--gpus", str(config.gpus), "--lr", repr(config.lr)]
     if config.save_interval:
         argv += ["--save-interval", str(config.save_interval)]
     if config.micro_batch_tokens:
         argv += ["--micro-batch-tokens", str(config.micro_batch_tokens)]
+    for root in data_roots or []:
+        argv += ["--data-root", str(root)]
     return argv
 
 
@@ -114,7 +119,7 @@ def critic_training(
         manifest = _manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.critic_dir(key)
-    results = launcher.launch(context, "train", train_argv(manifest.path, output, config, plan),
+    results = launcher.launch(context, "train", train_argv(manifest, output, config, plan, inbox.roots()),
                               _job_extras(context, manifest, output_dir=output))
     with fail_on_bad_input("critic_training: published contract"):
         ref = resolve_latest_contract(output)
@@ -144,7 +149,7 @@ def canary_receipt(
         manifest = _manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.canary_dir(key, context.run.run_id)
-    argv = train_argv(manifest.path, output, config, plan) + ["--canary"]
+    argv = train_argv(manifest, output, config, plan, inbox.roots()) + ["--canary"]
     result = materialization_of(
         launcher.launch(context, "canary", argv, _job_extras(context, manifest, output_dir=output)), "canary")
     return MaterializeResult(
@@ -165,7 +170,9 @@ def recorded_contract_sha(context: AssetExecutionContext, partition_key: str) ->
 
 class EvalConfig(Config):
     num_batches: int = Field(default=4, ge=1, description="B mixed-label batches (SPEC 7).")
-    global_batch_size: int = Field(default=8, ge=2)
+    global_batch_size: int = Field(default=8, ge=2, description="G rows per evaluation batch; G x B <= heldout rows.")
+    seed: int = Field(default=0, description="Seed of the mixed-label batch selection.")
+    gpus: int = Field(default=1, ge=1)
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:
@@ -205,7 +212,10 @@ def ev_report(
         split = "heldout" if manifest.heldout is not None else "train"
         argv = ["--checkpoint", str(ref.checkpoint_dir), "--manifest", str(manifest.path),
                 "--contract-sha256", ref.sha256, "--report", str(report_path), "--split", split,
-                "--num-batches", str(config.num_batches), "--global-batch-size", str(config.global_batch_size)]
+                "--num-batches", str(config.num_batches), "--global-batch-size", str(config.global_batch_size),
+                "--seed", str(config.seed), "--gpus", str(config.gpus)]
+        for root in inbox.roots() or []:
+            argv += ["--data-root", str(root)]
         result = materialization_of(
             launcher.launch(context, "evaluate", argv, _job_extras(context, manifest, report_path=report_path)),
             "evaluate")
