@@ -44,6 +44,7 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     assert report["token_positive_batches"] == 4 and report["auroc"] > 0.5 and report["trajectory_r2"] is not None
     assert report["plot_calibration"].startswith("![calibration](data:image/png;base64,")
     assert str(report["report_path"]).endswith(f"reports/ev-{contract_sha[:12]}.json")
+    assert report["manifest_sha256"] == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
 
     record = json.loads((tmp_path / "artifacts" / "registry" / f"{key}.json").read_text())
     assert record["contract_sha256"] == contract_sha and record["report_sha256"] == report["report_sha256"]

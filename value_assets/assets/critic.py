@@ -28,6 +28,7 @@ from value_assets.assets.lineage import (
     canonical_json,
     ev_summary,
     read_published,
+    report_manifest_sha,
     resolve_latest_contract,
     verify_promotion,
 )
@@ -181,7 +182,8 @@ def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dic
         "report_sha256": report_sha,
         "report_path": MetadataValue.path(str(report_path)),
         "contract_sha256": to_metadata_value(report.get("contract_sha256")),
-        "manifest_sha256": to_metadata_value(report.get("manifest_sha256")),
+        "manifest_sha256": to_metadata_value(report_manifest_sha(report)),
+        "dataset_sha256": to_metadata_value(report.get("dataset_sha256")),
         **{k: to_metadata_value(v) for k, v in summary.items()},
     }
     metadata.update(plot_metadata(report.get("plots"), report_path.parent, strip_prefix=report_path.stem + "-"))
