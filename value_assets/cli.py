@@ -191,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("make-demo-data", help="write synthetic rollouts with a learnable value signal")
     d.add_argument("out_dir")
-    d.add_argument("--rows", type=int, default=512)
-    d.add_argument("--heldout-rows", type=int, default=128)
+    d.add_argument("--rows", type=int, default=2048)
+    d.add_argument("--heldout-rows", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--shuffle-labels", action="store_true", help="negative control: permute rewards across rows")
     d.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")

@@ -80,7 +80,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
         raise ValueError(f"unknown format {fmt!r}")
 
 
-def make_demo_data(out_dir: str | Path, *, rows: int = 512, heldout_rows: int = 128, seed: int = 0,
+def make_demo_data(out_dir: str | Path, *, rows: int = 2048, heldout_rows: int = 256, seed: int = 0,
                    shuffle_labels: bool = False, fmt: str = "jsonl", name: str | None = None) -> Path:
     """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path.
 

@@ -77,3 +77,16 @@ def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
         optimizer.load_state_dict(loaded["optimizer"])
     it = loaded.get("iteration")
     return int(it) if it is not None else 0
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> int:
+    """Load only the model's tensors (forward-only use, export); every one must be in the
+    checkpoint, its optimizer state is left unread. Returns the stored iteration. Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    m = _unwrap(model)
+    state = {"model": _model_sharded_state_dict(m), "iteration": torch.tensor(0, dtype=torch.int64)}
+    loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
+    m.load_state_dict(loaded["model"], strict=True)
+    return int(loaded["iteration"])

@@ -82,6 +82,7 @@ class TrainResult:
     resumed_from: int
     losses: list[float] = field(default_factory=list)
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    state_sha256: list[str] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:
@@ -240,6 +241,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
                                                   checkpoint=step_dir.name)
                         result.contract_sha256 = write_contract(critic_dir, contract)
                         log(f"saved {step_dir} with contract {result.contract_sha256}")
+            # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
+            # fingerprint that resume tests compare.
+            result.state_sha256 = cluster.all("state_digest")
         finally:
             metrics_log.close()
     return result

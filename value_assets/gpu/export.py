@@ -13,7 +13,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     from .hf_convert import export_critic_to_hf
     from .model import BackboneConfig, build_critic
     from .parallel import destroy, free_port, init_distributed
-    from .checkpoint import load_critic
+    from .checkpoint import load_model_weights
 
     step_dir = checkpoint
     if not (step_dir / CONTRACT_NAME).is_file():
@@ -29,7 +29,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
     try:
         model = build_critic(backbone, objective, bf16=False)
-        load_critic(step_dir, model)
+        load_model_weights(step_dir, model)
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if hasattr(v, "detach")}
         export_critic_to_hf(state, backbone, objective.head_size, out, objective=objective)
     finally:

@@ -90,16 +90,9 @@ class CriticWorker:
 
             return load_critic(path, self.model, self.optimizer)
         # Forward-only: the model's tensors must all be there; the optimizer state is left unread.
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.validation import StrictHandling
+        from .checkpoint import load_model_weights
 
-        from .checkpoint import _model_sharded_state_dict
-
-        module = self._module()
-        state = {"model": _model_sharded_state_dict(module), "iteration": _iteration_placeholder()}
-        loaded = dist_checkpointing.load(state, path, strict=StrictHandling.RAISE_UNEXPECTED)
-        module.load_state_dict(loaded["model"], strict=True)
-        return int(loaded["iteration"])
+        return load_model_weights(path, self.model)
 
     def save(self, path: str, iteration: int) -> None:
         from .checkpoint import save_critic
@@ -152,12 +145,6 @@ class CriticWorker:
         from .parallel import destroy
 
         destroy()
-
-
-def _iteration_placeholder():
-    import torch
-
-    return torch.tensor(0, dtype=torch.int64)
 
 
 def _packing_row(r: dict[str, Any]):

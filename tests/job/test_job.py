@@ -1,0 +1,259 @@
+"""The GPU job end to end on CPU: local Ray, two workers, the tiny backbone, the demo data.
+
+One module-scoped Ray cluster serves every run. The learnable run trains once (the fixture); the
+other tests reuse its critic folder or train their own small variants.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, load_contract, read_latest
+from value_assets.core.demo_data import make_demo_data
+from value_assets.core.errors import InputError
+from value_assets.core.publish import verify_published
+from value_assets.core.strict_json import canonical_bytes
+from value_assets.gpu import driver as driver_mod
+from value_assets.gpu.driver import RECEIPT_NAME, TrainConfig, prepare, train
+from value_assets.gpu.evaluation import EvalConfig, evaluate
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# The critic must reach this fraction of the generator's Bayes-optimal heldout EV.
+FRACTION_OF_OPTIMAL = 0.5
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"VALUE_ASSETS_LOOPBACK": "1"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return {"learnable": make_demo_data(root, seed=0), "shuffled": make_demo_data(root, seed=0, shuffle_labels=True)}
+
+
+def base_cfg(manifest: Path, output: Path, **kw) -> TrainConfig:
+    return TrainConfig(manifest=manifest, output=output, backbone="tiny", global_batch_size=32, epochs=1, seed=0,
+                       save_interval=32, gpus=2, lr=2e-3, **kw)
+
+
+@pytest.fixture(scope="module")
+def learned(ray_cluster, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("learned") / "critic"
+    cfg = base_cfg(data["learnable"], out)
+    result = train(cfg, log=quiet)
+    report = tmp_path_factory.mktemp("reports") / "ev.json"
+    ev = evaluate(EvalConfig(checkpoint=out, manifest=data["learnable"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
+    return cfg, result, ev
+
+
+def test_critic_learns_and_the_gate_passes(learned, data):
+    _, result, ev = learned
+    optimal = json.loads(Path(data["learnable"]).read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"]
+    agg = ev.report["aggregates"]
+    assert result.completed_steps == result.plan_steps == 64
+    assert result.losses[-1] < result.losses[0]
+    assert ev.passed and ev.report["gate"]["token"]["passed"] and ev.report["gate"]["trajectory"]["passed"]
+    assert agg["token"]["ev"] > 0.1
+    assert agg["trajectory"]["ev"] >= FRACTION_OF_OPTIMAL * optimal, (agg["trajectory"]["ev"], optimal)
+    assert agg["auroc"] > 0.7
+    # data parallel ranks hold identical weights
+    assert len(set(result.state_sha256)) == 1
+
+
+def test_contract_and_report_bind_the_lineage(learned, data):
+    cfg, result, ev = learned
+    step_dir, sha = read_latest(cfg.output)
+    contract, csha = load_contract(step_dir, pinned_sha256=sha)
+    assert csha == result.contract_sha256 == ev.report["contract_sha256"]
+    assert contract["completed_steps"] == 64 and contract["checkpoint"] == "iter_0000064"
+    assert contract["source_manifest_sha256"] == result.manifest_sha256 == ev.report["source_manifest_sha256"]
+    assert contract["batch_plan_sha256"] == result.plan_sha256
+    assert contract["batch_plan"] == {"seed": 0, "global_batch_size": 32, "drop_incomplete_batch": True, "algorithm": "miles.epoch_shuffle.v1"}
+    # one contract per save
+    assert (cfg.output / "iter_0000032" / CONTRACT_NAME).is_file()
+    # the report is write-once with its sha beside it, and so are its plots
+    assert verify_published(ev.report_path) == ev.report_sha256
+    for path in ev.plots.values():
+        assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        verify_published(path)
+    assert ev.report["execution"] == {"forward_only": True, "optimizer_steps": 0, "dp": 2}
+    # metrics log: one line per step, undefined in-batch EV is null (never 0)
+    lines = [json.loads(l) for l in (cfg.output / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == list(range(1, 65))
+    assert all(l["explained_variance"] is None or isinstance(l["explained_variance"], float) for l in lines)
+    assert any((cfg.output / "tensorboard").iterdir())
+
+
+def test_shuffled_labels_fail_the_gate(ray_cluster, data, tmp_path):
+    out = tmp_path / "critic"
+    result = train(base_cfg(data["shuffled"], out), log=quiet)
+    report = tmp_path / "ev.json"
+    ev = evaluate(EvalConfig(checkpoint=out, manifest=data["shuffled"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
+    assert not ev.passed
+    assert ev.report["passed"] is False
+    # the failing report is still published
+    assert verify_published(report) == ev.report_sha256
+
+
+def test_interrupted_then_resumed_run_is_bitwise_equal(learned, data, tmp_path):
+    _, full, _ = learned
+    out = tmp_path / "critic"
+    first = train(base_cfg(data["learnable"], out, stop_after=20), log=quiet)
+    assert first.completed_steps == 20 and read_latest(out)[0].name == "iter_0000020"
+    second = train(base_cfg(data["learnable"], out), log=quiet)
+    assert second.resumed_from == 20 and second.completed_steps == 64
+    assert len(second.losses) == 44  # completed batches are skipped, never replayed
+    assert second.losses == full.losses[20:]
+    assert second.state_sha256 == full.state_sha256
+
+
+def _retarget_contract(critic: Path, **changes) -> None:
+    """Rewrite the latest contract with `changes` and re-point `latest` at it (a tampered lineage)."""
+    step_dir, sha = read_latest(critic)
+    contract, _ = load_contract(step_dir, pinned_sha256=sha)
+    contract.update(changes)
+    data = canonical_bytes(contract)
+    (step_dir / CONTRACT_NAME).write_bytes(data)
+    import hashlib
+
+    (critic / LATEST_NAME).write_bytes(canonical_bytes({"iteration": step_dir.name, "contract_sha256": hashlib.sha256(data).hexdigest()}))
+
+
+@pytest.fixture
+def learned_copy(learned, tmp_path):
+    cfg, _, _ = learned
+    dst = tmp_path / "critic"
+    shutil.copytree(cfg.output, dst)
+    return replace(cfg, output=dst)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seed": 1}, "batch plan differs"),
+    ({"global_batch_size": 16}, "batch plan differs"),
+])
+def test_resume_refuses_another_plan(learned_copy, change, message):
+    with pytest.raises(InputError, match=message):
+        prepare(replace(learned_copy, **change), log=quiet)
+
+
+def test_resume_refuses_another_manifest(learned_copy, data):
+    with pytest.raises(InputError, match="trained from manifest"):
+        prepare(replace(learned_copy, manifest=data["shuffled"]), log=quiet)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"train_dataset_sha256": "0" * 64}, "trained on train dataset"),
+    ({"objective": {"loss_type": "mse", "num_bins": 51, "reward_range": [0.0, 1.0], "target_type": "hl_gauss", "hl_gauss_sigma_ratio": 0.75}}, "objective differs"),
+    ({"completed_steps": 999}, "beyond the plan"),
+])
+def test_resume_refuses_a_contract_that_does_not_match(learned_copy, changes, message):
+    _retarget_contract(learned_copy.output, **changes)
+    with pytest.raises(InputError, match=message):
+        prepare(learned_copy, log=quiet)
+
+
+def test_epochs_may_be_extended(learned_copy):
+    prep = prepare(replace(learned_copy, epochs=2), log=quiet)
+    assert prep.start_step == 64 and prep.plan.num_steps == 128
+
+
+def test_resume_refuses_an_iteration_the_contract_does_not_name(ray_cluster, learned_copy):
+    # The contract says 32 steps, the checkpoint it sits beside holds iteration 64.
+    _retarget_contract(learned_copy.output, completed_steps=32)
+    with pytest.raises(InputError, match="at iteration 64, but its contract says 32"):
+        train(learned_copy, log=quiet)
+
+
+def test_uncontracted_checkpoint_is_ambiguous(data, tmp_path):
+    out = tmp_path / "critic"
+    (out / "iter_0000005").mkdir(parents=True)
+    with pytest.raises(InputError, match="has no contract"):
+        prepare(base_cfg(data["learnable"], out), log=quiet)
+
+
+def test_invalid_data_reserves_nothing_and_writes_nothing(data, tmp_path, monkeypatch):
+    from value_assets.gpu import cluster
+
+    def refuse(**_):
+        raise AssertionError("the cluster must not be reserved for invalid data")
+
+    monkeypatch.setattr(cluster, "start_workers", refuse)
+    manifest = json.loads(Path(data["learnable"]).read_text())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"sample_id":"a","tokens":[1,2,3],"response_length":2,"returns":[0.5,2.0]}\n')
+    import hashlib
+
+    manifest["train"] = {"path": str(bad), "sha256": hashlib.sha256(bad.read_bytes()).hexdigest(), "num_samples": 1}
+    mpath = tmp_path / "bad.json"
+    mpath.write_text(json.dumps(manifest))
+    out = tmp_path / "critic"
+    with pytest.raises(InputError, match=r"bad\.jsonl:1.*returns\[1\] = 2\.0 is outside reward_range"):
+        train(base_cfg(mpath, out), log=quiet)
+    assert not out.exists()
+
+
+def test_canary_runs_one_step_and_publishes_a_receipt_not_a_contract(ray_cluster, learned, data, tmp_path):
+    out = tmp_path / "critic"
+    result = train(base_cfg(data["learnable"], out, canary=True), log=quiet)
+    assert result.completed_steps == 1 and result.contract_sha256 is None
+    assert not (out / LATEST_NAME).exists()
+    assert not list(out.glob(f"iter_*/{CONTRACT_NAME}"))
+    receipt = json.loads((out / RECEIPT_NAME).read_text())
+    verify_published(out / RECEIPT_NAME)
+    assert receipt["promotable"] is False and receipt["executed_steps"] == 1
+    assert receipt["source_manifest_sha256"] == result.manifest_sha256
+    assert receipt["batch_plan_sha256"] == result.plan_sha256
+    # the canary refuses a folder that already holds a contract
+    cfg, _, _ = learned
+    with pytest.raises(InputError, match="already holds a contracted checkpoint"):
+        prepare(replace(cfg, canary=True), log=quiet)
+
+
+def test_exported_critic_reproduces_the_report(learned, data, tmp_path):
+    """export-hf -> transformers token classification; its values give the report's EVs."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    from value_assets.core.dataset import validate_dataset
+    from value_assets.core.manifest import load_manifest
+    from value_assets.core.stats import SuffStats, token_stats, trajectory_stats
+    from value_assets.gpu.export import export_checkpoint
+
+    cfg, _, ev = learned
+    out = export_checkpoint(cfg.output, tmp_path / "hf")
+    model = AutoModelForTokenClassification.from_pretrained(str(out)).eval()
+    assert model.config.num_labels == 51
+    m = load_manifest(data["learnable"])
+    ds = validate_dataset(m.heldout, m.objective)
+    support = torch.linspace(0.0, 1.0, 51, dtype=torch.float64)
+    tok, traj = SuffStats(), SuffStats()
+    for batch in ev.report["batch_plan"]["batches"]:
+        for i in batch:
+            r = ds.row(i)
+            with torch.no_grad():
+                logits = model(input_ids=torch.as_tensor(r.tokens[:-1])[None]).logits[0].double()
+            values = (logits.softmax(-1) @ support).numpy()[r.prompt_length - 1:]
+            tok = tok + token_stats(r.returns, values, r.loss_mask)
+            traj = traj + trajectory_stats(r.returns, values, r.loss_mask)
+    agg = ev.report["aggregates"]
+    assert tok.ev() == pytest.approx(agg["token"]["ev"], abs=2e-3)
+    assert traj.ev() == pytest.approx(agg["trajectory"]["ev"], abs=2e-3)

@@ -1,0 +1,106 @@
+"""The GPU job's Dagster Pipes entry: ``python -m value_assets.gpu.pipes_job``.
+
+Dagster's launcher (local subprocess, Ray job or Kubernetes pod) starts this module with Pipes
+extras ``{"task": "train" | "canary" | "evaluate", "argv": [...], "partition_key": ...}``. The
+argument vector is the `value-assets train` / `evaluate` command line, parsed by the same parser.
+The job runs the driver and reports, through Pipes, one materialization per asset it produced
+(metadata and data version = the sha of what it published). Bad input ends the job with a
+Pipes-visible error and exit status 2; nothing is reported then, so the step fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from dagster_pipes import open_dagster_pipes
+
+from value_assets.core.errors import InputError
+
+
+def _parse(task: str, argv: list[str]):
+    from value_assets.cli import build_parser
+
+    if task == "canary" and "--canary" not in argv:
+        argv = [*argv, "--canary"]
+    command = "evaluate" if task == "evaluate" else "train"
+    return build_parser().parse_args([command, *argv])
+
+
+def _train(pipes, args) -> None:
+    from value_assets.cli import _data_roots
+
+    from .driver import TrainConfig, train
+
+    roots = _data_roots(args)
+    cfg = TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
+                      global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
+                      gpus=args.gpus, tensor_parallel=args.tensor_parallel, micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
+                      warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
+                      data_roots=tuple(roots) if roots else None, ray_address=args.ray_address)
+    result = train(cfg, log=pipes.log.info)
+    tokens_per_s = [m.get("tokens_per_s") for m in result.metrics if m.get("tokens_per_s")]
+    common: dict[str, Any] = {
+        "steps": result.completed_steps,
+        "plan_steps": result.plan_steps,
+        "resumed_from": result.resumed_from,
+        "final_loss": result.final_loss,
+        "loss_curve": [round(x, 6) for x in result.losses],
+        "tokens_per_s": (sum(tokens_per_s) / len(tokens_per_s)) if tokens_per_s else None,
+        "checkpoint_dir": result.checkpoint,
+        "plan_sha256": result.plan_sha256,
+    }
+    if args.canary:
+        from value_assets.core.hashing import sha256_file
+
+        sha = sha256_file(result.receipt)
+        pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
+                                           metadata={**common, "receipt_sha256": sha, "executed_steps": 1})
+        return
+    sha = result.contract_sha256
+    pipes.report_asset_materialization(asset_key="critic_checkpoint", data_version=sha, metadata={**common, "contract_sha256": sha})
+    pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
+                                       metadata={"contract_sha256": sha, "completed_steps": result.completed_steps})
+
+
+def _evaluate(pipes, args) -> None:
+    from value_assets.cli import _data_roots
+
+    from .evaluation import EvalConfig, evaluate
+
+    roots = _data_roots(args)
+    cfg = EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
+                     report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
+                     seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, data_roots=tuple(roots) if roots else None,
+                     ray_address=args.ray_address)
+    res = evaluate(cfg, log=pipes.log.info)
+    agg = res.report["aggregates"]
+    pipes.report_asset_materialization(asset_key="ev_report", data_version=res.report_sha256, metadata={
+        "report_sha256": res.report_sha256,
+        "passed": res.passed,
+        "token_ev": agg["token"]["ev"],
+        "trajectory_ev": agg["trajectory"]["ev"],
+        "auroc": agg["auroc"],
+    })
+
+
+def main() -> int:
+    with open_dagster_pipes() as pipes:
+        extras = pipes.extras
+        task = extras.get("task")
+        if task not in ("train", "canary", "evaluate"):
+            pipes.log.error(f"unknown task {task!r}; expected train, canary or evaluate")
+            return 2
+        try:
+            args = _parse(task, [str(a) for a in extras.get("argv", [])])
+            (_evaluate if task == "evaluate" else _train)(pipes, args)
+        except InputError as exc:
+            pipes.log.error(f"invalid input: {exc}")
+            print(f"value-assets: error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
