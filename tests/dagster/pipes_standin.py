@@ -1,0 +1,149 @@
+"""Stand-in for `python -m value_assets.gpu.pipes_job`, used by the launcher tests.
+
+A real subprocess speaking real Dagster Pipes. It writes what the GPU job writes, with the core's
+own builders (contracts and the `latest` pointer, a write-once EV report with two PNG plots, a
+canary receipt), without any model, and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
+`provenance.standin` (kept, not interpreted, by the product): `ev` (float, the EV it reports for
+both weightings), `silent` (report nothing, exit 0), `exit_code` (fail after writing nothing).
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+from dagster_pipes import open_dagster_pipes
+
+from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
+from value_assets.core.dataset import validate_dataset
+from value_assets.core.manifest import load_manifest
+from value_assets.core.mixed import mixed_label_batches
+from value_assets.core.plan import build_plan
+from value_assets.core.publish import publish_once
+from value_assets.core.report import build_report
+from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+from value_assets.core.strict_json import canonical_bytes
+
+
+def png_1x1(rgb=(200, 30, 30)) -> bytes:
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    raw = b"\x00" + bytes(rgb)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def knobs(manifest_path: str) -> dict:
+    return (json.loads(Path(manifest_path).read_text()).get("provenance") or {}).get("standin") or {}
+
+
+def train(pipes, argv, canary: bool):
+    p = argparse.ArgumentParser()
+    p.add_argument("manifest")
+    for flag in ("--output", "--backbone", "--lr", "--manifest-sha256"):
+        p.add_argument(flag)
+    p.add_argument("--data-root", action="append")
+    for flag in ("--global-batch-size", "--epochs", "--seed", "--gpus", "--save-interval", "--micro-batch-tokens"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--canary", action="store_true")
+    a = p.parse_args(argv)
+    k = knobs(a.manifest)
+    if k.get("exit_code"):
+        print("stand-in failing on purpose", file=sys.stderr)
+        sys.exit(k["exit_code"])
+    if k.get("silent"):
+        return
+    manifest = load_manifest(a.manifest, pinned_sha256=a.manifest_sha256, data_roots=a.data_root)
+    plan = build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed)
+    out = Path(a.output)
+    if canary:
+        train = validate_dataset(manifest.train, manifest.objective)
+        ids = [row.sample_id for row in train.rows(plan.batch(1))]
+        receipt = build_receipt(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256, plan=plan,
+                                first_batch_sample_ids=ids)
+        sha = publish_once(out / "canary_receipt.json", canonical_bytes(receipt))
+        pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
+                                           metadata={"receipt_sha256": sha, "executed_steps": 1, "final_loss": 1.9})
+        return
+    steps = plan.num_steps
+    save = out / iter_dirname(steps)
+    save.mkdir(parents=True, exist_ok=True)
+    (save / "model.safetensors").write_bytes(b"stand-in weights")
+    losses = [round(2.0 / (1 + s), 4) for s in range(1, steps + 1)]
+    contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256,
+                              objective=manifest.objective.canonical(), plan=plan, completed_steps=steps,
+                              model={"backbone": a.backbone}, backbone_config={"name": "stand-in"},
+                              checkpoint=str(save))
+    sha = write_contract(out, contract)
+    pipes.report_asset_materialization(
+        asset_key="critic_checkpoint", data_version=sha,
+        metadata={"steps": steps, "final_loss": losses[-1], "loss_curve": losses, "contract_sha256": sha,
+                  "tokens_per_s": 1234.5})
+    pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
+                                       metadata={"contract_sha256": sha, "completed_steps": steps})
+    # A check no step declares: the launcher must drop it, not crash.
+    pipes.report_asset_check(check_name="standin_undeclared", passed=True, asset_key="training_contract")
+
+
+def evaluate(pipes, argv):
+    """A real core report from synthetic values V = a*R + (1-a)/2, whose EV is exactly 1 - (1-a)^2."""
+    p = argparse.ArgumentParser()
+    for flag in ("--checkpoint", "--manifest", "--contract-sha256", "--report", "--split"):
+        p.add_argument(flag)
+    p.add_argument("--num-batches", type=int)
+    p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--data-root", action="append")
+    a = p.parse_args(argv)
+    k = knobs(a.manifest)
+    if k.get("silent"):
+        return
+    ev_target = float(k.get("ev", 0.4))
+    slope = 1.0 - math.sqrt(1.0 - ev_target)
+    manifest = load_manifest(a.manifest)
+    ref = manifest.heldout if a.split == "heldout" else manifest.train
+    data = validate_dataset(ref, manifest.objective)
+    batches = mixed_label_batches(list(data.labels), a.global_batch_size, a.num_batches, a.seed)
+    rank_reports, active = [], []
+    for batch in batches:
+        tok, traj, row_values = [], [], []
+        for row in data.rows(batch):
+            values = slope * row.returns + (1.0 - slope) / 2
+            tok.append(token_stats(row.returns, values, row.loss_mask))
+            traj.append(trajectory_stats(row.returns, values, row.loss_mask))
+            row_values.append(float(values.mean()))
+        rank_reports.append([RankReport(0, list(batch), SuffStats.merge(tok), SuffStats.merge(traj), row_values)])
+        active.append(int(sum(data.active_targets[i] for i in batch)))
+    report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
+                          checkpoint=a.checkpoint, contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
+                          global_batch_size=a.global_batch_size, batches=batches, rank_reports=rank_reports,
+                          active_targets=active, labels=list(data.labels))
+    report_path = Path(a.report)
+    # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.
+    report["plots"] = {}
+    for name in ("ev_per_batch", "calibration"):
+        plot = report_path.with_name(f"{report_path.stem}-{name}.png")
+        report["plots"][name] = {"file": plot.name, "sha256": publish_once(plot, png_1x1())}
+    sha = publish_once(report_path, canonical_bytes(report))
+    pipes.report_asset_materialization(
+        asset_key="ev_report", data_version=sha,
+        metadata={"report_sha256": sha, "token_ev": report["aggregates"]["token"]["ev"], "passed": report["passed"]})
+
+
+def main():
+    with open_dagster_pipes() as pipes:
+        extras = pipes.extras
+        pipes.log.info(f"stand-in task {extras['task']} for partition {extras.get('partition_key')} (pid {os.getpid()})")
+        if extras["task"] == "evaluate":
+            evaluate(pipes, extras["argv"])
+        else:
+            train(pipes, extras["argv"], canary=extras["task"] == "canary")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The asset graph run for real: sensor -> full job with the Pipes stand-in in a subprocess.
+
+Covers the launcher plumbing (extras in, metadata and data versions out), the blocking gate,
+promotion, two-manifest isolation, a silent job, a failing job, the canary and the evaluation job.
+"""
+
+import json
+
+import pytest
+from dagster import AssetKey
+
+from value_assets.assets.common import latest_metadata
+
+pytestmark = pytest.mark.integration
+
+
+def run(defs, job, instance, key, config=None):
+    return defs.resolve_job_def(job).execute_in_process(instance=instance, partition_key=key, raise_on_error=False,
+                                                   run_config=config or {})
+
+
+def gate(result):
+    return {e.asset_key.to_user_string(): e for e in result.get_asset_check_evaluations() if e.check_name == "ev_gate"}
+
+
+def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_resources, manifests_dir, tmp_path,
+                                                      write_manifest, register):
+    path = write_manifest(manifests_dir, "good", standin={"ev": 0.3})
+    (key,) = register(instance, test_resources, path)
+    result = run(test_defs, "full", instance, key)
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
+    assert materialized == {"value_manifest", "train_dataset", "heldout_dataset", "batch_plan",
+                            "critic_checkpoint", "training_contract", "ev_report", "promoted_critic"}
+    checks = {(e.asset_key.to_user_string(), e.check_name): e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {("train_dataset", "dataset_integrity"): True, ("heldout_dataset", "dataset_integrity"): True,
+                      ("training_contract", "contract_integrity"): True, ("ev_report", "ev_gate"): True}
+
+    ckpt = latest_metadata(instance, "critic_checkpoint", key)
+    assert ckpt["steps"] == 2 and isinstance(ckpt["final_loss"], float) and ckpt["loss_curve"]  # job-reported
+    contract_sha = ckpt["contract_sha256"]
+    report = latest_metadata(instance, "ev_report", key)
+    assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
+    assert report["token_positive_batches"] == 4 and report["auroc"] > 0.5 and report["trajectory_r2"] is not None
+    assert report["plot_calibration"].startswith("![calibration](data:image/png;base64,")
+    assert str(report["report_path"]).endswith(f"reports/ev-{contract_sha[:12]}.json")
+    assert report["manifest_sha256"] == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
+
+    record = json.loads((tmp_path / "artifacts" / "registry" / f"{key}.json").read_text())
+    assert record["contract_sha256"] == contract_sha and record["report_sha256"] == report["report_sha256"]
+    assert record["manifest_sha256"] == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
+
+    # Data versions are the artifacts' shas.
+    versions = {k: instance.get_latest_data_version_record(AssetKey(k), partition_key=key)
+                for k in ("batch_plan", "training_contract", "ev_report")} if hasattr(
+        instance, "get_latest_data_version_record") else {}
+    for name, rec in versions.items():
+        assert rec is not None, name
+
+
+def test_two_manifests_are_isolated(instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest,
+                                    register):
+    good = write_manifest(manifests_dir, "good", standin={"ev": 0.3})
+    bad = write_manifest(manifests_dir, "bad", standin={"ev": -0.2})
+    good_key, bad_key = register(instance, test_resources, good, bad)
+    bad_run = run(test_defs, "full", instance, bad_key)
+    assert not bad_run.success
+    assert gate(bad_run)["ev_report"].passed is False
+    assert "promoted_critic" not in {e.asset_key.to_user_string() for e in bad_run.get_asset_materialization_events()}
+    assert (tmp_path / "artifacts" / "reports").exists() is False
+    assert (tmp_path / "artifacts" / bad_key / "reports").is_dir()  # a failing gate still publishes its report
+
+    good_run = run(test_defs, "full", instance, good_key)
+    assert good_run.success and gate(good_run)["ev_report"].passed is True
+    assert (tmp_path / "artifacts" / "registry" / f"{good_key}.json").exists()
+    assert not (tmp_path / "artifacts" / "registry" / f"{bad_key}.json").exists()
+
+    # Forcing promotion of the failed manifest alone (no gate in the run) is still refused,
+    # and the other manifest's pass does not stand in for it.
+    forced = test_defs.get_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, partition_key=bad_key, asset_selection=[AssetKey("promoted_critic")], raise_on_error=False)
+    assert not forced.success
+    failure = next(e for e in forced.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "did not pass" in failure.event_specific_data.error.message + str(failure.event_specific_data.user_failure_data)
+    assert not (tmp_path / "artifacts" / "registry" / f"{bad_key}.json").exists()
+
+
+def test_job_that_reports_nothing_fails_the_step(instance, test_defs, test_resources, manifests_dir, write_manifest,
+                                                 register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "quiet", standin={"silent": True}))
+    result = run(test_defs, "full", instance, key)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert failure.step_key == "critic_training"
+    assert "without reporting a materialization" in str(failure.event_specific_data.user_failure_data.description)
+
+
+def test_job_that_exits_nonzero_fails_the_step(instance, test_defs, test_resources, manifests_dir, write_manifest,
+                                               register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "crash", standin={"exit_code": 3}))
+    result = run(test_defs, "full", instance, key)
+    assert not result.success
+    assert next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").step_key == "critic_training"
+    assert latest_metadata(instance, "training_contract", key) is None
+
+
+def test_manifest_without_heldout_trains_but_is_never_promoted(instance, test_defs, test_resources, manifests_dir,
+                                                               tmp_path, write_manifest, register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "noheld", heldout_rows=None))
+    result = run(test_defs, "full", instance, key)
+    assert not result.success
+    assert "heldout" in gate(result)["ev_report"].description
+    assert not (tmp_path / "artifacts" / "registry" / f"{key}.json").exists()
+
+
+def test_canary_runs_one_step_and_is_not_promotable(instance, test_defs, test_resources, manifests_dir, tmp_path,
+                                                    write_manifest, register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "canary"))
+    result = run(test_defs, "canary", instance, key)
+    assert result.success
+    receipt = latest_metadata(instance, "canary_receipt", key)
+    assert receipt["executed_steps"] == 1 and receipt["promotable"] is False
+    assert not (tmp_path / "artifacts" / key / "critic").exists()
+    assert not (tmp_path / "artifacts" / "registry").exists()
+
+
+def test_evaluation_job_reuses_the_published_report(instance, test_defs, test_resources, manifests_dir,
+                                                    write_manifest, register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "again", standin={"ev": 0.5}))
+    assert run(test_defs, "full", instance, key).success
+    first = latest_metadata(instance, "ev_report", key)
+    again = run(test_defs, "evaluate", instance, key)
+    assert again.success and gate(again)["ev_report"].passed
+    second = latest_metadata(instance, "ev_report", key)
+    assert second["reused"] is True and second["report_sha256"] == first["report_sha256"]
+
+
+def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifests_dir, write_manifest, register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32))
+    config = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
+                      "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}}}}
+    result = run(test_defs, "full", instance, key, config)
+    assert result.success
+    assert latest_metadata(instance, "batch_plan", key)["steps"] == 8
+    assert latest_metadata(instance, "critic_checkpoint", key)["completed_steps"] == 8

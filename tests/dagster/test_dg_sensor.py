@@ -1,0 +1,103 @@
+"""The manifest sensor, ticked for real against a tmp instance and folder."""
+
+import json
+
+import pytest
+from dagster import SensorResult
+
+from value_assets.core.hashing import sha256_file
+from value_assets.partitions import partition_key_for, sha12_of
+from value_assets.sensors import parse_cursor
+
+pytestmark = pytest.mark.integration
+
+
+def test_new_manifest_adds_partition_registers_and_requests_full_run(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+    path = write_manifest(manifests_dir, "alpha")
+    result = tick(instance, test_resources)
+    assert isinstance(result, SensorResult)
+    (request,) = result.run_requests
+    key = partition_key_for(path, sha256_file(path))
+    assert request.partition_key == key and request.run_key == key
+    assert key.startswith("alpha-") and sha12_of(key) == sha256_file(path)[:12]
+    assert instance.get_dynamic_partitions("manifests") == [key]
+    part = tmp_path / "artifacts" / key
+    assert (part / "manifest.json").read_bytes() == path.read_bytes()
+    registration = json.loads((part / "registration.json").read_text())
+    assert registration["manifest_sha256"] == sha256_file(path)
+    assert parse_cursor(result.cursor) == {str(path.resolve()): sha256_file(path)}
+
+
+def test_unchanged_folder_starts_nothing(tick, write_manifest, instance, test_resources, manifests_dir):
+    write_manifest(manifests_dir, "alpha")
+    first = tick(instance, test_resources)
+    second = tick(instance, test_resources, cursor=first.cursor)
+    assert not second.run_requests and "no new manifests" in second.skip_reason.skip_message
+    assert second.cursor == first.cursor
+
+
+def test_restart_with_stored_cursor_starts_nothing_but_sees_new_files(tick, write_manifest, instance, test_resources, manifests_dir):
+    write_manifest(manifests_dir, "alpha")
+    stored = tick(instance, test_resources).cursor
+    # A restarted daemon builds a fresh context from the stored cursor string.
+    write_manifest(manifests_dir, "beta")
+    result = tick(instance, test_resources, cursor=stored)
+    assert [r.partition_key.split("-")[0] for r in result.run_requests] == ["beta"]
+
+
+def test_changed_manifest_is_a_new_partition_and_the_old_lineage_stays(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+    path = write_manifest(manifests_dir, "alpha")
+    first = tick(instance, test_resources)
+    old_key = first.run_requests[0].partition_key
+    manifest = json.loads(path.read_text())
+    manifest["objective"]["num_bins"] = 21
+    path.write_text(json.dumps(manifest))
+    second = tick(instance, test_resources, cursor=first.cursor)
+    (request,) = second.run_requests
+    assert request.partition_key != old_key and request.partition_key.startswith("alpha-")
+    assert set(instance.get_dynamic_partitions("manifests")) == {old_key, request.partition_key}
+    old_snapshot = json.loads((tmp_path / "artifacts" / old_key / "manifest.json").read_text())
+    assert old_snapshot["objective"]["num_bins"] == 11  # the old lineage keeps its bytes
+
+
+def test_invalid_manifest_starts_nothing_and_says_why(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+    (manifests_dir / "broken.json").write_text('{"schema": "miles.value-pretrain.v1", "train": 3}')
+    result = tick(instance, test_resources)
+    assert not result.run_requests
+    assert "broken.json" in result.skip_reason.skip_message
+    assert instance.get_dynamic_partitions("manifests") == []
+    assert not (tmp_path / "artifacts").exists()
+    # Not re-reported every tick, but a fixed file is picked up.
+    again = tick(instance, test_resources, cursor=result.cursor)
+    assert "broken.json" not in again.skip_reason.skip_message
+    write_manifest(manifests_dir, "broken")
+    fixed = tick(instance, test_resources, cursor=again.cursor)
+    assert [r.partition_key.split("-")[0] for r in fixed.run_requests] == ["broken"]
+
+
+def test_same_content_after_a_lost_cursor_reuses_the_run_key(tick, write_manifest, instance, test_resources, manifests_dir):
+    write_manifest(manifests_dir, "alpha")
+    first = tick(instance, test_resources)
+    again = tick(instance, test_resources, cursor=None)
+    # Dagster drops a RunRequest whose run_key it has seen: the same content never runs twice.
+    assert [r.run_key for r in again.run_requests] == [r.run_key for r in first.run_requests]
+
+
+def test_missing_folder_is_a_skip(tick, write_manifest, instance, test_resources, manifests_dir):
+    manifests_dir.rmdir()
+    result = tick(instance, test_resources)
+    assert "does not exist" in result.skip_message
+
+
+def test_manifest_outside_the_data_roots_is_invalid(tick, write_manifest, instance, test_resources, manifests_dir,
+                                                    tmp_path):
+    from value_assets.resources import ManifestInbox
+
+    write_manifest(manifests_dir, "outside", data_dir=tmp_path / "elsewhere")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    resources = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), data_roots=[str(allowed)])}
+    result = tick(instance, resources)
+    assert not result.run_requests
+    assert "outside.json" in result.skip_reason.skip_message
+    assert instance.get_dynamic_partitions("manifests") == []

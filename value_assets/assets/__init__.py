@@ -1,0 +1,41 @@
+"""The asset graph: data assets (CPU, in-process) and critic assets (GPU job through Pipes).
+
+Assets are thin: they read inputs, call a plain function (`lineage`, `value_assets.core`) or the
+launcher resource, and return `MaterializeResult`s whose data versions are the artifacts' shas.
+"""
+
+from value_assets.assets.critic import (
+    EvalConfig,
+    TrainConfig,
+    canary_receipt,
+    critic_training,
+    ev_report,
+    promoted_critic,
+)
+from value_assets.assets.data import PlanConfig, batch_plan, heldout_dataset, train_dataset, value_manifest
+
+ALL_ASSETS = [
+    value_manifest,
+    train_dataset,
+    heldout_dataset,
+    batch_plan,
+    critic_training,
+    canary_receipt,
+    ev_report,
+    promoted_critic,
+]
+
+__all__ = [
+    "ALL_ASSETS",
+    "PlanConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "value_manifest",
+    "train_dataset",
+    "heldout_dataset",
+    "batch_plan",
+    "critic_training",
+    "canary_receipt",
+    "ev_report",
+    "promoted_critic",
+]

@@ -1,0 +1,90 @@
+"""Small Dagster-side helpers shared by assets and checks: error mapping, config, instance lookups."""
+
+from __future__ import annotations
+
+import base64
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, Failure, MetadataValue
+
+from value_assets.core.errors import InputError
+from value_assets.assets.lineage import PromotionRefused
+
+INLINE_PLOT_MAX_BYTES = 512 * 1024
+
+
+@contextmanager
+def fail_on_bad_input(what: str) -> Iterator[None]:
+    """Turn the domain's refusals into a step failure with the rule's own message, never retried."""
+    try:
+        yield
+    except (InputError, PromotionRefused) as exc:
+        raise Failure(description=f"{what}: {exc}", allow_retries=False) from None
+
+
+def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: str) -> dict[str, Any] | None:
+    """Metadata values of the newest materialization of one partition of an asset, or None."""
+    result = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey(asset_key), asset_partitions=[partition_key]), limit=1
+    )
+    if not result.records:
+        return None
+    materialization = result.records[0].asset_materialization
+    if materialization is None:
+        return None
+    return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
+
+
+def plot_files(plots: Any, base: Path, strip_prefix: str = "") -> list[tuple[str, Path, str | None]]:
+    """(name, path, recorded sha) of a report's plots.
+
+    Accepts the GPU job's form ``{name: {"file": ..., "sha256": ...}}`` as well as
+    ``{name: path}`` and a plain list of paths (name = file stem without `strip_prefix`).
+    """
+    entries: list[tuple[str, Any, str | None]] = []
+    if isinstance(plots, dict):
+        for name, value in plots.items():
+            if isinstance(value, dict):
+                entries.append((str(name), value.get("file") or value.get("path"), value.get("sha256")))
+            else:
+                entries.append((str(name), value, None))
+    elif isinstance(plots, list):
+        for value in plots:
+            stem = Path(str(value)).stem
+            entries.append((stem.removeprefix(strip_prefix) or stem, value, None))
+    out = []
+    for name, raw, sha in entries:
+        if isinstance(raw, str) and raw:
+            out.append((name, Path(raw) if Path(raw).is_absolute() else base / raw, sha))
+    return out
+
+
+def plot_metadata(plots: Any, base: Path, strip_prefix: str = "") -> dict[str, Any]:
+    """Report plots inline (markdown data-URI images) when small, else as file paths; a plot that
+    no longer hashes to the sha the report recorded is flagged instead of shown."""
+    from value_assets.core.hashing import sha256_file
+
+    out: dict[str, Any] = {}
+    for label, path, sha in plot_files(plots, base, strip_prefix):
+        key = f"plot_{label}"
+        if not path.is_file():
+            out[key] = MetadataValue.text(f"missing: {path}")
+        elif sha is not None and sha256_file(path) != sha:
+            out[key] = MetadataValue.text(f"{path} does not hash to the report's recorded {sha}")
+        elif path.stat().st_size <= INLINE_PLOT_MAX_BYTES and path.suffix.lower() == ".png":
+            data = base64.b64encode(path.read_bytes()).decode("ascii")
+            out[key] = MetadataValue.md(f"![{label}](data:image/png;base64,{data})")
+        else:
+            out[key] = MetadataValue.path(str(path))
+    return out
+
+
+def to_metadata_value(value: Any) -> Any:
+    """Plain JSON values as Dagster metadata: numbers and strings as is, the rest as JSON."""
+    if value is None:
+        return MetadataValue.text("null")
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return MetadataValue.json(value)

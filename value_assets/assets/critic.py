@@ -1,0 +1,269 @@
+"""GPU assets (training, canary, evaluation, through the launcher) and promotion.
+
+Each GPU asset builds the job's argument vector, launches it through `GpuJobLauncher`, then
+re-reads what the job published (contract, report) so that the recorded shas come from the
+files on disk, not only from what the job said.
+"""
+
+
+from typing import Any
+
+from dagster import (
+    AssetExecutionContext,
+    AssetSpec,
+    Config,
+    DataVersion,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    multi_asset,
+)
+from pydantic import Field
+
+from value_assets.assets.common import fail_on_bad_input, latest_metadata, plot_metadata, to_metadata_value
+from value_assets.assets.data import _manifest, batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
+from value_assets.assets.lineage import (
+    ContractRef,
+    canonical_json,
+    ev_summary,
+    read_published,
+    report_manifest_sha,
+    resolve_latest_contract,
+    verify_promotion,
+)
+from value_assets.core.hashing import sha256_bytes
+from value_assets.partitions import manifests_partitions
+from value_assets.resources import ArtifactStore, GpuJobLauncher, ManifestInbox
+
+GROUP = "critic"
+GPU_POOL = "gpu"
+
+
+class TrainConfig(Config):
+    """Training run settings; G, epochs and seed come from the published batch plan."""
+
+    backbone: str = Field(default="tiny", description="Actor checkpoint path, or `tiny` for the CPU demo model.")
+    gpus: int = Field(default=1, ge=1)
+    save_interval: int = Field(default=0, ge=0, description="Save every K steps; 0: only at the end.")
+    lr: float = Field(default=1e-5, gt=0)
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
+
+
+def train_argv(manifest, output_dir, config: TrainConfig, plan: tuple[int, int, int], data_roots=None) -> list[str]:
+    """`value-assets train` arguments; the manifest sha is pinned so the job trains on the very
+    bytes this partition registered."""
+    g, epochs, seed = plan
+    argv = [str(manifest.path), "--manifest-sha256", manifest.sha256, "--output", str(output_dir),
+            "--backbone", config.backbone,
+            "--global-batch-size", str(g), "--epochs", str(epochs), "--seed", str(seed),
+            "--gpus", str(config.gpus), "--lr", repr(config.lr)]
+    if config.save_interval:
+        argv += ["--save-interval", str(config.save_interval)]
+    if config.micro_batch_tokens:
+        argv += ["--micro-batch-tokens", str(config.micro_batch_tokens)]
+    for root in data_roots or []:
+        argv += ["--data-root", str(root)]
+    return argv
+
+
+def _job_extras(context: AssetExecutionContext, manifest, **paths: Any) -> dict[str, Any]:
+    return {
+        "partition_key": context.partition_key,
+        "manifest_sha256": manifest.sha256,
+        "asset_keys": sorted(k.to_user_string() for k in context.selected_asset_keys),
+        **{k: str(v) for k, v in paths.items()},
+    }
+
+
+def materialization_of(results, task: str) -> MaterializeResult:
+    """The (last) materialization a single-asset GPU task reported; `launch` guarantees one."""
+    materializations = [r for r in results if isinstance(r, MaterializeResult)]
+    if not materializations:
+        raise Failure(description=f"GPU job {task} reported no materialization")
+    return materializations[-1]
+
+
+def contract_metadata(ref: ContractRef) -> dict[str, Any]:
+    contract = ref.contract
+    return {
+        "contract_sha256": ref.sha256,
+        "contract_path": MetadataValue.path(str(ref.path)),
+        "checkpoint": MetadataValue.path(str(ref.checkpoint_dir)),
+        "completed_steps": to_metadata_value(contract.get("completed_steps")),
+        "batch_plan_sha256": to_metadata_value(contract.get("batch_plan_sha256")),
+        "source_manifest_sha256": to_metadata_value(contract.get("source_manifest_sha256")),
+    }
+
+
+@multi_asset(
+    specs=[
+        AssetSpec("critic_checkpoint", deps=[batch_plan, train_dataset, value_manifest], code_version="1",
+                  group_name=GROUP, kinds={"ray"}, description="The trained critic: the latest contracted save."),
+        AssetSpec("training_contract", deps=["critic_checkpoint"], code_version="1", group_name=GROUP,
+                  description="The contract binding that save to manifest, dataset, objective and plan (SPEC 6)."),
+    ],
+    partitions_def=manifests_partitions,
+    pool=GPU_POOL,
+    can_subset=False,
+)
+def critic_training(
+    context: AssetExecutionContext,
+    config: TrainConfig,
+    artifacts: ArtifactStore,
+    inbox: ManifestInbox,
+    launcher: GpuJobLauncher,
+):
+    """Train (or resume) the critic with the GPU job; both assets are versioned by the contract sha."""
+    key = context.partition_key
+    with fail_on_bad_input("critic_training"):
+        manifest = _manifest(context, artifacts, inbox)
+    plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
+    output = artifacts.critic_dir(key)
+    results = launcher.launch(context, "train", train_argv(manifest, output, config, plan, inbox.roots()),
+                              _job_extras(context, manifest, output_dir=output))
+    with fail_on_bad_input("critic_training: published contract"):
+        ref = resolve_latest_contract(output)
+    for result in results:
+        if not isinstance(result, MaterializeResult):
+            continue
+        reported = result.metadata.get("contract_sha256") if result.metadata else None
+        reported = getattr(reported, "value", reported)
+        if reported is not None and reported != ref.sha256:
+            raise Failure(description=f"GPU job reported contract {reported} but {ref.path} hashes to {ref.sha256}")
+        yield MaterializeResult(
+            asset_key=result.asset_key,
+            data_version=DataVersion(ref.sha256),
+            metadata={**(result.metadata or {}), **contract_metadata(ref)},
+        )
+
+
+@asset(partitions_def=manifests_partitions, deps=[batch_plan, train_dataset], code_version="1",
+       group_name=GROUP, pool=GPU_POOL, kinds={"ray"})
+def canary_receipt(
+    context: AssetExecutionContext, config: TrainConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
+    launcher: GpuJobLauncher,
+) -> MaterializeResult:
+    """One planned step end to end; writes a non-promotable receipt and no contract (SPEC 5)."""
+    key = context.partition_key
+    with fail_on_bad_input("canary_receipt"):
+        manifest = _manifest(context, artifacts, inbox)
+    plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
+    output = artifacts.canary_dir(key, context.run.run_id)
+    argv = train_argv(manifest, output, config, plan, inbox.roots()) + ["--canary"]
+    result = materialization_of(
+        launcher.launch(context, "canary", argv, _job_extras(context, manifest, output_dir=output)), "canary")
+    return MaterializeResult(
+        data_version=result.data_version,
+        metadata={**(result.metadata or {}), "promotable": False, "output_dir": MetadataValue.path(str(output))},
+    )
+
+
+def recorded_contract_sha(context: AssetExecutionContext, partition_key: str) -> str:
+    """The contract sha the lineage recorded for this partition (training_contract's data)."""
+    recorded = latest_metadata(context.instance, "training_contract", partition_key) or {}
+    sha = recorded.get("contract_sha256")
+    if not isinstance(sha, str):
+        raise Failure(description="training_contract has no materialization for this partition; train first",
+                      allow_retries=False)
+    return sha
+
+
+class EvalConfig(Config):
+    num_batches: int = Field(default=4, ge=1, description="B mixed-label batches (SPEC 7).")
+    global_batch_size: int = Field(default=8, ge=2, description="G rows per evaluation batch; G x B <= heldout rows.")
+    seed: int = Field(default=0, description="Seed of the mixed-label batch selection.")
+    gpus: int = Field(default=1, ge=1)
+
+
+def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:
+    summary = ev_summary(report)
+    metadata: dict[str, Any] = {
+        "report_sha256": report_sha,
+        "report_path": MetadataValue.path(str(report_path)),
+        "contract_sha256": to_metadata_value(report.get("contract_sha256")),
+        "manifest_sha256": to_metadata_value(report_manifest_sha(report)),
+        "dataset_sha256": to_metadata_value(report.get("dataset_sha256")),
+        **{k: to_metadata_value(v) for k, v in summary.items()},
+    }
+    metadata.update(plot_metadata(report.get("plots"), report_path.parent, strip_prefix=report_path.stem + "-"))
+    return metadata
+
+
+@asset(partitions_def=manifests_partitions, deps=["training_contract", "critic_checkpoint", heldout_dataset],
+       code_version="1", group_name=GROUP, pool=GPU_POOL, kinds={"ray"})
+def ev_report(
+    context: AssetExecutionContext, config: EvalConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
+    launcher: GpuJobLauncher,
+) -> MaterializeResult:
+    """Forward-only EV evaluation of the latest contracted critic on heldout rows (SPEC 7).
+
+    A failing gate still materializes its report; `ev_gate` (blocking) then stops promotion.
+    An existing verified report for the same contract is reused instead of re-evaluating.
+    """
+    key = context.partition_key
+    with fail_on_bad_input("ev_report"):
+        manifest = _manifest(context, artifacts, inbox)
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
+    report_path = artifacts.report_path(key, ref.sha256)
+    extra: dict[str, Any] = {}
+    if report_path.exists():
+        context.log.info(f"{report_path} already published for contract {ref.sha256}: reused, not re-evaluated")
+        extra["reused"] = True
+    else:
+        split = "heldout" if manifest.heldout is not None else "train"
+        argv = ["--checkpoint", str(ref.checkpoint_dir), "--manifest", str(manifest.path),
+                "--contract-sha256", ref.sha256, "--report", str(report_path), "--split", split,
+                "--num-batches", str(config.num_batches), "--global-batch-size", str(config.global_batch_size),
+                "--seed", str(config.seed), "--gpus", str(config.gpus)]
+        for root in inbox.roots() or []:
+            argv += ["--data-root", str(root)]
+        result = materialization_of(
+            launcher.launch(context, "evaluate", argv, _job_extras(context, manifest, report_path=report_path)),
+            "evaluate")
+        extra.update(result.metadata or {})
+    with fail_on_bad_input("ev_report: published report"):
+        report, report_sha = read_published(report_path, "EV report")
+    if report.get("contract_sha256") != ref.sha256:
+        raise Failure(description=f"{report_path} names contract {report.get('contract_sha256')!r}, expected {ref.sha256}")
+    return MaterializeResult(data_version=DataVersion(report_sha),
+                             metadata={**extra, **report_metadata(report, report_sha, report_path)})
+
+
+@asset(partitions_def=manifests_partitions, deps=[ev_report, "training_contract"], code_version="1",
+       group_name=GROUP, kinds={"json"})
+def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
+    """The registry record the online RL job pins: checkpoint + contract sha (SPEC 8).
+
+    The decision is `ev_gate`'s (blocking); this asset only re-verifies, from the files, that the
+    report exists, hashes to its recorded sha, passed, and names the contract being promoted.
+    """
+    from value_assets.core.publish import atomic_write
+
+    key = context.partition_key
+    with fail_on_bad_input("promoted_critic refused"):
+        manifest = _manifest(context, artifacts, inbox)
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
+        report_path = artifacts.report_path(key, ref.sha256)
+        recorded = latest_metadata(context.instance, "ev_report", key) or {}
+        if str(recorded.get("report_path")) != str(report_path):
+            from value_assets.assets.lineage import PromotionRefused
+
+            raise PromotionRefused(f"ev_report has no materialization of {report_path} for contract {ref.sha256} "
+                                   f"(latest: {recorded.get('report_path')!r})")
+        record = verify_promotion(partition_key=key, manifest_sha256=manifest.sha256, contract=ref,
+                                  report_path=report_path, recorded_report_sha256=recorded.get("report_sha256"))
+    registry_path = artifacts.registry_path(key)
+    atomic_write(registry_path, canonical_json(record))
+    identity = sha256_bytes(canonical_json({k: v for k, v in record.items() if k != "promoted_at"}))
+    return MaterializeResult(
+        data_version=DataVersion(identity),
+        metadata={
+            "registry_record": MetadataValue.path(str(registry_path)),
+            "checkpoint": MetadataValue.path(record["checkpoint"]),
+            "contract_sha256": record["contract_sha256"],
+            "report_sha256": record["report_sha256"],
+            "manifest_sha256": record["manifest_sha256"],
+            "record": MetadataValue.json(record),
+        },
+    )

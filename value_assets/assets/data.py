@@ -1,0 +1,149 @@
+"""CPU assets: the registered manifest, its validated datasets and the published batch plan.
+
+All run in the Dagster process, before any accelerator is reserved (SPEC 5: a run on invalid data
+never reserves one).
+"""
+
+
+from dagster import (
+    AssetExecutionContext,
+    Config,
+    DataVersion,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    TableColumn,
+    TableRecord,
+    TableSchema,
+    asset,
+)
+from pydantic import Field
+
+from value_assets.assets.common import fail_on_bad_input
+from value_assets.assets.lineage import load_registered_manifest
+from value_assets.partitions import manifests_partitions
+from value_assets.resources import ArtifactStore, ManifestInbox
+
+GROUP = "data"
+
+
+def _manifest(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox):
+    key = context.partition_key
+    return load_registered_manifest(artifacts.partition_dir(key), key, inbox.roots())
+
+
+@asset(partitions_def=manifests_partitions, code_version="1", group_name=GROUP, kinds={"json"})
+def value_manifest(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
+    """The registered manifest, re-loaded with its sha pinned: objective, dataset refs, provenance."""
+    with fail_on_bad_input("value_manifest"):
+        manifest = _manifest(context, artifacts, inbox)
+    return MaterializeResult(
+        data_version=DataVersion(manifest.sha256),
+        metadata={
+            "manifest_sha256": manifest.sha256,
+            "manifest_path": MetadataValue.path(str(manifest.path)),
+            "snapshot": MetadataValue.path(str(artifacts.manifest_snapshot_path(context.partition_key))),
+            "train_sha256": manifest.train.sha256,
+            "train_num_samples": manifest.train.num_samples,
+            "heldout_sha256": manifest.heldout.sha256 if manifest.heldout else "absent",
+            "objective": MetadataValue.json(manifest.objective.canonical()),
+            "provenance": MetadataValue.json(manifest.provenance or {}),
+        },
+    )
+
+
+def label_table(label_counts: dict[str, int]) -> MetadataValue:
+    schema = TableSchema(columns=[TableColumn("label", "string"), TableColumn("count", "int")])
+    records = [TableRecord({"label": str(label), "count": int(n)}) for label, n in sorted(label_counts.items())]
+    return MetadataValue.table(records=records, schema=schema)
+
+
+def dataset_result(dataset, split: str) -> MaterializeResult:
+    stats = dataset.stats
+    return MaterializeResult(
+        data_version=DataVersion(dataset.sha256),
+        metadata={
+            "split": split,
+            "dataset_sha256": dataset.sha256,
+            "path": MetadataValue.path(str(dataset.path)),
+            "rows": stats.rows,
+            "tokens": stats.tokens,
+            "active_targets": stats.active_targets,
+            "max_tokens": stats.max_tokens,
+            "label_counts": label_table(stats.label_counts or {}),
+            "stats": MetadataValue.json(stats.to_json()),
+        },
+    )
+
+
+def _validate(context, artifacts, inbox, split: str) -> MaterializeResult:
+    from value_assets.core.dataset import validate_dataset
+
+    with fail_on_bad_input(f"{split}_dataset"):
+        manifest = _manifest(context, artifacts, inbox)
+        ref = manifest.train if split == "train" else manifest.heldout
+        if ref is None:
+            # Not an error: such a critic trains, but ev_gate refuses it (no heldout split).
+            return MaterializeResult(
+                data_version=DataVersion("absent"),
+                metadata={"split": split, "present": False, "note": "manifest has no heldout split: not promotable"},
+            )
+        dataset = validate_dataset(ref, manifest.objective)
+    return dataset_result(dataset, split)
+
+
+@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP)
+def train_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
+    """The train split, fully validated (SPEC 2), with its statistics and label counts."""
+    return _validate(context, artifacts, inbox, "train")
+
+
+@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP)
+def heldout_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
+    """The heldout split the gate evaluates on, fully validated; marked absent when the manifest has none."""
+    return _validate(context, artifacts, inbox, "heldout")
+
+
+class PlanConfig(Config):
+    """The batch plan (SPEC 3). Training reads these back from the plan, never from its own config."""
+
+    global_batch_size: int = Field(default=16, ge=1)
+    epochs: int = Field(default=1, ge=1)
+    seed: int = 0
+
+
+@asset(partitions_def=manifests_partitions, deps=[train_dataset], code_version="1", group_name=GROUP)
+def batch_plan(
+    context: AssetExecutionContext, config: PlanConfig, artifacts: ArtifactStore, inbox: ManifestInbox
+) -> MaterializeResult:
+    """The published batch plan: seed, G, epochs, step -> row indices, with its own sha."""
+    from value_assets.core.plan import build_plan
+    from value_assets.core.publish import publish_once
+
+    with fail_on_bad_input("batch_plan"):
+        manifest = _manifest(context, artifacts, inbox)
+        plan = build_plan(manifest.train.num_samples, config.global_batch_size, config.epochs, config.seed)
+        path = artifacts.plan_path(context.partition_key)
+        # Write-once; the identical plan again is a no-op, a different one for this partition is
+        # refused (its critic folder's contract binds the first plan).
+        publish_once(path, plan.to_bytes())
+    return MaterializeResult(
+        data_version=DataVersion(plan.sha256),
+        metadata={
+            "plan_sha256": plan.sha256,
+            "plan_path": MetadataValue.path(str(path)),
+            "steps": plan.num_steps,
+            "global_batch_size": config.global_batch_size,
+            "epochs": config.epochs,
+            "seed": config.seed,
+            "rows": manifest.train.num_samples,
+        },
+    )
+
+
+def plan_params(metadata: dict | None) -> tuple[int, int, int]:
+    """(G, epochs, seed) of the partition's published plan, from its materialization."""
+    if not metadata or not all(k in metadata for k in ("global_batch_size", "epochs", "seed")):
+        raise Failure(description="batch_plan has no materialization for this partition; materialize it first",
+                      allow_retries=False)
+    return int(metadata["global_batch_size"]), int(metadata["epochs"]), int(metadata["seed"])

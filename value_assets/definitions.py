@@ -1,0 +1,96 @@
+"""The code location: one `Definitions` naming every asset, check, job, sensor and resource.
+
+Resources are chosen per deployment by `VALUE_ASSETS_DEPLOYMENT` (`local`, the default; `ray`;
+`kubernetes`). Only the GPU-job launcher differs between them; settings come from environment
+variables so the same image serves every deployment:
+
+| variable | used by | default |
+| --- | --- | --- |
+| VALUE_ASSETS_ARTIFACTS | all | `artifacts/` in the project checkout (else the working directory) |
+| VALUE_ASSETS_MANIFESTS | all | `manifests/` likewise |
+| VALUE_ASSETS_DATA_ROOTS | all | unset: no restriction (`:`-separated folders) |
+| VALUE_ASSETS_GPU_COMMAND | local | `<this python> -m value_assets.gpu.pipes_job`; e.g. a GPU venv's python |
+| RAY_ADDRESS | ray | required: the Ray dashboard address |
+| VALUE_ASSETS_GPU_IMAGE | kubernetes | required: the GPU job image |
+| VALUE_ASSETS_K8S_NAMESPACE, VALUE_ASSETS_K8S_PVCS (`claim=/mount,...`), VALUE_ASSETS_GPUS | kubernetes | |
+
+This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/test_layers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Mapping
+
+from dagster import Definitions, EnvVar
+
+from value_assets.assets import ALL_ASSETS
+from value_assets.checks import ALL_CHECKS
+from value_assets.jobs import ALL_JOBS
+from value_assets.resources import ArtifactStore, K8sPodLauncher, ManifestInbox, RayJobLauncher, SubprocessLauncher
+from value_assets.sensors import ALL_SENSORS
+
+DEPLOYMENT_ENV = "VALUE_ASSETS_DEPLOYMENT"
+DEPLOYMENTS = ("local", "ray", "kubernetes")
+
+
+def project_root() -> Path:
+    """The source checkout holding this package (editable install), else the working directory.
+
+    Anchoring the project-local defaults here keeps the code server, the daemon and run workers
+    on the same folders whatever their working directory.
+    """
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "pyproject.toml").is_file() else Path.cwd()
+
+
+def _pvcs(spec: str) -> dict[str, str]:
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    return {claim.strip(): mount.strip() for claim, mount in pairs}
+
+
+def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[str, dict[str, Any]]:
+    shared = {
+        "artifacts": ArtifactStore(root=env.get("VALUE_ASSETS_ARTIFACTS") or str(project_root() / "artifacts")),
+        "inbox": ManifestInbox(
+            folder=env.get("VALUE_ASSETS_MANIFESTS") or str(project_root() / "manifests"),
+            data_roots=[r for r in env.get("VALUE_ASSETS_DATA_ROOTS", "").split(":") if r],
+        ),
+    }
+    return {
+        "local": {**shared, "launcher": SubprocessLauncher(
+            command=shlex.split(env["VALUE_ASSETS_GPU_COMMAND"]) if env.get("VALUE_ASSETS_GPU_COMMAND") else None)},
+        "ray": {**shared, "launcher": RayJobLauncher(address=EnvVar("RAY_ADDRESS"))},
+        "kubernetes": {
+            **shared,
+            "launcher": K8sPodLauncher(
+                image=EnvVar("VALUE_ASSETS_GPU_IMAGE"),
+                namespace=env.get("VALUE_ASSETS_K8S_NAMESPACE") or None,
+                gpus=int(env.get("VALUE_ASSETS_GPUS", "1")),
+                pvc_mounts=_pvcs(env.get("VALUE_ASSETS_K8S_PVCS", "")),
+                env={"VALUE_ASSETS_ARTIFACTS": env.get("VALUE_ASSETS_ARTIFACTS", "/artifacts")},
+            ),
+        },
+    }
+
+
+def deployment_name(env: Mapping[str, str] = os.environ) -> str:
+    name = env.get(DEPLOYMENT_ENV, "local") or "local"
+    if name not in DEPLOYMENTS:
+        raise ValueError(f"{DEPLOYMENT_ENV}={name!r}; expected one of {DEPLOYMENTS}")
+    return name
+
+
+def make_definitions(resources: Mapping[str, Any]) -> Definitions:
+    return Definitions(
+        assets=ALL_ASSETS,
+        asset_checks=ALL_CHECKS,
+        jobs=ALL_JOBS,
+        sensors=ALL_SENSORS,
+        resources=dict(resources),
+    )
+
+
+defs = make_definitions(resources_by_deployment_name()[deployment_name()])

@@ -1,0 +1,245 @@
+"""Launchers of the GPU job: one interface, three ways to run it, all through Dagster Pipes.
+
+The GPU job is ``python -m value_assets.gpu.pipes_job``. It opens Dagster Pipes, reads its task and
+argument vector from the Pipes extras, runs it, and reports materializations (metadata and data
+version) for the asset keys the extras name. The launcher decides only *where* it runs:
+
+- `SubprocessLauncher` (default): a child process of the step, through `PipesSubprocessClient`.
+- `RayJobLauncher`: a Ray job on an existing cluster (KubeRay or not), through dagster-ray's
+  `PipesRayJobClient`, created fresh for every launch (it caches its connection).
+- `K8sPodLauncher`: one pod per launch, through dagster-k8s' `PipesK8sClient`.
+
+Whatever the launcher, a job that exits without reporting a materialization for every asset the
+step was asked to produce fails the step: silence is never success.
+"""
+
+
+import shlex
+import warnings
+import sys
+from typing import Any, Mapping, Sequence
+
+from dagster import (
+    AssetCheckKey,
+    AssetCheckResult,
+    ConfigurableResource,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    PipesSubprocessClient,
+)
+from dagster._core.pipes.client import PipesClientCompletedInvocation
+from pydantic import Field
+
+# Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
+warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
+
+PIPES_MODULE = "value_assets.gpu.pipes_job"
+TASKS = ("train", "evaluate", "canary")
+PipesResult = MaterializeResult | AssetCheckResult
+
+
+class GpuJobLauncher(ConfigurableResource):
+    """Interface: run one GPU task through Pipes and return what it reported.
+
+    Subclasses implement `_invoke`; `launch` adds the shared extras, then refuses silent jobs.
+    """
+
+    def launch(
+        self,
+        context: Any,
+        task: str,
+        argv: Sequence[str],
+        extras: Mapping[str, Any] | None = None,
+    ) -> list[PipesResult]:
+        if task not in TASKS:
+            raise ValueError(f"unknown GPU task {task!r}; expected one of {TASKS}")
+        payload = {**(extras or {}), "task": task, "argv": [str(a) for a in argv]}
+        context.log.info(f"GPU job {task} via {type(self).__name__}: {shlex.join(payload['argv'])}")
+        invocation = self._invoke(context, task, payload)
+        # Pipes would invent an empty materialization for every selected asset the job did not
+        # report; a silent job must fail instead.
+        return accept_results(context, task, invocation.get_results(implicit_materializations=False))
+
+    def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _invoke")
+
+
+def accept_results(context: Any, task: str, results: Sequence[PipesResult]) -> list[PipesResult]:
+    """Keep what the step declared; fail when a selected asset got no materialization.
+
+    Check results for checks the step does not declare are logged and dropped (Dagster would
+    reject them); the gate is evaluated by Dagster itself from the published report.
+    """
+    wanted_assets = set(context.selected_asset_keys)
+    wanted_checks = set(getattr(context, "selected_asset_check_keys", set()) or set())
+    single = next(iter(wanted_assets)) if len(wanted_assets) == 1 else None
+    kept: list[PipesResult] = []
+    seen = set()
+    for result in results:
+        if isinstance(result, MaterializeResult):
+            key = result.asset_key or single
+            if key not in wanted_assets:
+                context.log.warning(f"GPU job {task} reported a materialization of {key}, not selected: dropped")
+                continue
+            seen.add(key)
+            kept.append(result)
+        elif isinstance(result, AssetCheckResult):
+            check_key = AssetCheckKey(result.asset_key, result.check_name) if result.asset_key else None
+            if check_key is None or check_key not in wanted_checks:
+                context.log.warning(f"GPU job {task} reported an undeclared check {result.check_name!r}: dropped")
+                continue
+            kept.append(result)
+    missing = sorted(k.to_user_string() for k in wanted_assets - seen)
+    if missing:
+        raise Failure(
+            description=f"GPU job {task} ended without reporting a materialization for {missing}",
+            metadata={"task": task, "missing": MetadataValue.json(missing)},
+        )
+    return kept
+
+
+class SubprocessLauncher(GpuJobLauncher):
+    """Runs the GPU job as a local child process (laptop, CI, one GPU box)."""
+
+    command: list[str] | None = Field(
+        default=None,
+        description="Command line of the Pipes job; default: this interpreter -m value_assets.gpu.pipes_job.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the job.")
+    cwd: str | None = Field(default=None, description="Working directory of the job.")
+
+    def job_command(self) -> list[str]:
+        return list(self.command) if self.command else [sys.executable, "-m", PIPES_MODULE]
+
+    def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
+        client = PipesSubprocessClient(env=dict(self.env), cwd=self.cwd)
+        return client.run(context=context, command=self.job_command(), extras=extras)
+
+
+class RayJobLauncher(GpuJobLauncher):
+    """Submits the GPU job to an existing Ray cluster as a Ray job (the driver then places its
+    GPU workers with a placement group; the entrypoint itself reserves no GPU)."""
+
+    address: str = Field(description="Ray dashboard address, e.g. http://raycluster-head-svc:8265.")
+    python: str = Field(default="python", description="Interpreter on the cluster's image.")
+    command: list[str] | None = Field(default=None, description="Entrypoint argv; default: <python> -m value_assets.gpu.pipes_job.")
+    working_dir: str | None = Field(default=None, description="runtime_env working_dir, if the image lacks the code.")
+    env: dict[str, str] = Field(default_factory=dict)
+    entrypoint_num_cpus: float = 1.0
+    poll_interval_s: float = 5.0
+    timeout_s: float = 600.0
+
+    def entrypoint(self) -> str:
+        return shlex.join(list(self.command) if self.command else [self.python, "-m", PIPES_MODULE])
+
+    def submit_params(self, task: str) -> dict[str, Any]:
+        runtime_env: dict[str, Any] = {"env_vars": dict(self.env)}
+        if self.working_dir:
+            runtime_env["working_dir"] = self.working_dir
+        return {
+            "entrypoint": self.entrypoint(),
+            "runtime_env": runtime_env,
+            "entrypoint_num_cpus": self.entrypoint_num_cpus,
+            "metadata": {"value_assets/task": task},
+        }
+
+    def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
+        from dagster_ray import PipesRayJobClient  # heavy; only where this launcher is used
+
+        # Fresh per launch: the client caches its JobSubmissionClient (PLATFORM.md).
+        client = PipesRayJobClient(address=self.address, timeout=self.timeout_s, poll_interval=self.poll_interval_s)
+        return client.run(context=context, submit_job_params=self.submit_params(task), extras=extras)
+
+
+class K8sPodLauncher(GpuJobLauncher):
+    """Runs the GPU job as one Kubernetes pod per launch, on GPU nodes."""
+
+    image: str = Field(description="GPU job image (deploy/Dockerfile, target `gpu`).")
+    namespace: str | None = None
+    command: list[str] = Field(default_factory=lambda: ["python", "-m", PIPES_MODULE])
+    gpus: int = Field(default=1, description="nvidia.com/gpu per pod unless argv carries --gpus N.")
+    cpu: str = "8"
+    memory: str = "64Gi"
+    shm_size: str = Field(default="16Gi", description="/dev/shm for NCCL and data loaders.")
+    env: dict[str, str] = Field(default_factory=dict)
+    pvc_mounts: dict[str, str] = Field(
+        default_factory=dict,
+        description="PersistentVolumeClaim name -> mount path; the artifacts root and data must be "
+        "mounted at the same paths as in the Dagster code location.",
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    service_account_name: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+    load_incluster_config: bool | None = None
+    kubeconfig_file: str | None = None
+    pod_wait_timeout_s: float = 7 * 24 * 3600.0
+
+    def gpus_for(self, argv: Sequence[str]) -> int:
+        args = list(argv)
+        if "--gpus" in args:
+            return int(args[args.index("--gpus") + 1])
+        return self.gpus
+
+    def base_pod_spec(self, task: str, argv: Sequence[str]) -> dict[str, Any]:
+        gpus = self.gpus_for(argv)
+        mounts = [{"name": f"pvc-{i}", "mountPath": path} for i, path in enumerate(self.pvc_mounts.values())]
+        volumes: list[dict[str, Any]] = [
+            {"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": claim}}
+            for i, claim in enumerate(self.pvc_mounts)
+        ]
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": self.shm_size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        resources = {"cpu": self.cpu, "memory": self.memory, "nvidia.com/gpu": str(gpus)}
+        container = {
+            "name": "gpu-job",
+            "imagePullPolicy": self.image_pull_policy,
+            "resources": {"requests": dict(resources), "limits": dict(resources)},
+            "volumeMounts": mounts,
+        }
+        spec: dict[str, Any] = {
+            "containers": [container],
+            "volumes": volumes,
+            "restartPolicy": "Never",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        }
+        if self.node_selector:
+            spec["nodeSelector"] = dict(self.node_selector)
+        if self.service_account_name:
+            spec["serviceAccountName"] = self.service_account_name
+        return spec
+
+    def base_pod_meta(self, task: str) -> dict[str, Any]:
+        return {"labels": {"app.kubernetes.io/name": "value-assets-gpu-job", "value-assets/task": task}}
+
+    def render_pod(self, pod_name: str, task: str, argv: Sequence[str], bootstrap_env: Mapping[str, str]):
+        """The V1Pod this launcher submits, as `PipesK8sClient.run` builds it (used by tests)."""
+        from dagster_k8s.pipes import build_pod_body
+
+        return build_pod_body(
+            pod_name=pod_name,
+            image=self.image,
+            command=list(self.command),
+            env_vars={**bootstrap_env, **self.env},
+            base_pod_meta=self.base_pod_meta(task),
+            base_pod_spec=self.base_pod_spec(task, argv),
+        )
+
+    def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
+        from dagster_k8s import PipesK8sClient
+
+        client = PipesK8sClient(
+            env=dict(self.env),
+            load_incluster_config=self.load_incluster_config,
+            kubeconfig_file=self.kubeconfig_file,
+        )
+        return client.run(
+            context=context,
+            extras=extras,
+            image=self.image,
+            command=list(self.command),
+            namespace=self.namespace,
+            base_pod_meta=self.base_pod_meta(task),
+            base_pod_spec=self.base_pod_spec(task, extras["argv"]),
+            pod_wait_timeout=self.pod_wait_timeout_s,
+        )
