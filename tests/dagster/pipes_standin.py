@@ -21,7 +21,7 @@ from dagster_pipes import open_dagster_pipes
 from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.manifest import load_manifest
-from value_assets.core.mixed import mixed_label_batches
+from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan
 from value_assets.core.publish import publish_once
 from value_assets.core.report import build_report
@@ -108,7 +108,8 @@ def evaluate(pipes, argv):
     manifest = load_manifest(a.manifest)
     ref = manifest.heldout if a.split == "heldout" else manifest.train
     data = validate_dataset(ref, manifest.objective)
-    batches = mixed_label_batches(list(data.labels), a.global_batch_size, a.num_batches, a.seed)
+    g = a.global_batch_size or default_batch_size(len(data), a.num_batches, a.gpus or 1)
+    batches = mixed_label_batches(list(data.labels), g, a.num_batches, a.seed)
     rank_reports, active = [], []
     for batch in batches:
         tok, traj, row_values = [], [], []
@@ -121,7 +122,7 @@ def evaluate(pipes, argv):
         active.append(int(sum(data.active_targets[i] for i in batch)))
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
                           checkpoint=a.checkpoint, contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
-                          global_batch_size=a.global_batch_size, batches=batches, rank_reports=rank_reports,
+                          global_batch_size=g, batches=batches, rank_reports=rank_reports,
                           active_targets=active, labels=list(data.labels))
     report_path = Path(a.report)
     # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.

@@ -50,5 +50,5 @@ def test_ray_job_launcher_runs_the_pipes_job(ray_dashboard, instance, test_resou
     result = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=key,
                                                              raise_on_error=False)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
-    assert latest_metadata(instance, "critic_checkpoint", key)["steps"] == 2
+    assert latest_metadata(instance, "critic_checkpoint", key)["steps"] == latest_metadata(instance, "batch_plan", key)["steps"] >= 1
     assert latest_metadata(instance, "ev_report", key)["token_ev"] == pytest.approx(0.5)

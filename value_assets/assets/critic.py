@@ -46,8 +46,13 @@ class TrainConfig(Config):
     backbone: str = Field(default="tiny", description="Actor checkpoint path, or `tiny` for the CPU demo model.")
     gpus: int = Field(default=1, ge=1)
     save_interval: int = Field(default=0, ge=0, description="Save every K steps; 0: only at the end.")
-    lr: float = Field(default=1e-5, gt=0)
+    lr: float | None = Field(default=None, gt=0, description="Learning rate; default 2e-3 for the tiny demo backbone, 1e-5 for a real actor.")
     micro_batch_tokens: int | None = Field(default=None, ge=1)
+
+
+def default_lr(backbone: str) -> float:
+    """A randomly initialised tiny model needs a large step; a pretrained actor a small one."""
+    return 2e-3 if backbone == "tiny" else 1e-5
 
 
 def train_argv(manifest, output_dir, config: TrainConfig, plan: tuple[int, int, int], data_roots=None) -> list[str]:
@@ -57,7 +62,7 @@ def train_argv(manifest, output_dir, config: TrainConfig, plan: tuple[int, int, 
     argv = [str(manifest.path), "--manifest-sha256", manifest.sha256, "--output", str(output_dir),
             "--backbone", config.backbone,
             "--global-batch-size", str(g), "--epochs", str(epochs), "--seed", str(seed),
-            "--gpus", str(config.gpus), "--lr", repr(config.lr)]
+            "--gpus", str(config.gpus), "--lr", repr(config.lr if config.lr is not None else default_lr(config.backbone))]
     if config.save_interval:
         argv += ["--save-interval", str(config.save_interval)]
     if config.micro_batch_tokens:
@@ -170,8 +175,8 @@ def recorded_contract_sha(context: AssetExecutionContext, partition_key: str) ->
 
 
 class EvalConfig(Config):
-    num_batches: int = Field(default=4, ge=1, description="B mixed-label batches (SPEC 7).")
-    global_batch_size: int = Field(default=8, ge=2, description="G rows per evaluation batch; G x B <= heldout rows.")
+    num_batches: int = Field(default=8, ge=1, description="B mixed-label batches (SPEC 7).")
+    global_batch_size: int | None = Field(default=None, ge=2, description="G rows per evaluation batch (G x B <= heldout rows); default min(64, rows / B).")
     seed: int = Field(default=0, description="Seed of the mixed-label batch selection.")
     gpus: int = Field(default=1, ge=1)
 
@@ -214,8 +219,9 @@ def ev_report(
         split = "heldout" if manifest.heldout is not None else "train"
         argv = ["--checkpoint", str(ref.checkpoint_dir), "--manifest", str(manifest.path),
                 "--contract-sha256", ref.sha256, "--report", str(report_path), "--split", split,
-                "--num-batches", str(config.num_batches), "--global-batch-size", str(config.global_batch_size),
-                "--seed", str(config.seed), "--gpus", str(config.gpus)]
+                "--num-batches", str(config.num_batches), "--seed", str(config.seed), "--gpus", str(config.gpus)]
+        if config.global_batch_size is not None:
+            argv += ["--global-batch-size", str(config.global_batch_size)]
         for root in inbox.roots() or []:
             argv += ["--data-root", str(root)]
         result = materialization_of(

@@ -107,7 +107,7 @@ def heldout_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, in
 class PlanConfig(Config):
     """The batch plan (SPEC 3). Training reads these back from the plan, never from its own config."""
 
-    global_batch_size: int = Field(default=16, ge=1)
+    global_batch_size: int = Field(default=32, ge=1)
     epochs: int = Field(default=1, ge=1)
     seed: int = 0
 

@@ -51,3 +51,9 @@ def mixed_label_batches(labels: Sequence[float], global_batch_size: int, num_bat
     for batch in batches:
         rng.shuffle(batch)
     return [tuple(batch) for batch in batches]
+
+
+def default_batch_size(num_rows: int, num_batches: int, dp: int = 1) -> int:
+    """The evaluation G when none is given: min(64, rows / B), rounded down to a multiple of dp."""
+    g = min(64, num_rows // num_batches)
+    return g - g % dp

@@ -66,11 +66,11 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
 
     from .worker import CriticWorker
 
-    use_gpu = _use_gpu() if ray_address is None else True
     started_ray = False
     pg = None
     actors: list[Any] = []
     try:
+        ray_address = ray_address or os.environ.get("RAY_ADDRESS")  # set inside a submitted Ray job
         if not ray.is_initialized():
             if ray_address:
                 ray.init(address=ray_address, log_to_driver=True)
@@ -79,6 +79,8 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
                 ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
                          runtime_env={"env_vars": {"VALUE_ASSETS_LOOPBACK": "1"}})
             started_ray = True
+        # GPU bundles where the cluster has GPUs; CPU slots otherwise (laptop, CI).
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0 if ray_address else _use_gpu()
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)

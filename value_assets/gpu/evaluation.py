@@ -19,7 +19,7 @@ from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import require_sha
 from value_assets.core.manifest import load_manifest
-from value_assets.core.mixed import mixed_label_batches
+from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import assign_to_ranks
 from value_assets.core.publish import publish_once
 from value_assets.core.report import build_report
@@ -63,12 +63,6 @@ def _step_dir(checkpoint: Path) -> Path:
     return latest[0]
 
 
-def _default_batch_size(n: int, num_batches: int, dp: int) -> int:
-    g = min(64, n // num_batches)
-    g -= g % dp
-    return g
-
-
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     from .cluster import start_workers
     from .model import BackboneConfig
@@ -97,7 +91,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     if cfg.gpus % cfg.tensor_parallel:
         raise InputError("--gpus", f"{cfg.gpus} is not divisible by the tensor-parallel size {cfg.tensor_parallel}")
     dp = cfg.gpus // cfg.tensor_parallel
-    g = cfg.global_batch_size or _default_batch_size(len(ds), cfg.num_batches, dp)
+    g = cfg.global_batch_size or default_batch_size(len(ds), cfg.num_batches, dp)
     if g < 2 or g % dp:
         raise InputError("--global-batch-size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
     batches = mixed_label_batches(ds.labels.tolist(), g, cfg.num_batches, cfg.seed)

@@ -48,7 +48,7 @@ def _train(pipes, args) -> None:
         "final_loss": result.final_loss,
         "loss_curve": [round(x, 6) for x in result.losses],
         "tokens_per_s": (sum(tokens_per_s) / len(tokens_per_s)) if tokens_per_s else None,
-        "checkpoint_dir": result.checkpoint,
+        "checkpoint": result.checkpoint,
         "plan_sha256": result.plan_sha256,
     }
     if args.canary:
@@ -56,7 +56,7 @@ def _train(pipes, args) -> None:
 
         sha = sha256_file(result.receipt)
         pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
-                                           metadata={**common, "receipt_sha256": sha, "executed_steps": 1})
+                                           metadata={**common, "receipt": result.receipt, "receipt_sha256": sha, "executed_steps": 1})
         return
     sha = result.contract_sha256
     pipes.report_asset_materialization(asset_key="critic_checkpoint", data_version=sha, metadata={**common, "contract_sha256": sha})
