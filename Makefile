@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv bench clean
+.PHONY: demo ui test venv bench clean clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,16 +18,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-DEMO_DIR ?= demo_data
+DAGSTER_HOME_DIR ?= $(CURDIR)/.dagster_home
+UI_PORT ?= 3000
 
+# The full asset graph through Dagster for a learnable manifest and its shuffled-label control.
 demo: $(STAMP)
-	rm -rf $(DEMO_DIR)
-	$(BIN)/value-assets make-demo-data $(DEMO_DIR) --seed 0
-	$(BIN)/value-assets make-demo-data $(DEMO_DIR) --seed 0 --shuffle-labels
-	$(BIN)/value-assets validate $(DEMO_DIR)/demo.json
-	$(BIN)/value-assets validate $(DEMO_DIR)/demo-shuffled.json
-	$(BIN)/value-assets plan $(DEMO_DIR)/demo.json --global-batch-size 16 --epochs 2
-	$(BIN)/value-assets plan $(DEMO_DIR)/demo.json --gpus 2 --max-global-batch-size 64
+	DAGSTER_HOME=$(DAGSTER_HOME_DIR) $(BIN)/python -m value_assets.demo
+
+# dagster dev on 127.0.0.1 against the demo's instance: both lineages, checks, plots.
+ui: $(STAMP)
+	mkdir -p $(DAGSTER_HOME_DIR) manifests
+	test -f $(DAGSTER_HOME_DIR)/dagster.yaml || cp dagster.yaml $(DAGSTER_HOME_DIR)/dagster.yaml
+	DAGSTER_HOME=$(DAGSTER_HOME_DIR) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
@@ -35,5 +37,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/validate.py
 
-clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache
+clean-demo:
+	rm -rf $(DAGSTER_HOME_DIR) artifacts manifests/demo.json manifests/demo manifests/demo-shuffled.json manifests/demo-shuffled
+
+clean: clean-demo
+	rm -rf $(VENV) .pytest_cache
