@@ -1,0 +1,76 @@
+"""The asset graph with the real GPU job: local subprocess launcher, real Pipes, real local Ray,
+the tiny backbone on CPU. Two manifests in one instance: the learnable demo data is promoted, its
+shuffled-label control is stopped by the blocking gate, and neither lineage touches the other.
+Metadata is checked against the files themselves."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from value_assets.assets.common import latest_metadata
+from value_assets.core.demo_data import make_demo_data
+from value_assets.core.hashing import sha256_file
+from value_assets.core.strict_json import loads
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+@pytest.fixture
+def real_resources(tmp_path, manifests_dir):
+    from value_assets.resources import ArtifactStore, ManifestInbox, SubprocessLauncher
+
+    return {
+        "artifacts": ArtifactStore(root=str(tmp_path / "artifacts")),
+        "inbox": ManifestInbox(folder=str(manifests_dir)),
+        "launcher": SubprocessLauncher(command=[sys.executable, "-m", "value_assets.gpu.pipes_job"]),
+    }
+
+
+def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_control(instance, real_resources, manifests_dir,
+                                                                                 register, tmp_path):
+    from value_assets.definitions import make_definitions
+
+    defs = make_definitions(real_resources)
+    good = make_demo_data(manifests_dir, seed=0)
+    bad = make_demo_data(manifests_dir, seed=0, shuffle_labels=True)
+    good_key, bad_key = register(instance, real_resources, good, bad)
+    artifacts = Path(real_resources["artifacts"].root)
+
+    bad_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=bad_key, raise_on_error=False)
+    good_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=good_key, raise_on_error=False)
+
+    gate = {r: {e.check_name: e.passed for e in run.get_asset_check_evaluations()} for r, run in (("good", good_run), ("bad", bad_run))}
+    assert good_run.success, [e.message for e in good_run.all_events if e.is_failure]
+    assert gate["good"] == {"dataset_integrity": True, "contract_integrity": True, "ev_gate": True}
+    assert not bad_run.success and gate["bad"]["ev_gate"] is False
+    assert (artifacts / "registry" / f"{good_key}.json").is_file()
+    assert not (artifacts / "registry" / f"{bad_key}.json").exists()
+
+    for key, manifest in ((good_key, good), (bad_key, bad)):
+        meta = {name: latest_metadata(instance, name, key) for name in
+                ("value_manifest", "train_dataset", "heldout_dataset", "batch_plan", "critic_checkpoint", "training_contract", "ev_report")}
+        # every sha recorded is the sha of the file it names
+        assert meta["value_manifest"]["manifest_sha256"] == sha256_file(manifest)
+        m = json.loads(Path(manifest).read_text())
+        assert meta["train_dataset"]["dataset_sha256"] == sha256_file(Path(manifest).parent / m["train"]["path"]) == m["train"]["sha256"]
+        assert meta["heldout_dataset"]["dataset_sha256"] == sha256_file(Path(manifest).parent / m["heldout"]["path"])
+        assert meta["batch_plan"]["plan_sha256"] == sha256_file(artifacts / key / "plan" / "plan.json")
+        contract_sha = meta["training_contract"]["contract_sha256"]
+        step = loads((artifacts / key / "critic" / "latest").read_bytes(), "latest")["iteration"]
+        assert contract_sha == meta["critic_checkpoint"]["contract_sha256"] == sha256_file(artifacts / key / "critic" / step / "value_pretrain_contract.json")
+        assert meta["critic_checkpoint"]["steps"] == meta["batch_plan"]["steps"] == 64
+        report_path = artifacts / key / "reports" / f"ev-{contract_sha[:12]}.json"
+        assert meta["ev_report"]["report_sha256"] == sha256_file(report_path)
+        report = json.loads(report_path.read_text())
+        # the EVs shown are the report's
+        assert meta["ev_report"]["token_ev"] == pytest.approx(report["aggregates"]["token"]["ev"], abs=1e-12)
+        assert meta["ev_report"]["trajectory_ev"] == pytest.approx(report["aggregates"]["trajectory"]["ev"], abs=1e-12)
+        assert report["contract_sha256"] == contract_sha and report["source_manifest_sha256"] == sha256_file(manifest)
+
+    record = json.loads((artifacts / "registry" / f"{good_key}.json").read_text())
+    assert record["contract_sha256"] == latest_metadata(instance, "training_contract", good_key)["contract_sha256"]
+    assert record["report_sha256"] == latest_metadata(instance, "ev_report", good_key)["report_sha256"]
