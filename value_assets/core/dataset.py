@@ -41,7 +41,7 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 READ_CHUNK = 8 << 20
 BATCH_BYTES = 16 << 20
 BATCH_ROWS = 8192
-PARQUET_BATCH = 32768
+PARQUET_BATCH = 2048  # rows; memory per batch stays bounded even for 4k-token rows
 _FIELD_SET = frozenset(FIELDS)
 
 
@@ -199,8 +199,11 @@ def check_columns(c: Columns, objective: Objective, vocab_size: int | None, max_
     flat_mask = np.ones(c.r_vals.shape[0], dtype=np.int64)
     if c.mask_present.any():
         r_off = np.concatenate([[0], np.cumsum(c.r_len)])
-        dst_rows = np.flatnonzero(c.mask_present)
-        dst = np.concatenate([np.arange(r_off[i], r_off[i + 1]) for i in dst_rows]) if dst_rows.size else np.zeros(0, dtype=np.int64)
+        rows = np.flatnonzero(c.mask_present)
+        lens = c.r_len[rows]
+        # Flat positions of every present mask value inside the returns: one range per row.
+        run_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        dst = np.repeat(r_off[rows] - run_start, lens) + np.arange(int(lens.sum()))
         flat_mask[dst] = c.m_vals
     starts = np.concatenate([[0], np.cumsum(c.r_len)[:-1]]).astype(np.int64)
     active = np.add.reduceat(flat_mask, starts) if n else np.zeros(0, dtype=np.int64)
