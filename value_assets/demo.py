@@ -66,7 +66,11 @@ def main() -> int:
         t = time.monotonic()
         run = defs.resolve_job_def("full").execute_in_process(
             instance=instance, partition_key=key, raise_on_error=False,
+            run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}},
             tags={**request.tags, "dagster/run_key": request.run_key or key})
+        if not run.success:
+            failed = sorted({e.step_key for e in run.all_events if e.is_step_failure})
+            print(f"    run {run.run_id[:8]} stopped at {failed} (for the shuffled control this is the blocking gate at work)", flush=True)
         gate = {e.check_name: e.passed for e in run.get_asset_check_evaluations()}.get("ev_gate")
         manifest_meta = latest_metadata(instance, "value_manifest", key) or {}
         ckpt = latest_metadata(instance, "critic_checkpoint", key) or {}

@@ -76,7 +76,8 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
                 ray.init(address=ray_address, log_to_driver=True)
             else:
                 cpus = max(world_size, os.cpu_count() or 1)
-                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                # Worker output stays in Ray's session logs; failures reach the driver as exceptions.
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": {"VALUE_ASSETS_LOOPBACK": "1"}})
             started_ray = True
         # GPU bundles where the cluster has GPUs; CPU slots otherwise (laptop, CI).
