@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 model_mod = pytest.importorskip("value_assets.gpu.model")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_engine_critic_bootstrap_and_export(tmp_path, megatron_single_rank, family):
     from transformers import AutoModelForTokenClassification
 

@@ -134,8 +134,8 @@ def _field(cfg: Any, name: str) -> Any:
             continue
         if isinstance(cfg, Mapping) and key in cfg:
             return cfg[key]
-        if not isinstance(cfg, Mapping) and hasattr(cfg, key):
-            return getattr(cfg, key)
+        if not isinstance(cfg, Mapping) and hasattr(cfg, key) and getattr(cfg, key) is not None:
+            return getattr(cfg, key)  # BackboneConfig.kv_channels None: the alias head_dim derives it
     if name in _DEFAULTS:
         return _DEFAULTS[name]
     raise InputError(f"backbone_config.{name}", f"missing on {type(cfg).__name__}")
@@ -144,12 +144,9 @@ def _field(cfg: Any, name: str) -> Any:
 def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """`read_hf_config` output as keyword arguments of `gpu.model.BackboneConfig`.
 
-    Refuses what that config cannot express yet (head_dim != hidden/heads as in Qwen3, RoPE
-    scaling) instead of building a critic that silently differs from the actor.
+    A head dim other than hidden/heads (Qwen3) becomes `kv_channels`. Refuses what the config
+    cannot express yet (RoPE scaling) instead of building a critic that silently differs from the actor.
     """
-    if cfg["kv_channels"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
-        raise InputError("config.json: head_dim", f"{cfg['kv_channels']} != hidden_size/num_attention_heads "
-                         f"({cfg['hidden_size']}/{cfg['num_attention_heads']}); BackboneConfig has no head_dim")
     if cfg["rope_scaling"]:
         raise InputError("config.json: rope scaling", "llama3 RoPE scaling is not expressible in BackboneConfig")
     return {
@@ -165,6 +162,7 @@ def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "norm_epsilon": cfg["rms_norm_eps"],
         "qkv_bias": cfg["qkv_bias"],
         "qk_layernorm": cfg["qk_layernorm"],
+        "kv_channels": None if cfg["kv_channels"] * cfg["num_attention_heads"] == cfg["hidden_size"] else cfg["kv_channels"],
     }
 
 

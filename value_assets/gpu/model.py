@@ -41,6 +41,7 @@ class BackboneConfig:
     norm_epsilon: float = 1e-6
     qkv_bias: bool = False
     qk_layernorm: bool = False
+    kv_channels: Optional[int] = None  # head dim; None means hidden_size / num_attention_heads (Qwen3 sets its own)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -50,7 +51,9 @@ class BackboneConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"backbone.{name} must be an int >= 1, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool) or self.kv_channels < 1):
+            raise ValueError(f"backbone.kv_channels must be an int >= 1 or None, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"backbone.hidden_size {self.hidden_size} not divisible by "
                 f"num_attention_heads {self.num_attention_heads}")
@@ -65,7 +68,7 @@ class BackboneConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
