@@ -92,6 +92,31 @@ def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_ty
     torch.testing.assert_close(swapped[9:], packed[:5], rtol=1e-5, atol=1e-5)
 
 
+def test_packed_forward_needs_restarting_positions_and_critic_params(dist):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from value_assets.gpu.model import build_critic, critic_forward
+
+    model = build_critic(BackboneConfig.tiny(), Objective()).eval()
+    toks = torch.arange(10, 17)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="restart"):
+            critic_forward(model, toks, torch.arange(7), cu, 4)
+        with pytest.raises(ValueError, match="max_seqlen"):
+            critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 3)
+        with pytest.raises(ValueError, match="CriticPackedSeqParams"):
+            model(toks.unsqueeze(0), torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), None,
+                  packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                    cu_seqlens_kv=cu, max_seqlen_q=4,
+                                                    max_seqlen_kv=4))
+        # a host copy of cu_seqlens gives the same result
+        a = critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 4)
+        b = critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 4,
+                           cu_seqlens_host=cu.clone())
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_evaluate_rows_alignment(dist):
     import numpy as np
 

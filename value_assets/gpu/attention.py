@@ -6,10 +6,12 @@
 - unpacked ('sbhd'): query [s, b, np, hn], key/value [s, b, ng, hn]; we run causal SDPA;
 - packed ('thd', `PackedSeqParams` given to `GPTModel.forward`): the attention module squeezes the
   dummy batch dim, so query is [t, np, hn] and key/value [t, ng, hn] for t packed tokens, with
-  `cu_seqlens_q/kv` (int32 [n+1]) marking sequence starts. RoPE was already applied per
-  sequence by megatron (positions restart at every `cu_seqlens` boundary, `rope_utils`
-  `_apply_rotary_pos_emb_thd`), so we only need attention that is causal within each sequence
-  and blind across sequences.
+  `cu_seqlens_q/kv` (int32 [n+1]) marking sequence starts. Megatron's own packed RoPE is
+  switched off for the critic (`rope.PackedRotaryEmbedding`); the `CriticPackedSeqParams` built
+  by `model.critic_forward` carry per-token cos / sin (positions restart at 0 per sequence) and
+  we apply RoPE to q and k here, vectorized (`rope.apply_rope`), then attention that is causal
+  within each sequence and blind across sequences. They also carry a host copy of cu_seqlens
+  (`bounds`) and `max_seqlen_q`, so no layer reads cu_seqlens back from the device.
 
 Kernels: on CUDA with bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash-attention varlen:
 no compute on other sequences or padding). Everywhere else (CPU, fp32) one causal SDPA call per
@@ -24,13 +26,15 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+from .rope import apply_rope
 
 try:  # torch >= 2.9
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -42,16 +46,20 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    *, bounds: Optional[Sequence[int]] = None, max_seqlen: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence, none across.
 
     q [t, nq, d], k/v [t, nkv, d] (nq % nkv == 0), cu_seqlens int [n+1] with cu_seqlens[0] == 0
-    and cu_seqlens[-1] == t. Returns [t, nq, d] in q's dtype.
+    and cu_seqlens[-1] == t. `bounds`: the same values on the host (else read back from
+    cu_seqlens: a device sync); `max_seqlen`: the longest sequence (else from bounds).
+    Returns [t, nq, d] in q's dtype.
     """
-    bounds = cu_seqlens.tolist()
+    if bounds is None:
+        bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[0]:
-        raise ValueError(f"cu_seqlens must run from 0 to {q.shape[0]}, got {bounds}")
+        raise ValueError(f"cu_seqlens must run from 0 to {q.shape[0]}, got {list(bounds)}")
     nq, nkv = q.shape[1], k.shape[1]
     if (
         _varlen_attn is not None
@@ -59,7 +67,8 @@ def packed_causal_attention(
         and q.dtype in (torch.bfloat16, torch.float16)
     ):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        max_len = max_seqlen if max_seqlen is not None else max(
+            b - a for a, b in zip(bounds[:-1], bounds[1:]))
         kwargs: dict[str, Any] = {"scale": scale}
         if "window_size" in _VARLEN_PARAMS:
             kwargs["window_size"] = (-1, 0)
@@ -112,6 +121,8 @@ class PackedCoreAttention(MegatronModule):
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        no_rope = getattr(config, "no_rope_freq", None)
+        self.rope = not (no_rope and no_rope[layer_number - 1])
 
     def forward(
         self,
@@ -128,11 +139,22 @@ class PackedCoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if query.dim() == 4:  # [t, 1, np, hn] if megatron did not squeeze
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-            cu_q = packed_seq_params.cu_seqlens_q
-            cu_kv = packed_seq_params.cu_seqlens_kv
-            if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+            p = packed_seq_params
+            cu_q, cu_kv = p.cu_seqlens_q, p.cu_seqlens_kv
+            bounds = getattr(p, "bounds", None)
+            if bounds is None or getattr(p, "rope_cos", None) is None:
+                raise ValueError(
+                    "PackedCoreAttention needs the CriticPackedSeqParams of "
+                    "value_assets.gpu.model.packed_seq_params(..., position_ids=, model=) "
+                    "(host cu_seqlens and per-token RoPE; megatron's packed RoPE is off)")
+            if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
                 raise ValueError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv")
-            out = packed_causal_attention(query, key, value, cu_q, self.scale)
+            if self.rope:
+                cos, sin = p.rope_for(query.dtype)
+                query = apply_rope(query, cos, sin)
+                key = apply_rope(key, cos, sin)
+            out = packed_causal_attention(query, key, value, cu_q, self.scale, bounds=bounds,
+                                          max_seqlen=p.max_seqlen_q)
             return out.reshape(out.shape[0], -1)
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)

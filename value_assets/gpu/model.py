@@ -7,6 +7,9 @@ Architecture only; parallel setup lives in `parallel.py`, training in `train.py`
 - The LM output layer is replaced by `ValueHead` (Linear hidden -> K, bias, weight N(0, 0.02),
   bias 0, computed in float32) on the last pipeline stage only (SPEC 4). Embeddings untied.
 - Forward returns per-token head outputs, float32 [t, K] for a packed row of t tokens.
+- Packed forwards (`critic_forward`) apply RoPE vectorized in `PackedCoreAttention` from per-token
+  cos / sin gathered once per micro-batch by `position_ids` (see `rope.py`), and carry a host copy
+  of `cu_seqlens`, so no layer syncs the device or loops over sequences in Python.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from value_assets.core.objective import Objective
 
 from .attention import PackedCoreAttention
+from .rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -195,6 +199,8 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
         rotary_base=int(backbone.rotary_base) if float(backbone.rotary_base).is_integer()
         else backbone.rotary_base,
     )
+    # Packed forwards: megatron's per-sequence RoPE off, ours (PackedCoreAttention) on.
+    install(model)
     if post:
         # The vocab projection is dropped before it ever reaches a device or an optimizer.
         model.output_layer = ValueHead(backbone.hidden_size, objective.head_size, seed=head_seed)
@@ -208,22 +214,52 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
     return model
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> Any:
-    from megatron.core.packed_seq_params import PackedSeqParams
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                      position_ids: Optional[torch.Tensor] = None, model: Any = None,
+                      cu_seqlens_host: Optional[torch.Tensor] = None) -> Any:
+    """`PackedSeqParams` (qkv_format 'thd') for one packed micro-batch of the critic.
 
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    With `model` and `position_ids` [t] (restarting at 0 per sequence), also the per-token RoPE
+    cos / sin that `PackedCoreAttention` applies (megatron's own packed RoPE is switched off by
+    `build_critic`). `cu_seqlens_host`: a CPU copy of cu_seqlens, if the caller has one; else
+    cu_seqlens is read back once here (one sync per micro-batch, none per layer).
+    """
+    host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens
+    bounds = tuple(int(b) for b in host.tolist())  # host tensor: no device sync
+    if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0, got {list(bounds)}")
+    if max_seqlen < max(b - a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"max_seqlen {max_seqlen} below the longest sequence in {list(bounds)}")
+    cos = sin = None
+    if model is not None:
+        if position_ids is None:
+            raise ValueError("packed RoPE needs position_ids")
+        pos = position_ids.reshape(-1)
+        if pos.numel() != bounds[-1]:
+            raise ValueError(f"{pos.numel()} position_ids for {bounds[-1]} packed tokens")
+        if not pos.is_cuda:  # cheap on the host: positions must restart at 0 per sequence
+            want = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+            if not torch.equal(pos.cpu().long(), want):
+                raise ValueError("position_ids must restart at 0 for every packed sequence")
+        cos, sin = packed_cos_sin(find_rotary(model), pos, max_seqlen)
+    return CriticPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+                                 bounds=bounds, rope_cos=cos, rope_sin=sin)
 
 
 def critic_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
-                   cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                   cu_seqlens_host: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run one packed micro-batch.
 
-    tokens int64 [t], position_ids int64 [t] (restart at 0 per sequence), cu_seqlens int32 [n+1].
+    tokens int64 [t], position_ids int64 [t] (restart at 0 per sequence), cu_seqlens int32 [n+1]
+    (on the model's device), cu_seqlens_host: optional CPU copy of cu_seqlens (saves the one
+    device->host read-back per micro-batch when cu_seqlens lives on the GPU).
     Returns float32 [t, K] on the last pipeline stage (hidden states [t, 1, h] elsewhere).
     """
-    out = model(tokens.unsqueeze(0), position_ids.unsqueeze(0), None,
-                packed_seq_params=packed_seq_params(cu_seqlens, max_seqlen))
+    params = packed_seq_params(cu_seqlens, max_seqlen, position_ids=position_ids, model=model,
+                               cu_seqlens_host=cu_seqlens_host)
+    out = model(tokens.unsqueeze(0), position_ids.unsqueeze(0), None, packed_seq_params=params)
     if out.dim() == 3 and out.shape[0] == 1:  # GPTModel returns [b=1, t, K]
         return out[0]
     return out

@@ -65,8 +65,8 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        # cu_seqlens stays on the host too where megatron's RoPE calls .tolist(); CUDA kernels
-        # take it from the device.
+        # Everything moves; callers keep the host MicroBatch and hand its cu_seqlens to
+        # `critic_forward(..., cu_seqlens_host=)` so that no layer reads it back from the device.
         return MicroBatch(**moved)
 
 

@@ -119,8 +119,10 @@ def train_step(
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
     def forward_step(data_iterator, m):
-        mb = next(data_iterator).to(dev)
-        out = critic_forward(m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        host = next(data_iterator)
+        mb = host.to(dev)
+        out = critic_forward(m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen,
+                             cu_seqlens_host=host.cu_seqlens)
         return out, partial(loss_func, mb)
 
     fb = get_forward_backward_func()
@@ -168,7 +170,8 @@ def evaluate_rows(
     try:
         for mb in microbatches:
             mbd = mb.to(dev)
-            head = critic_forward(model, mbd.tokens, mbd.position_ids, mbd.cu_seqlens, mbd.max_seqlen)
+            head = critic_forward(model, mbd.tokens, mbd.position_ids, mbd.cu_seqlens, mbd.max_seqlen,
+                                  cu_seqlens_host=mb.cu_seqlens)
             v = predicted_values(head, objective).to(torch.float64).cpu().numpy()
             for rid, sl in response_slices(mb):
                 out[rid] = {
