@@ -4,9 +4,9 @@ over GraphQL, and a headless Chromium screenshot of the asset graph.
 
 Flow: a learnable demo manifest in a tmp watched folder -> `dagster dev` (own process group) ->
 GraphQL: the sensor is RUNNING (started if not) -> its tick requests the `full` run for the
-manifest's partition -> launch the `canary` job for the same partition over GraphQL -> both end in
-SUCCESS -> read the full run's `ev_gate`, `dataset_integrity`, `contract_integrity` executions for the
-partition -> screenshot `/asset-groups` (groups expanded) -> stop every process started, by id.
+manifest's partition -> it ends in SUCCESS -> read its `ev_gate`, `dataset_integrity` and
+`contract_integrity` executions for the partition -> launch the `canary` job for the partition over
+GraphQL -> it ends in SUCCESS -> screenshot `/asset-groups` (groups expanded) -> stop every process started, by id.
 """
 
 from __future__ import annotations
@@ -218,17 +218,6 @@ def test_dagster_dev_sensor_run_checks_and_asset_graph_screenshot(tmp_path):
         tags = {t["key"]: t["value"] for t in full["tags"]}
         assert tags.get("dagster/sensor_name") == "manifest_sensor" and tags.get("dagster/run_key") == partition, tags
 
-        # A run launched over GraphQL while the full run goes on: the canary (one training step) for
-        # the registered partition. Safe beside the full run: the plan is write-once and identical,
-        # the canary writes a receipt and never a contract, and the `gpu` pool serializes the GPU
-        # steps. In-process executor: no step subprocesses, which cost ~10 s each on a busy 2-core box.
-        launched = dev.graphql(LAUNCH_RUN, {"params": {
-            "selector": {**selector, "jobName": "canary"},
-            "runConfigData": {"execution": {"config": {"in_process": {}}}},
-            "executionMetadata": {"tags": [partition_tag]},
-        }})["launchRun"]
-        assert launched["__typename"] == "LaunchRunSuccess", launched
-
         full = wait_run(dev, full["runId"], timeout_s=420)
 
         # Checks of the full run, read back over GraphQL for this partition.
@@ -240,6 +229,16 @@ def test_dagster_dev_sensor_run_checks_and_asset_graph_screenshot(tmp_path):
                 results[("ev_report", "ev_gate")]["evaluation"]["metadataEntries"]
                 if "floatValue" in m or "intValue" in m}
         assert gate["token_ev"] > 0 and gate["trajectory_ev"] > 0, gate
+
+        # A run launched over GraphQL: the canary (one training step) for the registered partition.
+        # Launched after the full run: beside it, its GPU step could take the `gpu` pool first and
+        # hold up training. In-process executor: no step subprocesses (~10 s each on 2 busy cores).
+        launched = dev.graphql(LAUNCH_RUN, {"params": {
+            "selector": {**selector, "jobName": "canary"},
+            "runConfigData": {"execution": {"config": {"in_process": {}}}},
+            "executionMetadata": {"tags": [partition_tag]},
+        }})["launchRun"]
+        assert launched["__typename"] == "LaunchRunSuccess", launched
 
         canary = wait_run(dev, launched["run"]["runId"], timeout_s=240)
         assert {t["key"]: t["value"] for t in canary["tags"]}["dagster/partition"] == partition

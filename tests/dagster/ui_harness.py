@@ -35,36 +35,51 @@ def _reset_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _proc_stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, pgid, state) of a live process, None when it is gone (zombies count as gone)."""
+def _proc_stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, start time) of a live process, None when it is gone (zombies count as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
-    state, ppid, pgid = fields[0], int(fields[1]), int(fields[2])
-    return None if state in ("Z", "X") else (ppid, pgid, state)
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[19])
 
 
 def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def family(root: int) -> set[int]:
-    """Live processes in `root`'s process group, plus every live descendant of `root` (a child
-    that started its own session is still found through its parent)."""
+def family(root: int) -> dict[int, int]:
+    """{pid: start time} of live processes in `root`'s process group and of every live descendant
+    of `root` (a child that started its own session is still found through its parent). The start
+    time tells a process from a later one that reuses its pid."""
     stats = {pid: st for pid in _all_pids() if (st := _proc_stat(pid)) is not None}
-    found = {pid for pid, (_, pgid, _) in stats.items() if pgid == root}
+    found = {pid: st[2] for pid, st in stats.items() if st[1] == root}
     frontier = [root]
     while frontier:
         parent = frontier.pop()
-        for pid, (ppid, _, _) in stats.items():
+        for pid, (ppid, _, start) in stats.items():
             if ppid == parent and pid not in found:
-                found.add(pid)
+                found[pid] = start
                 frontier.append(pid)
     if root in stats:
-        found.add(root)
+        found[root] = stats[root][2]
     return found
+
+
+def alive(procs: dict[int, int]) -> set[int]:
+    """The pids of `procs` still running as the same processes."""
+    return {pid for pid, start in procs.items() if (st := _proc_stat(pid)) is not None and st[2] == start}
+
+
+def kill(procs: dict[int, int], sig: int = signal.SIGKILL) -> None:
+    for pid in alive(procs):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 class DagsterDev:
@@ -80,7 +95,7 @@ class DagsterDev:
             cwd=repo_root, env=env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_reset_signals)
         self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
-        self.seen: set[int] = {self.proc.pid}
+        self.seen: dict[int, int] = family(self.pgid)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -114,7 +129,7 @@ class DagsterDev:
 
     def stop(self, timeout_s: float = 30) -> set[int]:
         """SIGTERM the group, wait, then SIGKILL whatever is left; return the pids still alive (none expected)."""
-        self.seen |= family(self.pgid)
+        self.seen.update(family(self.pgid))
         try:
             os.killpg(self.pgid, signal.SIGTERM)
         except ProcessLookupError:
@@ -124,25 +139,16 @@ class DagsterDev:
         except subprocess.TimeoutExpired:
             pass
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_proc_stat(p) for p in self.seen | family(self.pgid)):
+        while time.monotonic() < deadline and alive(self.seen):
             time.sleep(0.5)
-        left = {p for p in self.seen | family(self.pgid) if _proc_stat(p)}
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill(self.seen)
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
         self._log.close()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_proc_stat(p) for p in self.seen):
+        while time.monotonic() < deadline and alive(self.seen):
             time.sleep(0.2)
-        return {p for p in self.seen | family(self.pgid) if _proc_stat(p)}
+        return alive(self.seen)
 
 
 def dagster_cli() -> str:
@@ -161,13 +167,8 @@ def screenshot(url: str, out: Path, profile: Path, timeout_s: float = 120, size=
         stdout, _ = proc.communicate(timeout=timeout_s)
         return subprocess.CompletedProcess(cmd, proc.returncode, stdout.decode(errors="replace"), "")
     finally:
-        for pid in family(proc.pid) if proc.poll() is None else set():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # helpers (zygote, gpu) left in its group
-        except ProcessLookupError:
-            pass
+        # Chromium's helpers (zygote, renderer, gpu) are its descendants; end any that are left.
+        kill(family(proc.pid))
+        if proc.poll() is None:
+            proc.kill()
         proc.wait(timeout=10)
