@@ -11,8 +11,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
+
+from typing import Any, Sequence
 
 from .core.errors import InputError
 

@@ -59,10 +59,13 @@ def make_hf_checkpoint(folder: Path, family: str, seed: int = 0, tie: bool = Fal
     return model
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron_single_rank():
-    from megatron_fixture import init_single_rank
+    from megatron_fixture import init_single_rank, teardown_single_rank
 
     init_single_rank()
-    yield
-    # The process group lives for the session; pytest exits the process afterwards.
+    try:
+        yield
+    finally:
+        # Later tests (the job's export) set up their own process group in this process.
+        teardown_single_rank()

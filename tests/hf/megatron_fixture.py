@@ -9,42 +9,26 @@ head on the final-norm hidden states, which is what SPEC 4 prescribes.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
 
 import torch
 import torch.nn.functional as F
 
 
-class _NullTracker:
-    def fork(self, name: str = ""):
-        return contextlib.nullcontext()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_single_rank() -> None:
-    import torch.distributed as dist
+    """A 1-rank gloo group and megatron parallel state through the engine's own helper (which
+    applies the CPU compatibility layer without CUDA)."""
     from megatron.core import parallel_state as ps
 
-    if not torch.cuda.is_available():
-        from megatron.core import tensor_parallel
+    from value_assets.gpu.parallel import free_port, init_distributed
 
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-        # Attention forks the CUDA RNG tracker around dropout; dropout is 0 in these tests, so a
-        # tracker that forks nothing is enough (the engine's compat layer does the real thing).
-        tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NullTracker()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+        init_distributed(0, 1, "127.0.0.1", free_port())
+
+
+def teardown_single_rank() -> None:
+    from value_assets.gpu.parallel import destroy
+
+    destroy()
 
 
 def build_gpt(cfg: dict, *, padded_vocab_size: int | None = None, dtype=torch.float32, tp: int = 1):

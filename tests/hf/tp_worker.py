@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -12,19 +11,13 @@ import torch
 def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]]) -> None:
     """cases: (hf folder, input ids .pt, output hidden .pt written by rank 0)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron_fixture import _NullTracker, build_gpt, final_hidden, load_backbone
+    from megatron_fixture import build_gpt, final_hidden, load_backbone
 
     from value_assets.gpu.hf_convert import load_hf_backbone_state, read_hf_config
+    from value_assets.gpu.parallel import destroy, init_distributed
 
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NullTracker()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_distributed(rank, world, "127.0.0.1", port, tp=world)
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=world)
         for folder, ids_path, out_path in cases:
             cfg = read_hf_config(folder)
             # Vocab padded to a multiple of 64 * tp like Megatron's training scripts do.
@@ -35,4 +28,4 @@ def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]]) -> 
             if rank == 0:
                 torch.save(hidden, out_path)
     finally:
-        dist.destroy_process_group()
+        destroy()

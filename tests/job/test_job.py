@@ -11,7 +11,6 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, load_contract, read_latest
@@ -19,7 +18,6 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import canonical_bytes
-from value_assets.gpu import driver as driver_mod
 from value_assets.gpu.driver import RECEIPT_NAME, TrainConfig, prepare, train
 from value_assets.gpu.evaluation import EvalConfig, evaluate
 

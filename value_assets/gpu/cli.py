@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-from value_assets.core.errors import InputError
 
 EXIT_GATE_FAILED = 3
 

@@ -8,11 +8,9 @@ complete. Canary mode runs the first step only and writes a non-promotable recei
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
