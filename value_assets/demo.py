@@ -33,6 +33,8 @@ def _home(root: Path) -> Path:
 
 def main() -> int:
     t0 = time.monotonic()
+    # The GPU job subprocesses inherit this: megatron's "no Transformer Engine/Apex" warnings are noise here.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     root = project_root()
     home = _home(root)
     from dagster import DagsterInstance, build_sensor_context
