@@ -148,7 +148,8 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
     return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start)
 
 
-def _row_payload(ds: Dataset, index: int) -> dict[str, Any]:
+def row_payload(ds: Dataset, index: int) -> dict[str, Any]:
+    """One dataset row as a worker receives it (numpy arrays; `row_id` = the dataset index)."""
     r = ds.row(index)
     return {"row_id": index, "tokens": r.tokens, "response_length": r.response_length, "returns": r.returns, "loss_mask": r.loss_mask}
 
@@ -207,7 +208,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
             for step in range(prep.start_step + 1, last_step + 1):
                 batch = plan.batch(step)
                 per_dp = assign_to_ranks(batch, prep.dp)
-                payload = {d: [_row_payload(train_ds, i) for i in rows] for d, rows in enumerate(per_dp)}
+                payload = {d: [row_payload(train_ds, i) for i in rows] for d, rows in enumerate(per_dp)}
                 lr = _lr_at(cfg, step)
                 metrics = cluster.each("train_step", [((payload[d], plan.global_batch_size, cfg.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
                 metrics["step"] = step

@@ -65,6 +65,7 @@ def _step_dir(checkpoint: Path) -> Path:
 
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     from .cluster import start_workers
+    from .driver import row_payload
     from .model import BackboneConfig
     from .plots import calibration_png, ev_per_batch_png
 
@@ -112,7 +113,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
             per_dp = assign_to_ranks(batch, dp)
             calls = []
             for info in cluster.infos:
-                rows = [{"row_id": i, **_row(ds, i)} for i in per_dp[info["dp_rank"]]]
+                rows = [row_payload(ds, i) for i in per_dp[info["dp_rank"]]]
                 calls.append(((rows, mbt, info["dp_rank"]), {}))
             out = cluster.each("evaluate", calls)
             # Tensor-parallel peers compute the same statistics; one report per data-parallel rank.
@@ -139,8 +140,3 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
         f"gate {'PASSED' if report['passed'] else 'FAILED'}")
     return EvalResult(report_path=str(report_path), report_sha256=sha, passed=bool(report["passed"]), report=report,
                       plots={k: str(report_path.with_name(v["file"])) for k, v in plots.items()})
-
-
-def _row(ds, i: int) -> dict[str, Any]:
-    r = ds.row(i)
-    return {"tokens": r.tokens, "response_length": r.response_length, "returns": r.returns, "loss_mask": r.loss_mask}
