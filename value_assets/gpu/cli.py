@@ -21,26 +21,40 @@ def _data_roots(args):
     return tuple(r) if r else None
 
 
-def cmd_train(args) -> int:
-    from .driver import TrainConfig, train
+def train_config(args):
+    """The driver's TrainConfig from parsed `train` arguments (the CLI and the Pipes job share it)."""
+    from .driver import TrainConfig
 
-    cfg = TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
-                      global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
-                      gpus=args.gpus, tensor_parallel=args.tensor_parallel, micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
-                      warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
-                      data_roots=_data_roots(args), ray_address=args.ray_address)
+    return TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
+                       global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
+                       gpus=args.gpus, tensor_parallel=args.tensor_parallel, micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
+                       warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
+                       data_roots=_data_roots(args), ray_address=args.ray_address)
+
+
+def eval_config(args):
+    """The EvalConfig from parsed `evaluate` arguments (the CLI and the Pipes job share it)."""
+    from .evaluation import EvalConfig
+
+    return EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
+                      report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
+                      seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, data_roots=_data_roots(args),
+                      ray_address=args.ray_address)
+
+
+def cmd_train(args) -> int:
+    from .driver import train
+
+    cfg = train_config(args)
     result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(result.to_json() if args.json else {k: v for k, v in result.to_json().items() if k not in ("metrics", "losses")}, sort_keys=True))
     return 0
 
 
 def cmd_evaluate(args) -> int:
-    from .evaluation import EvalConfig, evaluate
+    from .evaluation import evaluate
 
-    cfg = EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
-                     report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
-                     seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, data_roots=_data_roots(args),
-                     ray_address=args.ray_address)
+    cfg = eval_config(args)
     res = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     agg = res.report["aggregates"]
     print(json.dumps({"report": res.report_path, "sha256": res.report_sha256, "passed": res.passed,

@@ -11,7 +11,6 @@ Pipes-visible error and exit status 2; nothing is reported then, so the step fai
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from dagster_pipes import open_dagster_pipes
@@ -29,16 +28,10 @@ def _parse(task: str, argv: list[str]):
 
 
 def _train(pipes, args) -> None:
-    from value_assets.cli import _data_roots
+    from .cli import train_config
+    from .driver import train
 
-    from .driver import TrainConfig, train
-
-    roots = _data_roots(args)
-    cfg = TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
-                      global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
-                      gpus=args.gpus, tensor_parallel=args.tensor_parallel, micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
-                      warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
-                      data_roots=tuple(roots) if roots else None, ray_address=args.ray_address)
+    cfg = train_config(args)
     result = train(cfg, log=pipes.log.info)
     tokens_per_s = [m.get("tokens_per_s") for m in result.metrics if m.get("tokens_per_s")]
     common: dict[str, Any] = {
@@ -65,15 +58,10 @@ def _train(pipes, args) -> None:
 
 
 def _evaluate(pipes, args) -> None:
-    from value_assets.cli import _data_roots
+    from .cli import eval_config
+    from .evaluation import evaluate
 
-    from .evaluation import EvalConfig, evaluate
-
-    roots = _data_roots(args)
-    cfg = EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
-                     report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
-                     seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, data_roots=tuple(roots) if roots else None,
-                     ray_address=args.ray_address)
+    cfg = eval_config(args)
     res = evaluate(cfg, log=pipes.log.info)
     agg = res.report["aggregates"]
     pipes.report_asset_materialization(asset_key="ev_report", data_version=res.report_sha256, metadata={
