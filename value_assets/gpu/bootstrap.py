@@ -5,7 +5,8 @@ shape and identity. `load_backbone_into` runs on each worker: it loads every bac
 strictly, leaving only the value head new.
 
 Sources:
-* ``tiny``: a small random backbone (seeded), for demos and tests;
+* ``tiny``: a small random backbone (seeded; the same weights for every TP x PP layout), for demos
+  and tests;
 * a Hugging Face folder (``config.json`` + safetensors; Llama, Qwen2, Qwen3);
 * a Megatron distributed checkpoint folder saved by this project (``backbone.json`` beside the
   torch_dist files), e.g. a critic's checkpoint reused as another critic's actor.
@@ -68,13 +69,18 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
     """Load the backbone into a freshly built critic module on this rank; only the head stays new."""
     kind = source["kind"]
     if kind == "tiny":
+        from .model import init_layout_invariant
+
+        init_layout_invariant(module, int(source["seed"]))
         return {"loaded": 0}
     if kind == "hf":
         from megatron.core import parallel_state as ps
 
         from .hf_convert import load_hf_backbone_state
+        from .model import stage_state
 
-        state = load_hf_backbone_state(source["path"], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+        # Whole-model names, sliced for this TP rank; then only this pipeline stage's layers.
+        state = stage_state(module, load_hf_backbone_state(source["path"], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp))
         own = module.state_dict()
         state = {k: v.to(dtype=own[k].dtype) if k in own else v for k, v in state.items()}
         result = module.load_state_dict(state, strict=False)

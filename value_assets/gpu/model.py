@@ -260,6 +260,73 @@ def critic_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     params = packed_seq_params(cu_seqlens, max_seqlen, position_ids=position_ids, model=model,
                                cu_seqlens_host=cu_seqlens_host)
     out = model(tokens.unsqueeze(0), position_ids.unsqueeze(0), None, packed_seq_params=params)
-    if out.dim() == 3 and out.shape[0] == 1:  # GPTModel returns [b=1, t, K]
+    if _unwrap(model).post_process:  # GPTModel returns [b=1, t, K] on the last stage
         return out[0]
-    return out
+    return out  # hidden states [t, 1, h] for the next pipeline stage
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+# -- pipeline stages: local parameter names <-> the whole model's ------------------------------------
+
+def _layer_map(module: torch.nn.Module) -> dict[int, int]:
+    """{local layer index: global layer index} of this stage's decoder layers."""
+    return {i: layer.layer_number - 1 for i, layer in enumerate(_unwrap(module).decoder.layers)}
+
+
+def global_name(module: torch.nn.Module, name: str, layer_map: Optional[dict[int, int]] = None) -> str:
+    """The whole model's name of this stage's parameter `name` (decoder layers renumbered)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    local, rest = name[len("decoder.layers."):].split(".", 1)
+    lm = layer_map if layer_map is not None else _layer_map(module)
+    return f"decoder.layers.{lm[int(local)]}.{rest}"
+
+
+def stage_state(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a whole-model state dict (global layer numbers) that this pipeline stage
+    holds, under the stage's own names; entries of other stages are left out. The caller's strict
+    load still finds any tensor of this stage that `state` lacks."""
+    lm = _layer_map(module)
+    own = {global_name(module, k, lm): k for k in _unwrap(module).state_dict()}
+    return {own[k]: v for k, v in state.items() if k in own}
+
+
+def init_layout_invariant(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Re-draw every backbone weight matrix from a generator seeded by (seed, its whole-model
+    name), then take this rank's tensor-parallel slice the way megatron's CPU initialisation does.
+    The same seed gives the same model for every TP x PP layout (megatron's own init draws in
+    build order, so a later pipeline stage would repeat the first stage's weights). Norms stay 1,
+    biases 0, the value head is left alone. Output projections use megatron's scaled std
+    (std / sqrt(2 * num_layers))."""
+    import hashlib
+    import math
+
+    from megatron.core import parallel_state as ps
+
+    m = _unwrap(module)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    lm = _layer_map(m)
+    scaled = std / math.sqrt(2.0 * m.config.num_layers)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.startswith("output_layer.") or p.dim() < 2:
+                continue
+            g = global_name(m, name, lm)
+            dim = getattr(p, "partition_dim", 0) if getattr(p, "tensor_model_parallel", False) else None
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            digest = hashlib.sha256(f"{seed}:{g}".encode()).digest()
+            gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            s = scaled if g.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+            full = torch.randn(shape, generator=gen) * s
+            if dim is not None:
+                stride = getattr(p, "partition_stride", 1)
+                pieces = torch.split(full, p.shape[dim] // stride, dim=dim)
+                full = torch.cat(pieces[tp_rank::tp], dim=dim)
+            p.copy_(full.to(dtype=p.dtype))
