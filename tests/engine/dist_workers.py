@@ -35,8 +35,8 @@ def probe(model) -> torch.Tensor:
     return out
 
 
-def run(rank: int, world: int, port: int, tp: int, fn_name: str, args: tuple) -> None:
-    init_distributed(rank, world, master_port=port, tp=tp, seed=1234)
+def run(rank: int, world: int, port: int, tp: int, fn_name: str, args: tuple, pp: int = 1) -> None:
+    init_distributed(rank, world, master_port=port, tp=tp, pp=pp, seed=1234)
     try:
         globals()[fn_name](rank, world, tp, *args)
     finally:
@@ -125,3 +125,46 @@ def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file)
     if rank == 0:
         torch.save({"full": full, "resumed": resumed, "start": start,
                     "full_params": full_params, "resumed_params": params2}, out_file)
+
+
+def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_file):
+    """Layout-invariant init, `steps` optimizer steps, a checkpoint and forward-only values, at
+    whatever TP x PP this process group was started with. With `init_file` absent (the one-stage
+    reference), the whole model's initial state is written there; otherwise this stage's initial
+    weights are compared with that state through `stage_state`."""
+    from megatron.core import parallel_state as ps
+
+    from value_assets.gpu.checkpoint import save_critic
+    from value_assets.gpu.model import init_layout_invariant, stage_state
+    from value_assets.gpu.train import evaluate_rows, wrap_for_training
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    torch.manual_seed(1000 + rank)  # megatron's own init differs per rank; the re-draw must not
+    model = build_critic(BACKBONE, OBJ, tp=tp, pp=pp)
+    init_layout_invariant(model, seed=7)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    res = {}
+    if os.path.exists(init_file):
+        ref = stage_state(model, torch.load(init_file))
+        res["init_keys_match"] = sorted(ref) == sorted(init)
+        res["init_equal"] = all(torch.equal(ref[k], v) for k, v in init.items() if k in ref)
+    else:
+        torch.save(init, init_file)
+    ddp, opt = wrap_for_training(model, lr=1e-3)
+    res["history"] = _train(make_rows(rows_per_step * steps, seed=1), steps, 0, ddp, opt, rows_per_step)
+    save_critic(ckpt, ddp, opt, iteration=steps)
+    values = evaluate_rows(ddp, pack_rows(make_rows(5, seed=99), micro_batch_tokens=30), OBJ)
+    res["values"] = {k: torch.from_numpy(v["values"]) for k, v in values.items()}
+    res["last_stage"] = ps.is_pipeline_last_stage()
+    res["first_stage"] = ps.is_pipeline_first_stage()
+    torch.save(res, f"{out_file}.{rank}")
+
+
+def load_params(rank, world, tp, ckpt, out_file):
+    """Every parameter of a checkpoint, loaded into a one-stage critic (re-sharded on load)."""
+    from value_assets.gpu.checkpoint import load_model_weights
+
+    model = build_critic(BACKBONE, OBJ, tp=tp)
+    load_model_weights(ckpt, model)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, out_file)

@@ -22,8 +22,8 @@ from value_assets.gpu.parallel import free_port  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
-def spawn(world: int, tp: int, fn: str, *args, deadline_s: float = 90.0) -> None:
-    ctx = mp.spawn(W.run, args=(world, free_port(), tp, fn, args), nprocs=world, join=False)
+def spawn(world: int, tp: int, fn: str, *args, pp: int = 1, deadline_s: float = 90.0) -> None:
+    ctx = mp.spawn(W.run, args=(world, free_port(), tp, fn, args, pp), nprocs=world, join=False)
     end = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=max(0.1, end - time.monotonic())):
@@ -76,6 +76,44 @@ def test_tp2_checkpoint_reloads_at_tp1_and_tp2(tmp_path):
     assert not torch.allclose(r["init1"], saved)  # the load really changed something
     assert torch.equal(r["tp2"], saved)  # same topology: bitwise
     torch.testing.assert_close(r["tp1"], saved, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_pp2_matches_one_stage(tmp_path):
+    """Two pipeline stages (1F1B over variable-length packed micro-batches) take the same steps as
+    one stage: same initial weights on every layout, same losses, grad norms, forward-only values
+    and (after re-sharding the PP=2 checkpoint to one stage) the same trained parameters."""
+    steps, rows_per_step = 3, 6
+    for name in ("pp1", "pp2"):
+        (tmp_path / name).mkdir()
+    init = str(tmp_path / "init.pt")
+    in_process(W.train_layout, rows_per_step, steps, str(tmp_path / "pp1"), init, str(tmp_path / "r1"))
+    spawn(2, 1, "train_layout", rows_per_step, steps, str(tmp_path / "pp2"), init, str(tmp_path / "r2"), pp=2)
+    one = torch.load(tmp_path / "r1.0")
+    stages = [torch.load(tmp_path / f"r2.{r}") for r in (0, 1)]
+    assert [s["first_stage"] for s in stages] == [True, False] and [s["last_stage"] for s in stages] == [False, True]
+    for s in stages:
+        assert s["init_keys_match"] and s["init_equal"]  # each stage holds its part of the same model
+    first, last = stages
+    assert first["values"] == {}  # only the last stage has values
+    assert len(one["history"]) == steps
+    for h1, h2, h2_first in zip(one["history"], last["history"], first["history"], strict=True):
+        assert h2["rows"] == h1["rows"] == rows_per_step and h2["tokens"] == h1["tokens"]
+        assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)
+        assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
+        assert h2_first["loss"] == h2["loss"] and h2_first["grad_norm"] == h2["grad_norm"]  # metrics reach every stage
+    assert one["history"][-1]["loss"] < one["history"][0]["loss"]
+    assert sorted(last["values"]) == sorted(one["values"]) == list(range(5))
+    for rid, v in one["values"].items():
+        torch.testing.assert_close(last["values"][rid], v, rtol=1e-4, atol=1e-5)
+    in_process(W.load_params, str(tmp_path / "pp1"), str(tmp_path / "p1.pt"))
+    in_process(W.load_params, str(tmp_path / "pp2"), str(tmp_path / "p2.pt"))
+    a, b = torch.load(tmp_path / "p1.pt"), torch.load(tmp_path / "p2.pt")
+    assert sorted(a) == sorted(b)
+    for name, p in a.items():
+        torch.testing.assert_close(b[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    init_w = torch.load(init)["decoder.layers.1.mlp.linear_fc2.weight"]
+    assert not torch.allclose(a["decoder.layers.1.mlp.linear_fc2.weight"], init_w)  # training moved the second stage
 
 
 def in_process(fn, *args):

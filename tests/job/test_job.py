@@ -49,8 +49,8 @@ def data(tmp_path_factory):
 
 
 def base_cfg(manifest: Path, output: Path, **kw) -> TrainConfig:
-    return TrainConfig(manifest=manifest, output=output, backbone="tiny", global_batch_size=32, epochs=1, seed=0,
-                       save_interval=32, gpus=2, lr=2e-3, **kw)
+    settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, save_interval=32, gpus=2, lr=2e-3)
+    return TrainConfig(manifest=manifest, output=output, **(settings | kw))
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +255,53 @@ def test_exported_critic_reproduces_the_report(learned, data, tmp_path):
     agg = ev.report["aggregates"]
     assert tok.ev() == pytest.approx(agg["token"]["ev"], abs=2e-3)
     assert traj.ev() == pytest.approx(agg["trajectory"]["ev"], abs=2e-3)
+
+
+def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
+    """Two pipeline stages on two workers train the same steps as one worker, and the PP=2
+    checkpoint gives the same report evaluated at PP=2 and re-sharded to one stage."""
+    one = train(base_cfg(data["learnable"], tmp_path / "pp1", gpus=1, stop_after=4), log=quiet)
+    two = train(base_cfg(data["learnable"], tmp_path / "pp2", pipeline_parallel=2, stop_after=4), log=quiet)
+    assert one.completed_steps == two.completed_steps == 4 and two.contract_sha256
+    assert len(two.state_sha256) == 2 and two.state_sha256[0] != two.state_sha256[1]  # each stage holds its own layers
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    assert [m["grad_norm"] for m in two.metrics] == pytest.approx([m["grad_norm"] for m in one.metrics], rel=1e-4)
+
+    def ev(result, name, **kw):
+        return evaluate(EvalConfig(checkpoint=Path(result.critic_dir), manifest=data["learnable"], contract_sha256=result.contract_sha256,
+                                   report=tmp_path / f"{name}.json", **kw), log=quiet).report["aggregates"]
+
+    staged = ev(two, "pp2-at-pp2", gpus=2, pipeline_parallel=2)
+    resharded = ev(two, "pp2-at-pp1", gpus=1)
+    reference = ev(one, "pp1-at-pp1", gpus=1)
+    for kind in ("token", "trajectory"):
+        assert staged[kind]["ev"] == pytest.approx(resharded[kind]["ev"], abs=1e-6)
+        assert staged[kind]["ev"] == pytest.approx(reference[kind]["ev"], abs=1e-4)
+
+
+@pytest.mark.parametrize("kw, flag, message", [
+    ({"gpus": 3, "pipeline_parallel": 3, "global_batch_size": 30}, "--pipeline-parallel", "3 stages do not split the backbone's 2 layers evenly"),
+    ({"gpus": 2, "tensor_parallel": 2, "pipeline_parallel": 2}, "gpus", "not divisible by the model-parallel size tp x pp = 2 x 2 = 4"),
+    ({"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30}, "--tensor-parallel", "3 does not divide the backbone's num_attention_heads"),
+])
+def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypatch, kw, flag, message):
+    from value_assets.gpu import cluster
+
+    monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
+    cfg = replace(base_cfg(data["learnable"], tmp_path / "critic"), **kw)
+    with pytest.raises(InputError, match=message) as err:
+        train(cfg, log=quiet)
+    assert err.value.where == flag
+    assert not (tmp_path / "critic").exists()
+
+
+def test_evaluation_refuses_a_layout_the_backbone_cannot_take(learned, data, tmp_path, monkeypatch):
+    from value_assets.gpu import cluster
+
+    monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
+    cfg, result, _ = learned
+    report = tmp_path / "ev.json"
+    with pytest.raises(InputError, match="4 stages do not split the backbone's 2 layers evenly"):
+        evaluate(EvalConfig(checkpoint=cfg.output, manifest=data["learnable"], contract_sha256=result.contract_sha256,
+                            report=report, gpus=4, pipeline_parallel=4), log=quiet)
+    assert not report.exists()

@@ -45,6 +45,8 @@ class TrainConfig(Config):
 
     backbone: str = Field(default="tiny", description="Actor checkpoint path, or `tiny` for the CPU demo model.")
     gpus: int = Field(default=1, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1, description="Tensor-parallel size (divides gpus).")
+    pipeline_parallel: int = Field(default=1, ge=1, description="Pipeline stages (divides gpus and the backbone's layers).")
     save_interval: int = Field(default=0, ge=0, description="Save every K steps; 0: only at the end.")
     lr: float | None = Field(default=None, gt=0, description="Learning rate; default 2e-3 for the tiny demo backbone, 1e-5 for a real actor.")
     micro_batch_tokens: int | None = Field(default=None, ge=1)
@@ -63,6 +65,10 @@ def train_argv(manifest, output_dir, config: TrainConfig, plan: tuple[int, int, 
             "--backbone", config.backbone,
             "--global-batch-size", str(g), "--epochs", str(epochs), "--seed", str(seed),
             "--gpus", str(config.gpus), "--lr", repr(config.lr if config.lr is not None else default_lr(config.backbone))]
+    if config.tensor_parallel > 1:
+        argv += ["--tensor-parallel", str(config.tensor_parallel)]
+    if config.pipeline_parallel > 1:
+        argv += ["--pipeline-parallel", str(config.pipeline_parallel)]
     if config.save_interval:
         argv += ["--save-interval", str(config.save_interval)]
     if config.micro_batch_tokens:
@@ -179,6 +185,8 @@ class EvalConfig(Config):
     global_batch_size: int | None = Field(default=None, ge=2, description="G rows per evaluation batch (G x B <= heldout rows); default min(64, rows / B).")
     seed: int = Field(default=0, description="Seed of the mixed-label batch selection.")
     gpus: int = Field(default=1, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1, description="Any layout: the checkpoint is re-sharded on load.")
+    pipeline_parallel: int = Field(default=1, ge=1, description="Any layout: the checkpoint is re-sharded on load.")
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:
@@ -222,6 +230,10 @@ def ev_report(
                 "--num-batches", str(config.num_batches), "--seed", str(config.seed), "--gpus", str(config.gpus)]
         if config.global_batch_size is not None:
             argv += ["--global-batch-size", str(config.global_batch_size)]
+        if config.tensor_parallel > 1:
+            argv += ["--tensor-parallel", str(config.tensor_parallel)]
+        if config.pipeline_parallel > 1:
+            argv += ["--pipeline-parallel", str(config.pipeline_parallel)]
         for root in inbox.roots() or []:
             argv += ["--data-root", str(root)]
         result = materialization_of(

@@ -27,7 +27,8 @@ def train_config(args):
 
     return TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
                        global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
-                       gpus=args.gpus, tensor_parallel=args.tensor_parallel, micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
+                       gpus=args.gpus, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                       micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
                        warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
                        data_roots=_data_roots(args), ray_address=args.ray_address)
 
@@ -38,7 +39,8 @@ def eval_config(args):
 
     return EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
                       report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
-                      seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, data_roots=_data_roots(args),
+                      seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                      data_roots=_data_roots(args),
                       ray_address=args.ray_address)
 
 
@@ -91,6 +93,7 @@ def add_commands(sub) -> None:
     t.add_argument("--save-interval", type=int, default=0, help="save every K steps (0: at the end only)")
     t.add_argument("--gpus", type=_positive, default=1, help="worker slots: GPUs, or CPU processes without CUDA")
     t.add_argument("--tensor-parallel", type=_positive, default=1)
+    t.add_argument("--pipeline-parallel", type=_positive, default=1, help="pipeline stages (must divide the backbone's layers)")
     t.add_argument("--micro-batch-tokens", type=_positive, default=4096)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--warmup-steps", type=int, default=0)
@@ -112,6 +115,7 @@ def add_commands(sub) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--gpus", type=_positive, default=1)
     e.add_argument("--tensor-parallel", type=_positive, default=1)
+    e.add_argument("--pipeline-parallel", type=_positive, default=1, help="any layout: the checkpoint is re-sharded on load")
     e.add_argument("--data-root", action="append")
     e.add_argument("--ray-address")
     e.set_defaults(func=cmd_evaluate)

@@ -97,7 +97,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
         cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
         addr, port = cluster._get([actors[0].address.remote()], timeout_s)[0]
         cluster.infos = cluster.all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
-        log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, {'GPU' if use_gpu else 'CPU'} bundles")
+        log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, pp {pp}, {'GPU' if use_gpu else 'CPU'} bundles")
         yield cluster
     finally:
         if actors:

@@ -41,6 +41,7 @@ class TrainConfig:
     save_interval: int = 0  # 0: save at the end only
     gpus: int = 1  # worker slots: GPUs, or CPU processes without CUDA
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     micro_batch_tokens: int = 4096
     lr: float = 1e-4
     warmup_steps: int = 0
@@ -54,7 +55,7 @@ class TrainConfig:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "epochs", "gpus", "tensor_parallel", "micro_batch_tokens"):
+        for name in ("global_batch_size", "epochs", "gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"--{name.replace('_', '-')}", f"must be an integer >= 1, got {v!r}")
@@ -121,7 +122,9 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
     train = validate_dataset(manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len)
     log(f"train data ok: {len(train)} rows, {train.stats.tokens} tokens, {train.stats.active_targets} active targets")
     plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)
-    dp = check_topology(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, global_batch_size=cfg.global_batch_size)
+    dp = check_topology(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
+                        global_batch_size=cfg.global_batch_size)
+    check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
     longest = int(train.lengths.max()) - 1
     if cfg.micro_batch_tokens < longest:
         raise InputError("--micro-batch-tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
@@ -146,6 +149,16 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
         if its:
             refuse_uncontracted(max(its), str(critic_dir / iter_dirname(max(its))))
     return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start)
+
+
+def check_model_split(backbone, tp: int, pp: int) -> None:
+    """The backbone must split evenly over the model-parallel layout (megatron builds equal
+    pipeline stages and equal tensor-parallel shards)."""
+    if backbone.num_layers % pp:
+        raise InputError("--pipeline-parallel", f"{pp} stages do not split the backbone's {backbone.num_layers} layers evenly")
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        if getattr(backbone, name) % tp:
+            raise InputError("--tensor-parallel", f"{tp} does not divide the backbone's {name} ({getattr(backbone, name)})")
 
 
 def row_payload(ds: Dataset, index: int) -> dict[str, Any]:
@@ -192,7 +205,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
         log(f"nothing to do: {prep.start_step} of {plan.num_steps} planned steps are already done")
         return result
     objective_json = manifest.objective.canonical()
-    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=1, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
+    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
                        objective=objective_json, train=True, lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
                        ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]

@@ -1,8 +1,9 @@
 """Forward-only evaluation and the EV report (SPEC 7).
 
-No optimizer exists on the workers, no step is taken, dropout is off (eval mode), and the workers
-are pure data parallel (or tensor parallel inside each data-parallel replica). Each data-parallel
-rank returns float64 sufficient statistics; the driver checks their coverage, sums, decides the
+No optimizer exists on the workers, no step is taken, dropout is off (eval mode). The workers are
+data parallel, with tensor and pipeline parallelism inside each replica (any layout: the
+checkpoint is re-sharded on load). Each data-parallel rank's last pipeline stage returns float64
+sufficient statistics; the driver checks their coverage, sums, decides the
 gate and publishes the report write-once, with its two plots. A failing gate still publishes.
 """
 
@@ -39,6 +40,7 @@ class EvalConfig:
     seed: int = 0
     gpus: int = 1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     micro_batch_tokens: int = 8192
     data_roots: tuple[str, ...] | None = None
     ray_address: str | None = None
@@ -65,7 +67,7 @@ def _step_dir(checkpoint: Path) -> Path:
 
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     from .cluster import start_workers
-    from .driver import row_payload
+    from .driver import check_model_split, row_payload
     from .model import BackboneConfig
     from .plots import calibration_png, ev_per_batch_png
 
@@ -89,9 +91,12 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     if no_label.size:
         i = int(no_label[0])
         raise InputError(ds.location(i), "row has no single scalar active label (its active returns differ); EV batches need one label per row")
-    if cfg.gpus % cfg.tensor_parallel:
-        raise InputError("--gpus", f"{cfg.gpus} is not divisible by the tensor-parallel size {cfg.tensor_parallel}")
-    dp = cfg.gpus // cfg.tensor_parallel
+    mp = cfg.tensor_parallel * cfg.pipeline_parallel
+    if cfg.gpus % mp:
+        raise InputError("--gpus", f"{cfg.gpus} GPUs are not divisible by the model-parallel size tp x pp = "
+                                   f"{cfg.tensor_parallel} x {cfg.pipeline_parallel} = {mp}")
+    check_model_split(backbone, cfg.tensor_parallel, cfg.pipeline_parallel)
+    dp = cfg.gpus // mp
     g = cfg.global_batch_size or default_batch_size(len(ds), cfg.num_batches, dp)
     if g < 2 or g % dp:
         raise InputError("--global-batch-size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
@@ -104,7 +109,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
 
     # --- forward-only on the cluster -------------------------------------------------------------
     rank_reports: list[list[RankReport]] = []
-    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=1, seed=cfg.seed, backbone=contract["backbone_config"],
+    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=contract["backbone_config"],
                        objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
         loaded = cluster.all("load", str(step_dir), False)
         if sorted(set(loaded)) != [contract["completed_steps"]]:
@@ -116,8 +121,9 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
                 rows = [row_payload(ds, i) for i in per_dp[info["dp_rank"]]]
                 calls.append(((rows, mbt, info["dp_rank"]), {}))
             out = cluster.each("evaluate", calls)
-            # Tensor-parallel peers compute the same statistics; one report per data-parallel rank.
-            reps = [RankReport.from_json(o) for o, info in zip(out, cluster.infos) if info["tp_rank"] == 0]
+            # One report per data-parallel rank: its last pipeline stage has the values, and
+            # tensor-parallel peers there compute the same statistics.
+            reps = [RankReport.from_json(o) for o, info in zip(out, cluster.infos) if info["tp_rank"] == 0 and info["last_stage"]]
             rank_reports.append(reps)
             log(f"evaluated batch {k + 1}/{len(batches)}")
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=ds.sha256, split=cfg.split, checkpoint=str(step_dir),

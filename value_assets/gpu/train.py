@@ -2,8 +2,8 @@
 
 `wrap_for_training` puts the critic in megatron DDP and builds megatron's Adam (non-distributed
 optimizer; fp32 grads); `train_step` runs megatron's forward-backward schedule over this rank's
-packed micro-batches and steps; `evaluate_rows` returns per-row predicted values aligned with the
-returns.
+packed micro-batches and steps (1F1B across pipeline stages); `evaluate_rows` returns per-row
+predicted values aligned with the returns (on the last pipeline stage).
 
 Scaling (why the config sets `calculate_per_token_loss=True`): each micro-batch's loss is already
 "sum of row means / global rows" (losses.py), so the schedule must not divide by the micro-batch
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,6 +82,33 @@ def _dp_all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the pipeline group: only the last stage computes losses, the others hold zeros,
+    so every stage ends with the last stage's values."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return t
+
+
+def _run_schedule(model: torch.nn.Module, forward_step, microbatches: Sequence[MicroBatch], forward_only: bool) -> None:
+    """megatron's forward(-backward) schedule over the packed micro-batches: no pipelining for one
+    stage, 1F1B across stages (activation shapes differ per micro-batch: the config's
+    `variable_seq_lengths` makes the stages exchange them first)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=max(mb.num_tokens for mb in microbatches),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: Any,
@@ -95,12 +122,11 @@ def train_step(
     """One optimizer step over this rank's micro-batches (rows of the global batch assigned to this
     dp rank, already packed). `global_num_rows` is the planned global batch size G.
 
-    Returns metrics (global, identical on every rank): loss, value_accuracy, entropy,
+    Every pipeline stage of a data-parallel rank gets the same rows (and so the same micro-batches).
+    Returns metrics (global, identical on every rank and stage): loss, value_accuracy, entropy,
     explained_variance (None where undefined), grad_norm, lr, update_successful, rows,
     active_targets, tokens (global packed tokens), tokens_per_s, step_time_s.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if not microbatches:
         raise ValueError("train_step needs at least one micro-batch on every rank")
     t0 = time.perf_counter()
@@ -125,18 +151,10 @@ def train_step(
                              cu_seqlens_host=host.cu_seqlens)
         return out, partial(loss_func, mb)
 
-    fb = get_forward_backward_func()
-    fb(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=max(mb.num_tokens for mb in microbatches),
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    _run_schedule(model, forward_step, microbatches, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     tokens = torch.tensor([float(sum(mb.num_tokens for mb in microbatches))], dtype=torch.float64, device=dev)
+    _from_last_stage(stats_acc)
     _dp_all_reduce(stats_acc)
     _dp_all_reduce(tokens)
     metrics: dict[str, Any] = finalize_metrics(stats_acc, objective)
@@ -154,31 +172,47 @@ def train_step(
 
 @torch.no_grad()
 def evaluate_rows(
-    model: torch.nn.Module, microbatches: Iterable[MicroBatch], objective: Objective
+    model: torch.nn.Module, microbatches: Sequence[MicroBatch], objective: Objective
 ) -> dict[int, dict[str, np.ndarray]]:
     """Forward-only (eval mode, no grad). Returns {row_id: {"values": float64 [r],
     "returns": float64 [r], "mask": float64 [r]}}, values[j] = V at the position that predicts
-    response token j (SPEC 4). Single pipeline stage only."""
+    response token j (SPEC 4). With pipeline stages, only the last stage has values; the other
+    stages return {} (they still run their part of every forward)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() != 1:
-        raise NotImplementedError("evaluate_rows supports pipeline size 1")
+    microbatches = list(microbatches)
+    out: dict[int, dict[str, np.ndarray]] = {}
+    if not microbatches:
+        return out
     dev = _device()
     was_training = model.training
     model.eval()
-    out: dict[int, dict[str, np.ndarray]] = {}
+
+    def collect(mb: MicroBatch, head_out: torch.Tensor):
+        v = predicted_values(head_out, objective).to(torch.float64).cpu().numpy()
+        for rid, sl in response_slices(mb):
+            out[rid] = {
+                "values": v[sl].copy(),
+                "returns": mb.returns[sl].to(torch.float64).numpy(),
+                "mask": mb.mask[sl].to(torch.float64).numpy(),
+            }
+        return head_out.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), {}
+
+    def forward_step(data_iterator, m):
+        host = next(data_iterator)
+        mbd = host.to(dev)
+        head = critic_forward(m, mbd.tokens, mbd.position_ids, mbd.cu_seqlens, mbd.max_seqlen,
+                              cu_seqlens_host=host.cu_seqlens)
+        return head, partial(collect, host)
+
     try:
-        for mb in microbatches:
-            mbd = mb.to(dev)
-            head = critic_forward(model, mbd.tokens, mbd.position_ids, mbd.cu_seqlens, mbd.max_seqlen,
-                                  cu_seqlens_host=mb.cu_seqlens)
-            v = predicted_values(head, objective).to(torch.float64).cpu().numpy()
-            for rid, sl in response_slices(mb):
-                out[rid] = {
-                    "values": v[sl].copy(),
-                    "returns": mb.returns[sl].to(torch.float64).numpy(),
-                    "mask": mb.mask[sl].to(torch.float64).numpy(),
-                }
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            # One stage: the same forward without the schedule's bookkeeping.
+            for mb in microbatches:
+                head, fn = forward_step(iter([mb]), model)
+                fn(head)
+        else:
+            _run_schedule(model, forward_step, microbatches, forward_only=True)
     finally:
         model.train(was_training)
     return out

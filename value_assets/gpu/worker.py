@@ -71,6 +71,7 @@ class CriticWorker:
         else:
             self.model = model
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "pp_rank": ps.get_pipeline_model_parallel_rank(), "last_stage": int(ps.is_pipeline_last_stage()),
                 "dp_size": ps.get_data_parallel_world_size()}
 
     def _module(self):
@@ -120,12 +121,17 @@ class CriticWorker:
         mbs = pack_rows([_packing_row(r) for r in rows], micro_batch_tokens)
         return train_step(self.model, self.optimizer, mbs, global_rows, self.objective)
 
-    def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any]:
-        """Float64 sufficient statistics over this rank's rows (SPEC 7), with its rank and row indices."""
+    def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any] | None:
+        """Float64 sufficient statistics over this rank's rows (SPEC 7), with its rank and row
+        indices; None on pipeline stages before the last (they only pass activations on)."""
+        from megatron.core import parallel_state as ps
+
         from .packing import pack_rows
         from .train import evaluate_rows
 
         out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self.objective) if rows else {}
+        if not ps.is_pipeline_last_stage():
+            return None
         tok = SuffStats()
         traj = SuffStats()
         values = []
