@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 model_mod = pytest.importorskip("value_assets.gpu.model")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3-scaled"])
 def test_engine_critic_bootstrap_and_export(tmp_path, megatron_single_rank, family):
     from transformers import AutoModelForTokenClassification
 
@@ -40,16 +40,17 @@ def test_engine_critic_bootstrap_and_export(tmp_path, megatron_single_rank, fami
     assert sorted(missing) == sorted(head) and len(head) == 2  # only the value head is new
     assert result.unexpected_keys == []
 
-    lengths = [7, 5]
+    # Positions up to 60: far enough for llama3 RoPE scaling's low frequencies to change the output.
+    lengths = [61, 5]
     tokens = torch.randint(0, cfg["vocab_size"], (sum(lengths),), generator=torch.Generator().manual_seed(4))
     position_ids = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, 7, 12], dtype=torch.int32)
+    cu = torch.tensor([0, 61, 66], dtype=torch.int32)
     with torch.no_grad():
         values = model_mod.critic_forward(critic, tokens, position_ids, cu, max(lengths))
-    assert values.dtype == torch.float32 and values.shape == (12, objective.head_size)
+    assert values.dtype == torch.float32 and values.shape == (66, objective.head_size)
 
     export_critic_to_hf(critic.state_dict(), backbone, objective.head_size, out, objective=objective)
     hf = AutoModelForTokenClassification.from_pretrained(str(out)).eval()
     with torch.no_grad():
-        ref = torch.cat([hf(input_ids=tokens[a:b][None]).logits[0] for a, b in ((0, 7), (7, 12))])
+        ref = torch.cat([hf(input_ids=tokens[a:b][None]).logits[0] for a, b in ((0, 61), (61, 66))])
     assert (values - ref).abs().max().item() < 1e-4

@@ -144,11 +144,9 @@ def _field(cfg: Any, name: str) -> Any:
 def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """`read_hf_config` output as keyword arguments of `gpu.model.BackboneConfig`.
 
-    A head dim other than hidden/heads (Qwen3) becomes `kv_channels`. Refuses what the config
-    cannot express yet (RoPE scaling) instead of building a critic that silently differs from the actor.
+    A head dim other than hidden/heads (Qwen3) becomes `kv_channels`; Llama 3.x RoPE scaling (the
+    only scaling `read_hf_config` accepts) becomes `rope_scaling_factor`.
     """
-    if cfg["rope_scaling"]:
-        raise InputError("config.json: rope scaling", "llama3 RoPE scaling is not expressible in BackboneConfig")
     return {
         "family": cfg["family"],
         "num_layers": cfg["num_layers"],
@@ -163,6 +161,7 @@ def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "qkv_bias": cfg["qkv_bias"],
         "qk_layernorm": cfg["qk_layernorm"],
         "kv_channels": None if cfg["kv_channels"] * cfg["num_attention_heads"] == cfg["hidden_size"] else cfg["kv_channels"],
+        "rope_scaling_factor": float(cfg["rope_scaling_factor"]) if cfg["rope_scaling"] else None,
     }
 
 

@@ -15,6 +15,7 @@ Architecture only; parallel setup lives in `parallel.py`, training in `train.py`
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,6 +47,9 @@ class BackboneConfig:
     qkv_bias: bool = False
     qk_layernorm: bool = False
     kv_channels: Optional[int] = None  # head dim; None means hidden_size / num_attention_heads (Qwen3 sets its own)
+    # Llama 3.x RoPE scaling factor (megatron's form: low/high frequency factors 1 and 4, original
+    # context 8192); None: plain RoPE.
+    rope_scaling_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -65,10 +69,17 @@ class BackboneConfig:
             raise ValueError(
                 f"backbone.num_attention_heads {self.num_attention_heads} not divisible by "
                 f"num_query_groups {self.num_query_groups}")
+        f = self.rope_scaling_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
+            raise ValueError(f"backbone.rope_scaling_factor must be a finite number > 0 or None, got {f!r}")
         if not (self.rotary_base > 0 and self.norm_epsilon > 0):
             raise ValueError(
                 f"backbone.rotary_base and norm_epsilon must be > 0, got "
                 f"{self.rotary_base!r}, {self.norm_epsilon!r}")
+
+    @property
+    def rope_scaling(self) -> bool:
+        return self.rope_scaling_factor is not None
 
     @property
     def head_dim(self) -> int:
@@ -196,6 +207,8 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
         parallel_output=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
+        rope_scaling=backbone.rope_scaling,
+        rope_scaling_factor=float(backbone.rope_scaling_factor or 8.0),
         rotary_base=int(backbone.rotary_base) if float(backbone.rotary_base).is_integer()
         else backbone.rotary_base,
     )
