@@ -266,6 +266,12 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
     assert len(two.state_sha256) == 2 and two.state_sha256[0] != two.state_sha256[1]  # each stage holds its own layers
     assert two.losses == pytest.approx(one.losses, rel=1e-5)
     assert [m["grad_norm"] for m in two.metrics] == pytest.approx([m["grad_norm"] for m in one.metrics], rel=1e-4)
+    # Interrupted after 2 steps and resumed at PP=2: bitwise the uninterrupted PP=2 run.
+    cut = base_cfg(data["learnable"], tmp_path / "pp2-resumed", pipeline_parallel=2, stop_after=2)
+    assert train(cut, log=quiet).completed_steps == 2
+    resumed = train(cut, log=quiet)
+    assert resumed.resumed_from == 2 and resumed.completed_steps == 4
+    assert resumed.losses == two.losses[2:] and resumed.state_sha256 == two.state_sha256
 
     def ev(result, name, **kw):
         return evaluate(EvalConfig(checkpoint=Path(result.critic_dir), manifest=data["learnable"], contract_sha256=result.contract_sha256,

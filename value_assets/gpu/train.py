@@ -92,6 +92,20 @@ def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _forward_step(dev: torch.device, bind_loss):
+    """megatron's `forward_step_func`: the next packed micro-batch to `dev`, the critic's forward,
+    and the loss function `bind_loss(host_mb, device_mb)` returns (used on the last stage)."""
+
+    def forward_step(data_iterator, m):
+        host = next(data_iterator)
+        mb = host.to(dev)
+        out = critic_forward(m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen,
+                             cu_seqlens_host=host.cu_seqlens)
+        return out, bind_loss(host, mb)
+
+    return forward_step
+
+
 def _run_schedule(model: torch.nn.Module, forward_step, microbatches: Sequence[MicroBatch], forward_only: bool) -> None:
     """megatron's forward(-backward) schedule over the packed micro-batches: no pipelining for one
     stage, 1F1B across stages (activation shapes differ per micro-batch: the config's
@@ -144,14 +158,7 @@ def train_step(
         # `loss` unscaled; num_tokens is ignored by our finalize function.
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
-    def forward_step(data_iterator, m):
-        host = next(data_iterator)
-        mb = host.to(dev)
-        out = critic_forward(m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen,
-                             cu_seqlens_host=host.cu_seqlens)
-        return out, partial(loss_func, mb)
-
-    _run_schedule(model, forward_step, microbatches, forward_only=False)
+    _run_schedule(model, _forward_step(dev, lambda host, mb: partial(loss_func, mb)), microbatches, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     tokens = torch.tensor([float(sum(mb.num_tokens for mb in microbatches))], dtype=torch.float64, device=dev)
     _from_last_stage(stats_acc)
@@ -198,13 +205,7 @@ def evaluate_rows(
             }
         return head_out.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
-    def forward_step(data_iterator, m):
-        host = next(data_iterator)
-        mbd = host.to(dev)
-        head = critic_forward(m, mbd.tokens, mbd.position_ids, mbd.cu_seqlens, mbd.max_seqlen,
-                              cu_seqlens_host=host.cu_seqlens)
-        return head, partial(collect, host)
-
+    forward_step = _forward_step(dev, lambda host, mb: partial(collect, host))
     try:
         if ps.get_pipeline_model_parallel_world_size() == 1:
             # One stage: the same forward without the schedule's bookkeeping.
