@@ -78,36 +78,43 @@ def test_tp2_checkpoint_reloads_at_tp1_and_tp2(tmp_path):
     torch.testing.assert_close(r["tp1"], saved, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.timeout(200)
-def test_pp2_matches_one_stage(tmp_path):
-    """Two pipeline stages (1F1B over variable-length packed micro-batches) take the same steps as
-    one stage: same initial weights on every layout, same losses, grad norms, forward-only values
-    and (after re-sharding the PP=2 checkpoint to one stage) the same trained parameters."""
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, tp, pp", [(2, 1, 2), (4, 1, 2), (4, 2, 2)], ids=["pp2", "dp2xpp2", "tp2xpp2"])
+def test_pipeline_layouts_match_one_stage(tmp_path, world, tp, pp):
+    """Pipeline stages (1F1B over variable-length packed micro-batches), also with data- or
+    tensor-parallel peers in each stage, take the same steps as one rank: same initial weights,
+    same losses, grad norms and forward-only values, and (after re-sharding the checkpoint to one
+    rank) the same trained parameters."""
     steps, rows_per_step = 3, 6
-    for name in ("pp1", "pp2"):
+    for name in ("one", "many"):
         (tmp_path / name).mkdir()
     init = str(tmp_path / "init.pt")
-    in_process(W.train_layout, rows_per_step, steps, str(tmp_path / "pp1"), init, str(tmp_path / "r1"))
-    spawn(2, 1, "train_layout", rows_per_step, steps, str(tmp_path / "pp2"), init, str(tmp_path / "r2"), pp=2)
+    in_process(W.train_layout, rows_per_step, steps, str(tmp_path / "one"), init, str(tmp_path / "r1"))
+    spawn(world, tp, "train_layout", rows_per_step, steps, str(tmp_path / "many"), init, str(tmp_path / "r2"), pp=pp,
+          deadline_s=200.0)
     one = torch.load(tmp_path / "r1.0")
-    stages = [torch.load(tmp_path / f"r2.{r}") for r in (0, 1)]
-    assert [s["first_stage"] for s in stages] == [True, False] and [s["last_stage"] for s in stages] == [False, True]
-    for s in stages:
-        assert s["init_keys_match"] and s["init_equal"]  # each stage holds its part of the same model
-    first, last = stages
-    assert first["values"] == {}  # only the last stage has values
+    ranks = [torch.load(tmp_path / f"r2.{r}") for r in range(world)]
+    per_stage = world // pp
+    assert [r["first_stage"] for r in ranks] == [True] * per_stage + [False] * (world - per_stage)
+    assert [r["last_stage"] for r in ranks] == [False] * (world - per_stage) + [True] * per_stage
+    if tp == 1:
+        for r in ranks:
+            assert r["init_keys_match"] and r["init_equal"]  # each stage holds its part of the same model
     assert len(one["history"]) == steps
-    for h1, h2, h2_first in zip(one["history"], last["history"], first["history"], strict=True):
-        assert h2["rows"] == h1["rows"] == rows_per_step and h2["tokens"] == h1["tokens"]
-        assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)
-        assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
-        assert h2_first["loss"] == h2["loss"] and h2_first["grad_norm"] == h2["grad_norm"]  # metrics reach every stage
+    for r in ranks:
+        for h1, h2 in zip(one["history"], r["history"], strict=True):
+            assert h2["rows"] == h1["rows"] == rows_per_step and h2["tokens"] == h1["tokens"]
+            assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)  # metrics reach every rank and stage
+            assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
+        if not r["last_stage"]:
+            assert r["values"] == {}  # only the last stage has values
+            continue
+        assert sorted(r["values"]) == sorted(one["values"]) == list(range(5))
+        for rid, v in one["values"].items():
+            torch.testing.assert_close(r["values"][rid], v, rtol=1e-4, atol=1e-5)
     assert one["history"][-1]["loss"] < one["history"][0]["loss"]
-    assert sorted(last["values"]) == sorted(one["values"]) == list(range(5))
-    for rid, v in one["values"].items():
-        torch.testing.assert_close(last["values"][rid], v, rtol=1e-4, atol=1e-5)
-    in_process(W.load_params, str(tmp_path / "pp1"), str(tmp_path / "p1.pt"))
-    in_process(W.load_params, str(tmp_path / "pp2"), str(tmp_path / "p2.pt"))
+    in_process(W.load_params, str(tmp_path / "one"), str(tmp_path / "p1.pt"))
+    in_process(W.load_params, str(tmp_path / "many"), str(tmp_path / "p2.pt"))
     a, b = torch.load(tmp_path / "p1.pt"), torch.load(tmp_path / "p2.pt")
     assert sorted(a) == sorted(b)
     for name, p in a.items():
