@@ -74,21 +74,17 @@ def test_report_other_than_the_one_ev_report_recorded_is_refused(published):
         promote(contract, report, recorded="b" * 64)
 
 
-def test_failed_gate_is_refused(published):
+@pytest.mark.parametrize("changes, message", [
+    ({"passed": False}, "did not pass"),
+    ({"contract_sha256": "c" * 64}, "not the one being promoted"),
+    ({"split": "train"}, "only heldout"),
+], ids=["failed-gate", "other-contract", "train-split"])
+def test_republished_report_that_breaks_a_rule_is_refused(published, changes, message):
     contract, report = published
     report.unlink()
-    write_report(report, {"passed": False, "split": "heldout", "contract_sha256": contract.sha256,
-                          "source_manifest_sha256": MANIFEST_SHA})
-    with pytest.raises(PromotionRefused, match="did not pass"):
-        promote(contract, report)
-
-
-def test_report_of_a_different_contract_is_refused(published):
-    contract, report = published
-    report.unlink()
-    write_report(report, {"passed": True, "split": "heldout", "contract_sha256": "c" * 64,
-                          "source_manifest_sha256": MANIFEST_SHA})
-    with pytest.raises(PromotionRefused, match="not the one being promoted"):
+    write_report(report, {"passed": True, "split": "heldout", "contract_sha256": contract.sha256,
+                          "source_manifest_sha256": MANIFEST_SHA} | changes)
+    with pytest.raises(PromotionRefused, match=message):
         promote(contract, report)
 
 
@@ -96,15 +92,6 @@ def test_report_of_another_manifest_is_refused(published):
     contract, report = published
     with pytest.raises(PromotionRefused, match="names manifest"):
         promote(contract, report, manifest_sha="d" * 64)
-
-
-def test_train_split_report_is_refused(published):
-    contract, report = published
-    report.unlink()
-    write_report(report, {"passed": True, "split": "train", "contract_sha256": contract.sha256,
-                          "source_manifest_sha256": MANIFEST_SHA})
-    with pytest.raises(PromotionRefused, match="only heldout"):
-        promote(contract, report)
 
 
 def test_symlinked_report_is_refused(published, tmp_path):

@@ -118,17 +118,22 @@ def choose_exact_coverage(num_rows: int, gpus: int, max_global_batch_size: int) 
     return ExactCoverage(dp=dp, global_batch_size=g, dropped=n % g, repeated=0)
 
 
-def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                   global_batch_size: int, micro_batch_size: int = 1) -> int:
-    """Check SPEC 3 topology rules before launch; return the data-parallel size."""
+def data_parallel_size(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
+    """GPUs / (tp x pp); the GPUs must divide into whole model-parallel groups (SPEC 3)."""
     total = _positive_int(total_gpus, "gpus")
     tp = _positive_int(tensor_parallel, "tensor_parallel")
     pp = _positive_int(pipeline_parallel, "pipeline_parallel")
-    g = _positive_int(global_batch_size, "global_batch_size")
-    mb = _positive_int(micro_batch_size, "micro_batch_size")
     if total % (tp * pp):
         raise InputError("gpus", f"{total} GPUs are not divisible by the model-parallel size tp x pp = {tp} x {pp} = {tp * pp}")
-    dp = total // (tp * pp)
+    return total // (tp * pp)
+
+
+def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                   global_batch_size: int, micro_batch_size: int = 1) -> int:
+    """Check SPEC 3 topology rules before launch; return the data-parallel size."""
+    dp = data_parallel_size(total_gpus=total_gpus, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    g = _positive_int(global_batch_size, "global_batch_size")
+    mb = _positive_int(micro_batch_size, "micro_batch_size")
     if g % dp:
         raise InputError("global_batch_size", f"{g} is not divisible by the data-parallel size {dp}")
     if (g // dp) % mb:

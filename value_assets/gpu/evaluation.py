@@ -21,7 +21,7 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import require_sha
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
-from value_assets.core.plan import assign_to_ranks
+from value_assets.core.plan import assign_to_ranks, data_parallel_size
 from value_assets.core.publish import publish_once
 from value_assets.core.report import build_report
 from value_assets.core.stats import RankReport
@@ -91,12 +91,8 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     if no_label.size:
         i = int(no_label[0])
         raise InputError(ds.location(i), "row has no single scalar active label (its active returns differ); EV batches need one label per row")
-    mp = cfg.tensor_parallel * cfg.pipeline_parallel
-    if cfg.gpus % mp:
-        raise InputError("--gpus", f"{cfg.gpus} GPUs are not divisible by the model-parallel size tp x pp = "
-                                   f"{cfg.tensor_parallel} x {cfg.pipeline_parallel} = {mp}")
+    dp = data_parallel_size(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel)
     check_model_split(backbone, cfg.tensor_parallel, cfg.pipeline_parallel)
-    dp = cfg.gpus // mp
     g = cfg.global_batch_size or default_batch_size(len(ds), cfg.num_batches, dp)
     if g < 2 or g % dp:
         raise InputError("--global-batch-size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
