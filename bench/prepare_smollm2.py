@@ -8,7 +8,7 @@ quantized model's weights in bf16, not the original bf16 release.
 
     python bench/prepare_smollm2.py OUT_DIR [--check]
 
-`--check` converts OUT_DIR with `value_assets.gpu.hf_convert`, builds the local-spec Megatron
+`--check` converts OUT_DIR with `value_assets.gpu.convert.hf`, builds the local-spec Megatron
 GPTModel on CPU and compares its final-norm hidden states with transformers' on a short prompt.
 """
 
@@ -76,7 +76,7 @@ def check(out: Path) -> dict:
     from megatron_fixture import build_gpt, final_hidden, init_single_rank, load_backbone
     from transformers import LlamaForCausalLM
 
-    from value_assets.gpu.hf_convert import load_hf_backbone_state, read_hf_config
+    from value_assets.gpu.convert.hf import load_hf_backbone_state, read_hf_config
 
     cfg = read_hf_config(out)
     print(json.dumps(cfg))

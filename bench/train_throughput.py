@@ -4,7 +4,7 @@ For critics shaped like Qwen2.5-0.5B and Qwen2.5-1.5B (random weights), on rows 
 realistic RL length mix (prompt 128-1024, response 64-3072 tokens, lognormal, prompt+response <=
 4096, fixed seed), measures per model:
 
-  ours  train  megatron critic (bf16, world size 1), `train_step` over packed micro-batches of
+  ours  train  megatron critic (bf16, world size 1), `optimizer_step` over packed micro-batches of
                <= --micro-batch-tokens tokens, a global batch of --global-batch rows, megatron Adam
   ours  eval   `evaluate_rows` (eval mode, no grad; includes the per-row host copy of values)
   ours  fwd    raw packed forward (`critic_forward` + predicted values, copied to host), no grad
@@ -65,7 +65,7 @@ def length_mix(n: int, seed: int, smoke: bool) -> list[tuple[int, int]]:
 
 
 def make_batches(num_batches: int, batch_rows: int, vocab: int, seed: int, smoke: bool):
-    from value_assets.gpu.packing import Row
+    from value_assets.gpu.model.packing import Row
 
     lens = length_mix(num_batches * batch_rows, seed, smoke)
     rng = np.random.default_rng(seed + 1)
@@ -190,10 +190,10 @@ class Results:
 # ------------------------------------------------------------------------------------- ours
 
 def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool) -> None:
-    from value_assets.gpu.losses import predicted_values
-    from value_assets.gpu.model import build_critic, critic_forward
-    from value_assets.gpu.packing import pack_rows
-    from value_assets.gpu.train import evaluate_rows, train_step, wrap_for_training
+    from value_assets.gpu.model.losses import predicted_values
+    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.packing import pack_rows
+    from value_assets.gpu.runtime.step import evaluate_rows, optimizer_step, wrap_for_training
 
     G = args.global_batch
     warm, timed_b = batches[:args.warmup], batches[args.warmup:]
@@ -256,7 +256,7 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool) -> 
 
             def steps(bs):
                 for m in bs:
-                    train_step(ddp, opt, m, G, obj)
+                    optimizer_step(ddp, opt, m, G, obj)
 
             dt = timed(lambda: steps(mbs[:args.warmup]), lambda: steps(mbs[args.warmup:]))
             res.add(name, "ours", "train", seconds=dt, tokens=real, flops_tok=f_train,
@@ -326,7 +326,7 @@ def profile_steps(fn: Callable[[], None], label: str) -> None:
 def run_hf(name: str, bb, obj, batches, args, res: Results) -> None:
     from transformers import AutoModel, Qwen2Config
 
-    from value_assets.gpu.losses import predicted_values, token_losses
+    from value_assets.gpu.model.losses import predicted_values, token_losses
 
     G = args.global_batch
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -457,8 +457,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model import BackboneConfig
-    from value_assets.gpu.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 
     if args.smoke:
         args.steps, args.warmup = 2, 1

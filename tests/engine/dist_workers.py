@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from value_assets.core.objective import Objective
-from value_assets.gpu.model import BackboneConfig, build_critic, critic_forward
-from value_assets.gpu.packing import Row, pack_rows
-from value_assets.gpu.parallel import destroy, init_distributed
+from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward
+from value_assets.gpu.model.packing import Row, pack_rows
+from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
 OBJ = Objective()
 BACKBONE = BackboneConfig.tiny(num_layers=2, hidden_size=32, ffn_hidden_size=64, vocab_size=49152)
@@ -47,7 +47,7 @@ def _reinit(tp: int) -> None:
     """Rebuild megatron parallel state with another TP size inside the same process group."""
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.compat import seed_model_parallel
+    from value_assets.gpu.runtime.compat import seed_model_parallel
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -56,7 +56,7 @@ def _reinit(tp: int) -> None:
 
 def tp_reshard(rank, world, tp, ckpt, out_file):
     """Save at TP=2, reload at TP=1 (DP=2) and at TP=2, probing outputs each time."""
-    from value_assets.gpu.checkpoint import load_critic, save_critic
+    from value_assets.gpu.runtime.checkpoint import load_critic, save_critic
 
     model = build_critic(BACKBONE, OBJ, tp=2)
     # Perturb away from init so that a load that silently kept init would be caught.
@@ -80,19 +80,19 @@ def tp_reshard(rank, world, tp, ckpt, out_file):
 def _train(rows, steps, start, ddp, opt, rows_per_step):
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.train import train_step
+    from value_assets.gpu.runtime.step import optimizer_step
 
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     history = []
     for step in range(start, steps):
         batch = rows[step * rows_per_step:(step + 1) * rows_per_step]
         mine = batch[dpr::dp]  # round-robin by position
-        history.append(train_step(ddp, opt, pack_rows(mine, micro_batch_tokens=30), rows_per_step, OBJ))
+        history.append(optimizer_step(ddp, opt, pack_rows(mine, micro_batch_tokens=30), rows_per_step, OBJ))
     return history
 
 
 def train_dp(rank, world, tp, rows_per_step, steps, out_file):
-    from value_assets.gpu.train import wrap_for_training
+    from value_assets.gpu.runtime.step import wrap_for_training
 
     model = build_critic(BACKBONE, OBJ, tp=tp)
     ddp, opt = wrap_for_training(model, lr=1e-3)
@@ -105,8 +105,8 @@ def train_dp(rank, world, tp, rows_per_step, steps, out_file):
 
 def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file):
     """Uninterrupted run that saves at `save_at`, then a fresh model+optimizer resumed from it."""
-    from value_assets.gpu.checkpoint import load_critic, save_critic
-    from value_assets.gpu.train import wrap_for_training
+    from value_assets.gpu.runtime.checkpoint import load_critic, save_critic
+    from value_assets.gpu.runtime.step import wrap_for_training
 
     rows = make_rows(rows_per_step * steps, seed=1)
     model = build_critic(BACKBONE, OBJ, tp=tp)
@@ -134,9 +134,9 @@ def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_fil
     weights are compared with that state through `stage_state`."""
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.checkpoint import save_critic
-    from value_assets.gpu.model import init_layout_invariant, stage_state
-    from value_assets.gpu.train import evaluate_rows, wrap_for_training
+    from value_assets.gpu.runtime.checkpoint import save_critic
+    from value_assets.gpu.model.critic import init_layout_invariant, stage_state
+    from value_assets.gpu.runtime.step import evaluate_rows, wrap_for_training
 
     pp = ps.get_pipeline_model_parallel_world_size()
     torch.manual_seed(1000 + rank)  # megatron's own init differs per rank; the re-draw must not
@@ -162,7 +162,7 @@ def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_fil
 
 def load_params(rank, world, tp, ckpt, out_file):
     """Every parameter of a checkpoint, loaded into a one-stage critic (re-sharded on load)."""
-    from value_assets.gpu.checkpoint import load_model_weights
+    from value_assets.gpu.runtime.checkpoint import load_model_weights
 
     model = build_critic(BACKBONE, OBJ, tp=tp)
     load_model_weights(ckpt, model)

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 import dist_workers as W  # noqa: E402
 
-from value_assets.gpu.parallel import free_port  # noqa: E402
+from value_assets.gpu.runtime.parallel import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +124,7 @@ def test_pipeline_layouts_match_one_stage(tmp_path, world, tp, pp):
 
 
 def in_process(fn, *args):
-    from value_assets.gpu.parallel import destroy, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     init_distributed(0, 1, master_port=free_port(), seed=1234)
     try:
@@ -135,7 +135,7 @@ def in_process(fn, *args):
 
 @pytest.mark.timeout(30)
 def test_save_refuses_non_empty_folder(tmp_path):
-    from value_assets.gpu.checkpoint import save_critic
+    from value_assets.gpu.runtime.checkpoint import save_critic
 
     (tmp_path / "x").write_text("x")
     with pytest.raises(FileExistsError):

@@ -8,7 +8,7 @@ import torch
 
 from value_assets.core import targets as ref
 from value_assets.core.objective import Objective
-from value_assets.gpu import losses as L
+from value_assets.gpu.model import losses as L
 
 OBJ = Objective()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from value_assets.core.objective import Objective
-from value_assets.gpu.attention import packed_causal_attention
-from value_assets.gpu.model import BackboneConfig
+from value_assets.gpu.model.attention import packed_causal_attention
+from value_assets.gpu.model.critic import BackboneConfig
 
 
 def _naive_attention(q, k, v, bounds, scale):
@@ -51,7 +51,7 @@ def test_backbone_config_validation_and_presets():
 
 @pytest.fixture(scope="module")
 def dist():
-    from value_assets.gpu.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 
     init_distributed(0, 1, master_port=free_port(), seed=7)
     try:
@@ -63,7 +63,7 @@ def dist():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("qk_layernorm,loss_type", [(False, "classification"), (True, "mse")])
 def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_type):
-    from value_assets.gpu.model import build_critic, critic_forward
+    from value_assets.gpu.model.critic import build_critic, critic_forward
 
     obj = Objective(loss_type=loss_type, num_bins=51 if loss_type == "classification" else 1)
     bb = BackboneConfig.tiny(qk_layernorm=qk_layernorm, family="qwen3" if qk_layernorm else "qwen2",
@@ -95,7 +95,7 @@ def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_ty
 def test_packed_forward_needs_restarting_positions_and_critic_params(dist):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from value_assets.gpu.model import build_critic, critic_forward
+    from value_assets.gpu.model.critic import build_critic, critic_forward
 
     model = build_critic(BackboneConfig.tiny(), Objective()).eval()
     toks = torch.arange(10, 17)
@@ -120,10 +120,10 @@ def test_packed_forward_needs_restarting_positions_and_critic_params(dist):
 def test_evaluate_rows_alignment(dist):
     import numpy as np
 
-    from value_assets.gpu.losses import predicted_values
-    from value_assets.gpu.model import build_critic
-    from value_assets.gpu.packing import Row, pack_rows
-    from value_assets.gpu.train import evaluate_rows
+    from value_assets.gpu.model.losses import predicted_values
+    from value_assets.gpu.model.critic import build_critic
+    from value_assets.gpu.model.packing import Row, pack_rows
+    from value_assets.gpu.runtime.step import evaluate_rows
 
     obj = Objective()
     model = build_critic(BackboneConfig.tiny(), obj)
@@ -139,7 +139,7 @@ def test_evaluate_rows_alignment(dist):
 
 
 def test_compat_is_idempotent_and_cpu_only():
-    from value_assets.gpu import compat
+    from value_assets.gpu.runtime import compat
 
     if torch.cuda.is_available():
         assert compat.apply_cpu_compat() is False

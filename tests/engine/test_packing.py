@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from value_assets.gpu.packing import Row, pack_rows, response_slices
+from value_assets.gpu.model.packing import Row, pack_rows, response_slices
 
 
 def _rows(seed=0, n=9):

@@ -1,4 +1,4 @@
-"""Vectorized packed RoPE (`gpu/rope.py`) against megatron's per-sequence 'thd' RoPE, on CPU."""
+"""Vectorized packed RoPE (`gpu/model/rope.py`) against megatron's per-sequence 'thd' RoPE, on CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from value_assets.gpu import compat
-from value_assets.gpu.rope import (
+from value_assets.gpu.runtime import compat
+from value_assets.gpu.model.rope import (
     CriticPackedSeqParams,
     PackedRotaryEmbedding,
     apply_rope,

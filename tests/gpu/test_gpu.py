@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture
 def single_rank():
-    from value_assets.gpu.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 
     init_distributed(0, 1, "127.0.0.1", free_port())
     try:
@@ -25,7 +25,7 @@ def single_rank():
 
 
 def test_packed_bf16_attention_matches_per_sequence_sdpa(single_rank):
-    from value_assets.gpu.attention import packed_causal_attention
+    from value_assets.gpu.model.attention import packed_causal_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [5, 130, 1, 511, 64]
@@ -46,14 +46,14 @@ def test_packed_bf16_attention_matches_per_sequence_sdpa(single_rank):
 
 def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model import BackboneConfig, build_critic
-    from value_assets.gpu.packing import Row, pack_rows
-    from value_assets.gpu.train import train_step, wrap_for_training
+    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.packing import Row, pack_rows
+    from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
 
     obj = Objective()
     model = build_critic(BackboneConfig.tiny(), obj)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    from value_assets.gpu.model import critic_forward
+    from value_assets.gpu.model.critic import critic_forward
 
     out = critic_forward(model, torch.arange(8, device="cuda"), torch.arange(8, device="cuda"),
                          torch.tensor([0, 8], dtype=torch.int32, device="cuda"), 8)
@@ -67,7 +67,7 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
         rows.append(Row(row_id=i, tokens=toks, response_length=20, returns=np.full(20, float(task))))
     losses = []
     for _ in range(30):
-        m = train_step(ddp, opt, pack_rows(rows, 4096), 32, obj)
+        m = optimizer_step(ddp, opt, pack_rows(rows, 4096), 32, obj)
         losses.append(m["loss"])
         assert np.isfinite(m["loss"]) and m["grad_norm"] is not None
     assert losses[-1] < 0.5 * losses[0], losses
@@ -76,8 +76,8 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
 def test_job_trains_evaluates_and_gates_on_one_gpu(tmp_path):
     """The whole Ray job on the GPU: placement group with a GPU bundle, NCCL, bf16."""
     from value_assets.core.demo_data import make_demo_data
-    from value_assets.gpu.driver import TrainConfig, train
-    from value_assets.gpu.evaluation import EvalConfig, evaluate
+    from value_assets.gpu.jobs.train import TrainConfig, train
+    from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
 
     m = make_demo_data(tmp_path / "data", seed=0)
     out = tmp_path / "critic"
@@ -97,8 +97,8 @@ def test_two_gpu_layouts_train_like_one_gpu(tmp_path, layout):
     sums): the same planned steps as one GPU, within bf16 tolerance, and the same report when
     the two-GPU checkpoint is evaluated on two GPUs and re-sharded onto one."""
     from value_assets.core.demo_data import make_demo_data
-    from value_assets.gpu.driver import TrainConfig, train
-    from value_assets.gpu.evaluation import EvalConfig, evaluate
+    from value_assets.gpu.jobs.train import TrainConfig, train
+    from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
 
     m = make_demo_data(tmp_path / "data", seed=0)
     base = dict(manifest=m, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, stop_after=8)

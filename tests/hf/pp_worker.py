@@ -11,10 +11,10 @@ def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]]) -> 
     from megatron.core import parallel_state as ps
 
     from value_assets.core.objective import Objective
-    from value_assets.gpu.bootstrap import load_backbone_into
-    from value_assets.gpu.hf_convert import backbone_config_kwargs, read_hf_config
-    from value_assets.gpu.model import BackboneConfig, build_critic, critic_forward
-    from value_assets.gpu.parallel import destroy, init_distributed
+    from value_assets.gpu.convert.bootstrap import load_backbone_into
+    from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
+    from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, pp=world)
     try:

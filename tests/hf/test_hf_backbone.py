@@ -14,7 +14,7 @@ from conftest import FAMILIES, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from value_assets.core.errors import InputError
-from value_assets.gpu.hf_convert import load_hf_backbone_state, megatron_backbone_names, read_hf_config
+from value_assets.gpu.convert.hf import load_hf_backbone_state, megatron_backbone_names, read_hf_config
 
 pytestmark = pytest.mark.unit
 ATOL = 1e-4

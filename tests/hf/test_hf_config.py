@@ -7,7 +7,7 @@ import json
 import pytest
 
 from value_assets.core.errors import InputError
-from value_assets.gpu.hf_convert import read_hf_config
+from value_assets.gpu.convert.hf import read_hf_config
 
 pytestmark = pytest.mark.unit
 

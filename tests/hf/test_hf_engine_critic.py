@@ -1,6 +1,6 @@
 """The engine's critic (`gpu.model.build_critic`) bootstrapped from an HF actor checkpoint.
 
-Skipped where `value_assets.gpu.model` is absent. A fresh critic loads every backbone tensor
+Skipped where `value_assets.gpu.model.critic` is absent. A fresh critic loads every backbone tensor
 strictly (only the head is new); its per-token head outputs, after `export_critic_to_hf`, equal
 `AutoModelForTokenClassification` logits (float32, max abs diff < 1e-4).
 """
@@ -12,7 +12,7 @@ import torch
 from conftest import make_hf_checkpoint
 
 from value_assets.core.objective import Objective
-from value_assets.gpu.hf_convert import (
+from value_assets.gpu.convert.hf import (
     backbone_config_kwargs,
     export_critic_to_hf,
     load_hf_backbone_state,
@@ -20,7 +20,7 @@ from value_assets.gpu.hf_convert import (
 )
 
 pytestmark = pytest.mark.unit
-model_mod = pytest.importorskip("value_assets.gpu.model")
+model_mod = pytest.importorskip("value_assets.gpu.model.critic")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3-scaled"])

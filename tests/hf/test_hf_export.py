@@ -13,7 +13,7 @@ from conftest import make_hf_checkpoint
 
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
-from value_assets.gpu.hf_convert import (
+from value_assets.gpu.convert.hf import (
     export_critic_to_hf,
     load_hf_backbone_state,
     load_hf_value_head,

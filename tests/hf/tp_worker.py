@@ -13,8 +13,8 @@ def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]]) -> 
     sys.path.insert(0, str(Path(__file__).parent))
     from megatron_fixture import build_gpt, final_hidden, load_backbone
 
-    from value_assets.gpu.hf_convert import load_hf_backbone_state, read_hf_config
-    from value_assets.gpu.parallel import destroy, init_distributed
+    from value_assets.gpu.convert.hf import load_hf_backbone_state, read_hf_config
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     init_distributed(rank, world, "127.0.0.1", port, tp=world)
     try:

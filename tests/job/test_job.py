@@ -18,8 +18,8 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import canonical_bytes
-from value_assets.gpu.driver import RECEIPT_NAME, TrainConfig, prepare, train
-from value_assets.gpu.evaluation import EvalConfig, evaluate
+from value_assets.gpu.jobs.train import RECEIPT_NAME, TrainConfig, prepare, train
+from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -189,7 +189,7 @@ def test_uncontracted_checkpoint_is_ambiguous(data, tmp_path):
 
 
 def test_invalid_data_reserves_nothing_and_writes_nothing(data, tmp_path, monkeypatch):
-    from value_assets.gpu import cluster
+    from value_assets.gpu.runtime import cluster
 
     def refuse(**_):
         raise AssertionError("the cluster must not be reserved for invalid data")
@@ -234,7 +234,7 @@ def test_exported_critic_reproduces_the_report(learned, data, tmp_path):
     from value_assets.core.dataset import validate_dataset
     from value_assets.core.manifest import load_manifest
     from value_assets.core.stats import SuffStats, token_stats, trajectory_stats
-    from value_assets.gpu.export import export_checkpoint
+    from value_assets.gpu.convert.export import export_checkpoint
 
     cfg, _, ev = learned
     out = export_checkpoint(cfg.output, tmp_path / "hf")
@@ -291,7 +291,7 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
     ({"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30}, "--tensor-parallel", "3 does not divide the backbone's num_attention_heads"),
 ])
 def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypatch, kw, flag, message):
-    from value_assets.gpu import cluster
+    from value_assets.gpu.runtime import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
     cfg = replace(base_cfg(data["learnable"], tmp_path / "critic"), **kw)
@@ -302,7 +302,7 @@ def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypa
 
 
 def test_evaluation_refuses_a_layout_the_backbone_cannot_take(learned, data, tmp_path, monkeypatch):
-    from value_assets.gpu import cluster
+    from value_assets.gpu.runtime import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
     cfg, result, _ = learned

@@ -23,7 +23,7 @@ def _data_roots(args):
 
 def train_config(args):
     """The driver's TrainConfig from parsed `train` arguments (the CLI and the Pipes job share it)."""
-    from .driver import TrainConfig
+    from value_assets.gpu.jobs.train import TrainConfig
 
     return TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
                        global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
@@ -35,7 +35,7 @@ def train_config(args):
 
 def eval_config(args):
     """The EvalConfig from parsed `evaluate` arguments (the CLI and the Pipes job share it)."""
-    from .evaluation import EvalConfig
+    from value_assets.gpu.jobs.evaluate import EvalConfig
 
     return EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
                       report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
@@ -45,7 +45,7 @@ def eval_config(args):
 
 
 def cmd_train(args) -> int:
-    from .driver import train
+    from value_assets.gpu.jobs.train import train
 
     cfg = train_config(args)
     result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -54,7 +54,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from .evaluation import evaluate
+    from value_assets.gpu.jobs.evaluate import evaluate
 
     cfg = eval_config(args)
     res = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -69,7 +69,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from .export import export_checkpoint
+    from value_assets.gpu.convert.export import export_checkpoint
 
     out = export_checkpoint(Path(args.checkpoint), Path(args.out))
     print(json.dumps({"out": str(out)}))

@@ -28,8 +28,8 @@ def _parse(task: str, argv: list[str]):
 
 
 def _train(pipes, args) -> None:
-    from .cli import train_config
-    from .driver import train
+    from value_assets.gpu.cli import train_config
+    from value_assets.gpu.jobs.train import train
 
     cfg = train_config(args)
     result = train(cfg, log=pipes.log.info)
@@ -58,8 +58,8 @@ def _train(pipes, args) -> None:
 
 
 def _evaluate(pipes, args) -> None:
-    from .cli import eval_config
-    from .evaluation import evaluate
+    from value_assets.gpu.cli import eval_config
+    from value_assets.gpu.jobs.evaluate import evaluate
 
     cfg = eval_config(args)
     res = evaluate(cfg, log=pipes.log.info)

@@ -33,11 +33,11 @@ class Cluster:
     def dp(self) -> int:
         return self.infos[0]["dp_size"]
 
-    def all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` with the same arguments on every rank; results in rank order."""
         return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], None)
 
-    def each(self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None) -> list[Any]:
+    def call_each(self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None) -> list[Any]:
         """Call `method` with rank-specific (args, kwargs)."""
         return self._get([getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)], deadline_s)
 
@@ -64,7 +64,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .worker import CriticWorker
+    from value_assets.gpu.runtime.worker import CriticWorker
 
     started_ray = False
     pg = None
@@ -96,7 +96,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
             ).remote(rank=rank, world_size=world_size, tp=tp, pp=pp, seed=seed, backbone=backbone, objective=objective, threads=threads))
         cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
         addr, port = cluster._get([actors[0].address.remote()], timeout_s)[0]
-        cluster.infos = cluster.all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
+        cluster.infos = cluster.call_all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
         log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, pp {pp}, {'GPU' if use_gpu else 'CPU'} bundles")
         yield cluster
     finally:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from value_assets.core.objective import Objective
 
-from .attention import PackedCoreAttention
-from .rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
+from value_assets.gpu.model.attention import PackedCoreAttention
+from value_assets.gpu.model.rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 

@@ -21,7 +21,7 @@ Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
 - The mapping for three dense families is ~150 lines of tensor reshapes that we can test exactly
   against `transformers` on CPU (tests/hf), runs unchanged on megatron-core 0.16 and 0.19, and
   keeps the strictness SPEC 4 demands (no silent partial loads). Other families or MoE: add a
-  family in `hf_families.py` and a mapping here, or revisit a bridge when TE is available.
+  family in `convert/hf_config.py` and a mapping here, or revisit a bridge when TE is available.
 
 Megatron layout facts used here (megatron-core 0.16.1 local spec, checked by instantiating it;
 the 0.19.2 wheel's local spec and fused-qkv split read the same):
@@ -48,7 +48,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from value_assets.core.errors import InputError, show
-from value_assets.gpu.hf_families import read_hf_config
+from value_assets.gpu.convert.hf_config import read_hf_config
 
 __all__ = [
     "read_hf_config",

@@ -36,7 +36,7 @@ def _folder_digest(folder: Path, patterns: tuple[str, ...]) -> str:
 
 def resolve_backbone(spec: str, *, seed: int = 0):
     """(BackboneConfig, worker source, identity for the contract) for `spec` ("tiny" or a folder)."""
-    from .model import BackboneConfig
+    from value_assets.gpu.model.critic import BackboneConfig
 
     if spec == "tiny":
         cfg = BackboneConfig.tiny()
@@ -45,7 +45,7 @@ def resolve_backbone(spec: str, *, seed: int = 0):
     if not folder.is_dir():
         raise InputError("--backbone", f"{spec!r} is neither 'tiny' nor an existing folder")
     if (folder / "config.json").is_file():
-        from .hf_convert import backbone_config_kwargs, read_hf_config
+        from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
 
         cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))
         ident = {"kind": "huggingface", "path": str(folder.resolve()),
@@ -69,15 +69,15 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
     """Load the backbone into a freshly built critic module on this rank; only the head stays new."""
     kind = source["kind"]
     if kind == "tiny":
-        from .model import init_layout_invariant
+        from value_assets.gpu.model.critic import init_layout_invariant
 
         init_layout_invariant(module, int(source["seed"]))
         return {"loaded": 0}
     if kind == "hf":
         from megatron.core import parallel_state as ps
 
-        from .hf_convert import load_hf_backbone_state
-        from .model import stage_state
+        from value_assets.gpu.convert.hf import load_hf_backbone_state
+        from value_assets.gpu.model.critic import stage_state
 
         # Whole-model names, sliced for this TP rank; then only this pipeline stage's layers.
         state = stage_state(module, load_hf_backbone_state(source["path"], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp))

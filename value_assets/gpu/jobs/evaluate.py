@@ -66,10 +66,10 @@ def _step_dir(checkpoint: Path) -> Path:
 
 
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
-    from .cluster import start_workers
-    from .driver import check_model_split, row_payload
-    from .model import BackboneConfig
-    from .plots import calibration_png, ev_per_batch_png
+    from value_assets.gpu.runtime.cluster import start_workers
+    from value_assets.gpu.jobs.train import check_model_split, row_payload
+    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.jobs.plots import calibration_png, ev_per_batch_png
 
     # --- everything that can refuse, before the cluster is reserved ---------------------------
     require_sha(cfg.contract_sha256, "--contract-sha256")
@@ -107,7 +107,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     rank_reports: list[list[RankReport]] = []
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=contract["backbone_config"],
                        objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
-        loaded = cluster.all("load", str(step_dir), False)
+        loaded = cluster.call_all("load", str(step_dir), False)
         if sorted(set(loaded)) != [contract["completed_steps"]]:
             raise InputError(str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}")
         for k, batch in enumerate(batches):
@@ -116,7 +116,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
             for info in cluster.infos:
                 rows = [row_payload(ds, i) for i in per_dp[info["dp_rank"]]]
                 calls.append(((rows, mbt, info["dp_rank"]), {}))
-            out = cluster.each("evaluate", calls)
+            out = cluster.call_each("evaluate", calls)
             # One report per data-parallel rank: its last pipeline stage has the values, and
             # tensor-parallel peers there compute the same statistics.
             reps = [RankReport.from_json(o) for o, info in zip(out, cluster.infos) if info["tp_rank"] == 0 and info["last_stage"]]

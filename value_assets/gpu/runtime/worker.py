@@ -46,7 +46,7 @@ class CriticWorker:
 
     # -- setup ------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
-        from .parallel import free_port
+        from value_assets.gpu.runtime.parallel import free_port
 
         return node_address(), free_port()
 
@@ -54,8 +54,8 @@ class CriticWorker:
               clip_grad: float, timeout_s: float) -> dict[str, int]:
         import torch
 
-        from .model import BackboneConfig, build_critic
-        from .parallel import init_distributed
+        from value_assets.gpu.model.critic import BackboneConfig, build_critic
+        from value_assets.gpu.runtime.parallel import init_distributed
 
         init_distributed(self.rank, self.world_size, master_addr, master_port, tp=self.tp, pp=self.pp,
                          seed=self.seed, timeout_s=timeout_s)
@@ -65,7 +65,7 @@ class CriticWorker:
         model = build_critic(BackboneConfig.from_json(self.backbone_json), self.objective, tp=self.tp, pp=self.pp,
                              head_seed=self.seed)
         if train:
-            from .train import wrap_for_training
+            from value_assets.gpu.runtime.step import wrap_for_training
 
             self.model, self.optimizer = wrap_for_training(model, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad)
         else:
@@ -80,23 +80,23 @@ class CriticWorker:
     # -- weights ----------------------------------------------------------------------------
     def bootstrap(self, source: dict[str, Any]) -> dict[str, Any]:
         """Fresh critic: the backbone strictly from the actor checkpoint, only the head new."""
-        from .bootstrap import load_backbone_into
+        from value_assets.gpu.convert.bootstrap import load_backbone_into
 
         return load_backbone_into(self._module(), source, tp=self.tp)
 
     def load(self, path: str, with_optimizer: bool) -> int:
         """Load a saved critic (model and, for a resume, optimizer); return its iteration."""
         if with_optimizer:
-            from .checkpoint import load_critic
+            from value_assets.gpu.runtime.checkpoint import load_critic
 
             return load_critic(path, self.model, self.optimizer)
         # Forward-only: the model's tensors must all be there; the optimizer state is left unread.
-        from .checkpoint import load_model_weights
+        from value_assets.gpu.runtime.checkpoint import load_model_weights
 
         return load_model_weights(path, self.model)
 
     def save(self, path: str, iteration: int) -> None:
-        from .checkpoint import save_critic
+        from value_assets.gpu.runtime.checkpoint import save_critic
 
         save_critic(path, self.model, self.optimizer, iteration=iteration)
 
@@ -114,20 +114,20 @@ class CriticWorker:
 
     # -- work -------------------------------------------------------------------------------
     def train_step(self, rows: Sequence[dict[str, Any]], global_rows: int, micro_batch_tokens: int, lr: float) -> dict[str, Any]:
-        from .packing import pack_rows
-        from .train import set_lr, train_step
+        from value_assets.gpu.model.packing import pack_rows
+        from value_assets.gpu.runtime.step import optimizer_step, set_lr
 
         set_lr(self.optimizer, lr)
         mbs = pack_rows([_packing_row(r) for r in rows], micro_batch_tokens)
-        return train_step(self.model, self.optimizer, mbs, global_rows, self.objective)
+        return optimizer_step(self.model, self.optimizer, mbs, global_rows, self.objective)
 
     def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any] | None:
         """Float64 sufficient statistics over this rank's rows (SPEC 7), with its rank and row
         indices; None on pipeline stages before the last (they only pass activations on)."""
         from megatron.core import parallel_state as ps
 
-        from .packing import pack_rows
-        from .train import evaluate_rows
+        from value_assets.gpu.model.packing import pack_rows
+        from value_assets.gpu.runtime.step import evaluate_rows
 
         out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self.objective) if rows else {}
         if not ps.is_pipeline_last_stage():
@@ -148,13 +148,13 @@ class CriticWorker:
         return RankReport(rank=dp_rank, row_indices=indices, token=tok, trajectory=traj, row_values=values).to_json()
 
     def shutdown(self) -> None:
-        from .parallel import destroy
+        from value_assets.gpu.runtime.parallel import destroy
 
         destroy()
 
 
 def _packing_row(r: dict[str, Any]):
-    from .packing import Row
+    from value_assets.gpu.model.packing import Row
 
     return Row(row_id=int(r["row_id"]), tokens=np.asarray(r["tokens"], dtype=np.int64), response_length=int(r["response_length"]),
                returns=np.asarray(r["returns"], dtype=np.float64), loss_mask=np.asarray(r["loss_mask"], dtype=np.int64))

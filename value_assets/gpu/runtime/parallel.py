@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .compat import apply_cpu_compat, seed_model_parallel
+from value_assets.gpu.runtime.compat import apply_cpu_compat, seed_model_parallel
 
 
 def default_backend() -> str:

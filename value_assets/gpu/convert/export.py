@@ -10,10 +10,10 @@ from value_assets.core.objective import Objective
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    from .hf_convert import export_critic_to_hf
-    from .model import BackboneConfig, build_critic
-    from .parallel import destroy, free_port, init_distributed
-    from .checkpoint import load_model_weights
+    from value_assets.gpu.convert.hf import export_critic_to_hf
+    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.checkpoint import load_model_weights
 
     step_dir = checkpoint
     if not (step_dir / CONTRACT_NAME).is_file():

@@ -1,7 +1,7 @@
 """One optimizer step per planned batch, and forward-only evaluation, for one rank.
 
 `wrap_for_training` puts the critic in megatron DDP and builds megatron's Adam (non-distributed
-optimizer; fp32 grads); `train_step` runs megatron's forward-backward schedule over this rank's
+optimizer; fp32 grads); `optimizer_step` runs megatron's forward-backward schedule over this rank's
 packed micro-batches and steps (1F1B across pipeline stages); `evaluate_rows` returns per-row
 predicted values aligned with the returns (on the last pipeline stage).
 
@@ -23,9 +23,9 @@ import torch
 
 from value_assets.core.objective import Objective
 
-from .losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
-from .model import critic_forward
-from .packing import MicroBatch, response_slices
+from value_assets.gpu.model.losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
+from value_assets.gpu.model.critic import critic_forward
+from value_assets.gpu.model.packing import MicroBatch, response_slices
 
 
 def _device() -> torch.device:
@@ -123,7 +123,7 @@ def _run_schedule(model: torch.nn.Module, forward_step, microbatches: Sequence[M
     )
 
 
-def train_step(
+def optimizer_step(
     model: torch.nn.Module,
     optimizer: Any,
     microbatches: Sequence[MicroBatch],
@@ -142,7 +142,7 @@ def train_step(
     active_targets, tokens (global packed tokens), tokens_per_s, step_time_s.
     """
     if not microbatches:
-        raise ValueError("train_step needs at least one micro-batch on every rank")
+        raise ValueError("optimizer_step needs at least one micro-batch on every rank")
     t0 = time.perf_counter()
     dev = _device()
     model.train()

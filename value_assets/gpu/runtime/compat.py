@@ -145,6 +145,24 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
             g.detach().mul_(clip_coeff)
 
 
+# The megatron-core releases whose internals these patches were written against and tested on
+# (major, minor): 0.16 on CPU here; 0.19 is what the GPU machines run, where the layer is never
+# applied, but a CPU run there must not patch names that moved either.
+SUPPORTED_MEGATRON = ((0, 16), (0, 19))
+
+
+def check_megatron_version(version: str) -> None:
+    """Refuse to patch a megatron-core release the compatibility layer was not written for."""
+    try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        major_minor = ()
+    if major_minor not in SUPPORTED_MEGATRON:
+        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_MEGATRON)
+        raise RuntimeError(f"megatron-core {version}: the CPU compatibility layer patches megatron internals and "
+                           f"supports {supported} only; pin one of these for CPU runs (CUDA runs are unaffected)")
+
+
 def apply_cpu_compat() -> bool:
     """Patch megatron-core for CPU. Returns True when patches are (or already were) in place,
     False when CUDA is available and nothing was done."""
@@ -153,6 +171,9 @@ def apply_cpu_compat() -> bool:
         return False
     if _APPLIED:
         return True
+    import megatron.core
+
+    check_megatron_version(megatron.core.__version__)
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]

@@ -34,7 +34,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-from .rope import apply_rope
+from value_assets.gpu.model.rope import apply_rope
 
 try:  # torch >= 2.9
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -145,7 +145,7 @@ class PackedCoreAttention(MegatronModule):
             if bounds is None or getattr(p, "rope_cos", None) is None:
                 raise ValueError(
                     "PackedCoreAttention needs the CriticPackedSeqParams of "
-                    "value_assets.gpu.model.packed_seq_params(..., position_ids=, model=) "
+                    "value_assets.gpu.model.critic.packed_seq_params(..., position_ids=, model=) "
                     "(host cu_seqlens and per-token RoPE; megatron's packed RoPE is off)")
             if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
                 raise ValueError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv")

@@ -115,7 +115,7 @@ def _existing_iterations(critic_dir: Path) -> list[int]:
 
 def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
     """Every CPU-side check of SPEC 5, before anything is reserved. Writes nothing."""
-    from .bootstrap import resolve_backbone
+    from value_assets.gpu.convert.bootstrap import resolve_backbone
 
     manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
     backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed)
@@ -181,14 +181,14 @@ def _save(cluster, critic_dir: Path, step: int) -> Path:
             raise InputError(str(step_dir), "refusing to overwrite a contracted checkpoint")
         shutil.rmtree(step_dir)
     step_dir.mkdir(parents=True)
-    cluster.all("save", str(step_dir), step)
+    cluster.call_all("save", str(step_dir), step)
     return step_dir
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    from .bootstrap import write_backbone_json
-    from .cluster import start_workers
-    from .metrics_log import MetricsLog
+    from value_assets.gpu.convert.bootstrap import write_backbone_json
+    from value_assets.gpu.runtime.cluster import start_workers
+    from value_assets.gpu.jobs.metrics_log import MetricsLog
 
     prep = prepare(cfg, log)
     plan, train_ds, manifest = prep.plan, prep.train, prep.manifest
@@ -210,11 +210,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
                        ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
-            loaded = cluster.all("load", str(prep.resume_dir), True)
+            loaded = cluster.call_all("load", str(prep.resume_dir), True)
             check_resume(prep.resume_contract, where=str(prep.resume_dir), manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
                          objective=objective_json, plan=plan, loaded_iterations=loaded)
         else:
-            cluster.all("bootstrap", prep.backbone_source)
+            cluster.call_all("bootstrap", prep.backbone_source)
         critic_dir.mkdir(parents=True, exist_ok=True)
         metrics_log = MetricsLog(critic_dir)
         try:
@@ -223,7 +223,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
                 per_dp = assign_to_ranks(batch, prep.dp)
                 payload = {d: [row_payload(train_ds, i) for i in rows] for d, rows in enumerate(per_dp)}
                 lr = _lr_at(cfg, step)
-                metrics = cluster.each("train_step", [((payload[d], plan.global_batch_size, cfg.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
+                metrics = cluster.call_each("train_step", [((payload[d], plan.global_batch_size, cfg.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
                 metrics["step"] = step
                 result.losses.append(float(metrics["loss"]))
                 result.metrics.append(metrics)
@@ -255,7 +255,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
                         log(f"saved {step_dir} with contract {result.contract_sha256}")
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
             # fingerprint that resume tests compare.
-            result.state_sha256 = cluster.all("state_digest")
+            result.state_sha256 = cluster.call_all("state_digest")
         finally:
             metrics_log.close()
     return result

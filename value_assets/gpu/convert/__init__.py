@@ -1,0 +1,1 @@
+"""Checkpoint formats: Hugging Face and Megatron bootstrap, export."""

@@ -1,0 +1,1 @@
+"""The GPU jobs: training and evaluation drivers, their metrics log and plots."""
