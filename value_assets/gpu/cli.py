@@ -124,3 +124,67 @@ def add_commands(sub) -> None:
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export_hf)
+
+    add_import_command(sub)
+
+
+def cmd_import_rollouts(args) -> int:
+    from value_assets.core.rollouts import PRESETS, Fields, import_rollouts
+    from value_assets.gpu.convert.tokenizer import HFTokenizer
+
+    base = PRESETS[args.preset]
+    fields = Fields(prompt=args.prompt_field or base.prompt, response=args.response_field or base.response,
+                    reward=args.reward_field or base.reward, sample_id=args.id_field, group=args.group_field)
+    if args.reward_range is None:
+        reward_range = None
+    elif args.reward_range == ["auto"]:
+        reward_range = "auto"
+    else:
+        if len(args.reward_range) != 2:
+            from value_assets.core.errors import InputError
+
+            raise InputError("--reward-range", f"give LOW HIGH or auto, got {' '.join(args.reward_range)!r}")
+        try:
+            reward_range = (float(args.reward_range[0]), float(args.reward_range[1]))
+        except ValueError:
+            from value_assets.core.errors import InputError
+
+            raise InputError("--reward-range", f"LOW and HIGH must be numbers, got {' '.join(args.reward_range)!r}") from None
+    tok = HFTokenizer(args.tokenizer, append_eos=not args.no_eos)
+    res = import_rollouts(args.inputs, tok, args.out, fields=fields, preset=args.preset, chat_template=args.chat_template,
+                          heldout_fraction=args.heldout_fraction, seed=args.seed, reward_range=reward_range,
+                          loss_type=args.loss_type, num_bins=args.num_bins, name=args.name, tokenizer_path=str(args.tokenizer))
+    if res.reward_range_source == "auto":
+        print(f"value-assets: reward range taken from the data: [{res.reward_range[0]!r}, {res.reward_range[1]!r}]", file=sys.stderr)
+    print(json.dumps({"manifest": str(res.manifest), "train_rows": res.train_rows, "heldout_rows": res.heldout_rows,
+                      "train_prompts": res.train_groups, "heldout_prompts": res.heldout_groups,
+                      "reward_range": list(res.reward_range), "reward_range_source": res.reward_range_source,
+                      "label_counts": res.label_counts}, sort_keys=True))
+    return 0
+
+
+def add_import_command(sub) -> None:
+    from value_assets.core.rollouts import PRESETS
+
+    r = sub.add_parser("import-rollouts", help="tokenize text rollouts (JSONL/Parquet) into Miles-format datasets and a manifest")
+    r.add_argument("inputs", nargs="+", metavar="INPUT", help="rollout files (.jsonl or .parquet)")
+    r.add_argument("--tokenizer", required=True, help="the actor's Hugging Face folder (tokenizer files; local only)")
+    r.add_argument("--out", required=True, help="new output folder: train.jsonl, heldout.jsonl, NAME.json")
+    r.add_argument("--preset", choices=sorted(PRESETS), default="generic",
+                   help="field names of a known dump: " + "; ".join(f"{k}: {v.prompt}/{v.response}/{v.reward}" for k, v in sorted(PRESETS.items())) + " (default: %(default)s)")
+    r.add_argument("--prompt-field", help="field holding the prompt text or chat messages (overrides the preset)")
+    r.add_argument("--response-field", help="field holding the response text (overrides the preset)")
+    r.add_argument("--reward-field", help="field holding the scalar reward (overrides the preset)")
+    r.add_argument("--id-field", help="field holding a unique sample id (default: FILE-STEM:LINE)")
+    r.add_argument("--group-field", help="field naming the prompt group for the split (default: the rendered prompt text)")
+    r.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
+                   help="auto: chat messages are rendered with the tokenizer's template, text is taken as is (default: %(default)s)")
+    r.add_argument("--no-eos", action="store_true", help="do not append the EOS token to each response")
+    r.add_argument("--heldout-fraction", type=float, default=0.1, help="fraction of prompt groups held out (default: %(default)s)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the by-prompt split (default: %(default)s)")
+    r.add_argument("--reward-range", nargs="+", metavar="LOW HIGH|auto",
+                   help="the objective's reward range; 'auto' takes [min, max] of the data (default: [0, 1])")
+    r.add_argument("--loss-type", choices=("classification", "mse"), default="classification", help="(default: %(default)s)")
+    r.add_argument("--num-bins", type=int, default=51, help="value bins for classification (default: %(default)s)")
+    r.add_argument("--name", default="rollouts", help="manifest stem (default: %(default)s)")
+    r.set_defaults(func=cmd_import_rollouts)

@@ -1,0 +1,56 @@
+"""import-rollouts through the command line with a real Hugging Face tokenizer (SmolLM2's, kept in
+tests/data): chat template, EOS, exit status 2 with a located message and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from value_assets.cli import main
+
+pytestmark = pytest.mark.unit
+TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "smollm2_tokenizer"
+
+
+def _write(path: Path, recs) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_chat_rollouts_are_rendered_with_the_template_and_end_with_eos(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    recs = [{"prompt": [{"role": "user", "content": f"Calculate {i} + 2."}], "response": str(i + 2 if i % 3 else i), "reward": float(i % 3 != 0)}
+            for i in range(30)]
+    src = _write(tmp_path / "rollouts.jsonl", recs)
+    assert main([
+        "import-rollouts", str(src), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds"), "--heldout-fraction", "0.2", "--seed", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["train_rows"] + out["heldout_rows"] == 30 and out["heldout_prompts"] == 6
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    row = json.loads((tmp_path / "ds/train.jsonl").read_text().splitlines()[0])
+    i = int(row["sample_id"].split(":")[1]) - 1
+    prompt = tok.apply_chat_template(recs[i]["prompt"], tokenize=False, add_generation_prompt=True)
+    expect_prompt = tok(prompt, add_special_tokens=False)["input_ids"]
+    expect_resp = tok(recs[i]["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert row["tokens"] == expect_prompt + expect_resp and row["response_length"] == len(expect_resp)
+    assert tok.decode(row["tokens"]).startswith("<|im_start|>system")
+    manifest = json.loads((tmp_path / "ds/rollouts.json").read_text())
+    assert manifest["provenance"]["tokenizer"]["chat_template_applied"] is True
+    assert len(manifest["provenance"]["tokenizer"]["sha256"]) == 64
+    # The importer's output passes `validate` against the tokenizer's vocabulary.
+    assert main(["validate", str(tmp_path / "ds/rollouts.json"), "--vocab-size", str(len(tok)), "--json"]) == 0
+
+
+def test_bad_row_exits_2_with_location_and_writes_nothing(tmp_path, capsys):
+    recs = [{"prompt": "Q", "response": "A", "reward": 0.5}, {"prompt": "Q2", "response": "A", "reward": 7.0}]
+    src = _write(tmp_path / "r.jsonl", recs)
+    assert main(["import-rollouts", str(src), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err
+    assert f"{src}:2: reward 7.0 is outside" in err
+    assert not (tmp_path / "ds").exists()
+    assert main(["import-rollouts", str(src), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds"),
+                 "--reward-range", "auto", "--heldout-fraction", "0"]) == 0
+    assert "reward range taken from the data: [0.5, 7.0]" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""Uncertainty and position statistics of explained variance (docs/rules.md#explained-variance).
+
+- `bootstrap_ev_interval`: a percentile bootstrap over *units* (rows, or prompt groups when rows of
+  one prompt are not independent): each unit carries its float64 sufficient statistics, a
+  resample sums the drawn units' statistics and computes EV once, exactly as the report's aggregate
+  is computed (sums first, one division). Resamples whose returns have no variance are dropped and
+  counted; the interval is None when fewer than half the resamples are defined.
+- `ev_by_position`: token-weighted EV per decile of the response (a token's decile is
+  floor(10 j / L) for response token j of a response of length L), so a reader sees whether the
+  critic improves as the response unfolds.
+
+Pure numpy; the unit of resampling and the seed are arguments so results are reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .stats import VAR_FLOOR, SuffStats
+
+FIELDS = ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")
+
+
+def stats_matrix(parts: Sequence[SuffStats]) -> np.ndarray:
+    """[units, 5] float64 matrix of (n, sum R, sum R^2, sum e, sum e^2)."""
+    return np.array([[p.n, p.sum_r, p.sum_r2, p.sum_e, p.sum_e2] for p in parts], dtype=np.float64).reshape(-1, 5)
+
+
+def ev_of_sums(s: np.ndarray) -> np.ndarray:
+    """EV of summed statistics, vectorised over leading axes; NaN where undefined (n <= 1 or
+    Var(R) <= the floor)."""
+    n = s[..., 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var_r = s[..., 2] / n - (s[..., 1] / n) ** 2
+        var_e = s[..., 4] / n - (s[..., 3] / n) ** 2
+        ev = 1.0 - var_e / var_r
+    return np.where((n > 1) & (var_r > VAR_FLOOR) & np.isfinite(ev), ev, np.nan)
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float | None
+    low: float | None
+    high: float | None
+    level: float
+    resamples: int
+    undefined_resamples: int
+    units: int
+
+    def to_json(self) -> dict:
+        return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
+                "resamples": self.resamples, "undefined_resamples": self.undefined_resamples, "units": self.units}
+
+
+def bootstrap_ev_interval(parts: Sequence[SuffStats], *, resamples: int = 2000, level: float = 0.95,
+                          seed: int = 0) -> Interval:
+    """Percentile bootstrap interval of the EV of summed `parts` (one SuffStats per unit)."""
+    m = stats_matrix(parts)
+    units = m.shape[0]
+    point = ev_of_sums(m.sum(axis=0)) if units else np.nan
+    estimate = None if np.isnan(point) else float(point)
+    if units < 2:
+        return Interval(estimate, None, None, level, resamples, resamples, units)
+    rng = np.random.default_rng(seed)
+    evs = np.empty(resamples)
+    # Chunked so memory stays bounded for many units.
+    chunk = max(1, 2_000_000 // units)
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        idx = rng.integers(0, units, size=(stop - start, units))
+        evs[start:stop] = ev_of_sums(m[idx].sum(axis=1))
+    defined = evs[~np.isnan(evs)]
+    undefined = resamples - defined.size
+    if defined.size < resamples / 2:
+        return Interval(estimate, None, None, level, resamples, undefined, units)
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(defined, [alpha, 1.0 - alpha])
+    return Interval(estimate, float(low), float(high), level, resamples, undefined, units)
+
+
+def position_deciles(response_length: int) -> np.ndarray:
+    """Decile (0..9) of each response token j = 0..L-1: floor(10 j / L)."""
+    j = np.arange(response_length)
+    return (10 * j) // response_length
+
+
+def decile_stats(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """[10, 5] token-weighted sufficient statistics of one row by response decile (active tokens)."""
+    returns = np.asarray(returns, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    active = np.asarray(mask).astype(bool)
+    d = position_deciles(returns.shape[0])[active]
+    r, e = returns[active], (returns - values)[active]
+    out = np.zeros((10, 5))
+    np.add.at(out[:, 0], d, 1.0)
+    np.add.at(out[:, 1], d, r)
+    np.add.at(out[:, 2], d, r * r)
+    np.add.at(out[:, 3], d, e)
+    np.add.at(out[:, 4], d, e * e)
+    return out
+
+
+def ev_by_position(per_row: Sequence[np.ndarray]) -> list[float | None]:
+    """Token-weighted EV per response decile from summed `decile_stats` of many rows; None where
+    undefined."""
+    total = np.sum(np.stack(list(per_row)), axis=0) if len(per_row) else np.zeros((10, 5))
+    evs = ev_of_sums(total)
+    return [None if np.isnan(x) else float(x) for x in evs]

@@ -1,0 +1,347 @@
+"""Text rollouts from any RL stack -> Miles-format datasets and a manifest (docs/rules.md#dataset).
+
+`value-assets import-rollouts` reads JSONL or Parquet records holding a prompt (text, or chat
+messages), a response text and a scalar reward, tokenizes them with the actor's tokenizer, and
+writes `train.jsonl`, `heldout.jsonl` and a `miles.value-pretrain.v1` manifest whose provenance
+records what went in (input shas, tokenizer sha, field names, split rule).
+
+Decisions:
+- The reward is broadcast to every response token (the Monte-Carlo return with gamma = lambda = 1,
+  what an SAO critic is trained on). No loss mask: every response token is a target.
+- The held-out split is by prompt group: every sample of one prompt lands in the same split, so the
+  held-out EV measures generalisation to unseen prompts, not memorised ones. Groups are ordered by
+  sha256(seed, group key), and the first round(fraction x groups) go to held-out (at least one
+  group each side). The assignment depends on the seed and the group keys only, never on file
+  order. The group key is the rendered prompt text unless a group field is named.
+- Nothing is written unless every record is valid: the output folder is built beside the target
+  and renamed into place at the end.
+
+The tokenizer is passed in (anything with the `Tokenizer` protocol), so this module stays
+torch-free; the command line builds a Hugging Face one (value_assets/gpu/convert/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol, Sequence
+
+from .errors import InputError, show
+from .hashing import sha256_file
+from .manifest import SCHEMA
+from .objective import Objective
+from .strict_json import canonical_bytes, is_number, loads
+
+IMPORTER = "value-assets import-rollouts"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fields:
+    """Where a record keeps each part. `prompt` may hold text or a list of chat messages
+    (`{"role", "content"}`); `response` text (or a list of messages whose last one is the
+    assistant's reply)."""
+
+    prompt: str
+    response: str
+    reward: str
+    sample_id: str | None = None
+    group: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "response": self.response, "reward": self.reward,
+                "sample_id": self.sample_id, "group": self.group}
+
+
+# Field names of common rollout dumps.
+PRESETS: dict[str, Fields] = {
+    # Our own default, and what most ad-hoc dumps use.
+    "generic": Fields(prompt="prompt", response="response", reward="reward"),
+    # verl's trainer.rollout_data_dir / validation dumps: the prompt is the decoded (already
+    # chat-rendered) input, the score is the reward function's output.
+    "verl": Fields(prompt="input", response="output", reward="score"),
+    # TRL datasets: `prompt` (text or messages) and `completion`; the reward under `reward`.
+    "trl": Fields(prompt="prompt", response="completion", reward="reward"),
+    # OpenRLHF-style records: the prompt under `input` (its --input_key default), `output`, `reward`.
+    "openrlhf": Fields(prompt="input", response="output", reward="reward"),
+}
+
+
+class Tokenizer(Protocol):
+    sha256: str
+    vocab_size: int
+
+    def render_prompt(self, prompt: str | list[dict[str, str]], chat_template: str) -> tuple[str, bool]:
+        """The prompt as the actor saw it, and whether a chat template was applied."""
+
+    def encode_prompt(self, text: str, templated: bool) -> list[int]: ...
+
+    def encode_response(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class TextRollout:
+    where: str
+    prompt: str | list[dict[str, str]]
+    response: str
+    reward: float
+    sample_id: str | None
+    group: str | None
+
+
+def _text_of_response(value: Any, where: str, field_name: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        last = value[-1]
+        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            return last["content"]
+    raise InputError(where, f"field {field_name!r} must be a response text (or messages ending with the assistant's), got {show(value)}")
+
+
+def _prompt_value(value: Any, where: str, field_name: str) -> str | list[dict[str, str]]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        for i, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise InputError(where, f"field {field_name!r}[{i}] must be a chat message {{'role': str, 'content': str}}, got {show(m)}")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise InputError(where, f"field {field_name!r} must be a prompt text or a non-empty list of chat messages, got {show(value)}")
+
+
+def _record(obj: Any, where: str, fields: Fields) -> TextRollout:
+    if not isinstance(obj, dict):
+        raise InputError(where, f"a rollout record must be a JSON object, got {show(obj)}")
+    for name in (fields.prompt, fields.response, fields.reward):
+        if name not in obj:
+            raise InputError(where, f"missing field {name!r} (record keys: {sorted(obj)[:12]}); name the field with --prompt-field/--response-field/--reward-field or pick a --preset")
+    reward = obj[fields.reward]
+    if not is_number(reward) or not math.isfinite(float(reward)):
+        raise InputError(where, f"field {fields.reward!r} must be a finite number, got {show(reward)}")
+    sample_id = group = None
+    if fields.sample_id is not None:
+        sample_id = obj.get(fields.sample_id)
+        if not isinstance(sample_id, str) or not sample_id:
+            raise InputError(where, f"field {fields.sample_id!r} must be a non-empty string, got {show(sample_id)}")
+    if fields.group is not None:
+        g = obj.get(fields.group)
+        if g is None or isinstance(g, (dict, list)):
+            raise InputError(where, f"field {fields.group!r} must be a string or number naming the prompt group, got {show(g)}")
+        group = str(g)
+    return TextRollout(where=where, prompt=_prompt_value(obj[fields.prompt], where, fields.prompt),
+                       response=_text_of_response(obj[fields.response], where, fields.response),
+                       reward=float(reward), sample_id=sample_id, group=group)
+
+
+def read_rollouts(path: Path, fields: Fields) -> Iterator[TextRollout]:
+    """Records of one JSONL or Parquet file, each located (`path:line` / `path:row N`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(str(path), "rollout file does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+            row = 0
+            for batch in pf.iter_batches(batch_size=1024):
+                for obj in batch.to_pylist():
+                    yield _record(obj, f"{path}:row {row}", fields)
+                    row += 1
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(str(path), f"unreadable Parquet file: {exc}") from None
+        return
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip(b" \t\r\n"):
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = loads(line, where)
+            except RecursionError:
+                raise InputError(where, "JSON nested too deeply") from None
+            yield _record(obj, where, fields)
+
+
+@dataclass
+class _Row:
+    sample_id: str
+    group: str
+    tokens: list[int]
+    response_length: int
+    reward: float
+    where: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportResult:
+    manifest: Path
+    train_rows: int
+    heldout_rows: int
+    train_groups: int
+    heldout_groups: int
+    reward_range: tuple[float, float]
+    reward_range_source: str
+    label_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def split_groups(groups: Iterable[str], fraction: float, seed: int) -> set[str]:
+    """The held-out group keys: groups ordered by sha256(seed, key), the first round(fraction x n)
+    (at least one group on each side when fraction > 0)."""
+    unique = sorted(set(groups), key=lambda g: hashlib.sha256(f"{seed}\0{g}".encode()).hexdigest())
+    if fraction <= 0:
+        return set()
+    if len(unique) < 2:
+        raise InputError("--heldout-fraction", f"a held-out split needs at least 2 prompt groups, found {len(unique)}")
+    k = min(max(1, round(fraction * len(unique))), len(unique) - 1)
+    return set(unique[:k])
+
+
+def _label(x: float) -> str:
+    return repr(float(x))
+
+
+def import_rollouts(
+    inputs: Sequence[str | Path],
+    tokenizer: Tokenizer,
+    out: str | Path,
+    *,
+    fields: Fields,
+    preset: str | None = None,
+    chat_template: str = "auto",
+    heldout_fraction: float = 0.1,
+    seed: int = 0,
+    reward_range: tuple[float, float] | str | None = None,
+    loss_type: str = "classification",
+    num_bins: int = 51,
+    name: str = "rollouts",
+    tokenizer_path: str | None = None,
+    max_seq_len: int | None = None,
+) -> ImportResult:
+    """Read, tokenize, split and write; nothing is written unless every record is valid."""
+    if not inputs:
+        raise InputError("INPUT", "give at least one rollout file")
+    if not (0.0 <= heldout_fraction < 1.0):
+        raise InputError("--heldout-fraction", f"must be in [0, 1), got {heldout_fraction!r}")
+    if chat_template not in ("auto", "always", "never"):
+        raise InputError("--chat-template", f"must be auto, always or never, got {chat_template!r}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(str(out), "output folder exists and is not empty; import-rollouts never overwrites")
+    input_facts = []
+    records: list[TextRollout] = []
+    for p in inputs:
+        p = Path(p)
+        before = len(records)
+        records.extend(read_rollouts(p, fields))
+        input_facts.append({"path": str(p), "sha256": sha256_file(p), "records": len(records) - before})
+    if not records:
+        raise InputError(", ".join(map(str, inputs)), "no rollout records found")
+
+    rewards = [r.reward for r in records]
+    if reward_range == "auto":
+        low, high = min(rewards), max(rewards)
+        if not low < high:
+            raise InputError("--reward-range auto", f"every reward equals {low!r}: a constant return has nothing to learn and no EV")
+        source = "auto"
+    elif reward_range is None:
+        low, high, source = 0.0, 1.0, "default"
+    else:
+        low, high = float(reward_range[0]), float(reward_range[1])
+        source = "given"
+    objective = Objective.from_json({"loss_type": loss_type, "num_bins": num_bins, "reward_range": [low, high]}, where="--reward-range/--loss-type/--num-bins")
+    if objective.loss_type == "classification":
+        for r in records:
+            if not (low <= r.reward <= high):
+                raise InputError(r.where, f"reward {r.reward!r} is outside the objective's reward_range [{low!r}, {high!r}]; "
+                                          f"give --reward-range LOW HIGH or --reward-range auto")
+
+    rows: list[_Row] = []
+    seen: dict[str, str] = {}
+    templated_any = False
+    for i, r in enumerate(records):
+        text, templated = tokenizer.render_prompt(r.prompt, chat_template)
+        templated_any |= templated
+        prompt_ids = tokenizer.encode_prompt(text, templated)
+        response_ids = tokenizer.encode_response(r.response)
+        if not prompt_ids:
+            raise InputError(r.where, "the prompt tokenizes to no tokens")
+        if not response_ids:
+            raise InputError(r.where, "the response tokenizes to no tokens (an empty response has no value targets)")
+        tokens = [int(t) for t in prompt_ids] + [int(t) for t in response_ids]
+        if max_seq_len is not None and len(tokens) > max_seq_len:
+            raise InputError(r.where, f"{len(tokens)} tokens exceed --max-seq-len {max_seq_len}")
+        sid = r.sample_id if r.sample_id is not None else f"{Path(r.where.split(':')[0]).stem}:{r.where.rsplit(':', 1)[1].replace('row ', 'r')}"
+        if sid in seen:
+            raise InputError(r.where, f"sample id {sid!r} repeats {seen[sid]}")
+        seen[sid] = r.where
+        group = r.group if r.group is not None else text
+        rows.append(_Row(sid, group, tokens, len(response_ids), r.reward, r.where))
+
+    held = split_groups((r.group for r in rows), heldout_fraction, seed)
+    splits = {"train": [r for r in rows if r.group not in held], "heldout": [r for r in rows if r.group in held]}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        refs: dict[str, Any] = {}
+        label_counts: dict[str, dict[str, int]] = {}
+        for split, split_rows in splits.items():
+            if not split_rows:
+                continue
+            path = tmp / f"{split}.jsonl"
+            counts: dict[str, int] = {}
+            with open(path, "wb") as f:
+                for row in split_rows:
+                    f.write(json.dumps({"sample_id": row.sample_id, "tokens": row.tokens, "response_length": row.response_length,
+                                        "returns": [row.reward] * row.response_length},
+                                       separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
+                    counts[_label(row.reward)] = counts.get(_label(row.reward), 0) + 1
+                f.flush()
+                os.fsync(f.fileno())
+            refs[split] = {"path": path.name, "sha256": sha256_file(path), "num_samples": len(split_rows)}
+            label_counts[split] = dict(sorted(counts.items()))
+        n_groups = {s: len({r.group for r in v}) for s, v in splits.items()}
+        manifest = {
+            "schema": SCHEMA,
+            "train": refs["train"],
+            "heldout": refs.get("heldout"),
+            "objective": objective.canonical(),
+            "provenance": {
+                "importer": IMPORTER,
+                "inputs": input_facts,
+                "tokenizer": {"path": tokenizer_path, "sha256": tokenizer.sha256, "chat_template_applied": templated_any},
+                "fields": fields.to_json(),
+                "preset": preset,
+                "reward": {"broadcast": "the record's reward to every response token", "range_source": source},
+                "split": {"rule": "by prompt group: groups ordered by sha256(seed, key), first round(fraction x groups) held out",
+                          "group_key": fields.group or "rendered prompt text", "seed": seed, "heldout_fraction": heldout_fraction,
+                          "train_groups": n_groups["train"], "heldout_groups": n_groups["heldout"]},
+                "label_counts": label_counts,
+            },
+        }
+        manifest_path = tmp / f"{name}.json"
+        manifest_path.write_bytes(canonical_bytes(manifest))
+        # Everything written is checked by the same validator training uses, before it is published.
+        from .dataset import validate_dataset
+        from .manifest import load_manifest
+
+        loaded = load_manifest(manifest_path)
+        for ref in loaded.splits():
+            validate_dataset(ref, loaded.objective, vocab_size=tokenizer.vocab_size)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ImportResult(manifest=out / f"{name}.json", train_rows=len(splits["train"]), heldout_rows=len(splits["heldout"]),
+                        train_groups=n_groups["train"], heldout_groups=n_groups["heldout"], reward_range=(low, high),
+                        reward_range_source=source, label_counts=label_counts)
