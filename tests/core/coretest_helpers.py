@@ -102,13 +102,24 @@ def _all_strings(obj):
             yield from _all_strings(v)
 
 
+def _depth(obj) -> int:
+    if isinstance(obj, dict):
+        return 1 + max(map(_depth, obj.values()), default=0)
+    if isinstance(obj, list):
+        return 1 + max(map(_depth, obj), default=0)
+    return 0
+
+
 def naive_parse(line: bytes) -> Any:
     """Python's json made strict; a string that is not valid Unicode (a lone surrogate escape) is
-    refused like invalid UTF-8. Too-long ints raise ValueError, too-deep nesting RecursionError."""
+    refused like invalid UTF-8, nesting deeper than 256 levels too. Too-long ints raise ValueError,
+    nesting beyond the recursion limit RecursionError."""
     text = line.decode("utf-8")  # raises UnicodeDecodeError
     obj = json.loads(text, object_pairs_hook=_pairs, parse_constant=_const, parse_float=_flt)
     for s in _all_strings(obj):
         s.encode("utf-8")  # raises UnicodeEncodeError (a ValueError)
+    if _depth(obj) > 256:
+        raise _Bad("too deep")
     return obj
 
 

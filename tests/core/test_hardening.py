@@ -109,6 +109,38 @@ def test_rows_that_crashed_validation_are_located_errors(tmp_path, line, needles
     refuse(lambda: validate_dataset(ref_for(p, 2), CLS), *needles, where=f"{p}:2")
 
 
+def test_nesting_limit_is_the_same_whatever_the_caller_stack(tmp_path):
+    import sys
+
+    from value_assets.core.strict_json import MAX_DEPTH, loads
+
+    ok, deep = b"[" * MAX_DEPTH + b"]" * MAX_DEPTH, b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+
+    def nested(k):  # parse from under k extra stack frames, as a Dagster sensor does
+        return nested(k - 1) if k else loads(ok, "w")
+
+    assert loads(ok, "w") and nested(sys.getrecursionlimit() - MAX_DEPTH - 150)
+    refuse(lambda: loads(deep, "w"), "more than 256 levels", where="w")
+    p = write_lines(tmp_path / "d.jsonl", [GOOD, _row_with(extra=deep.decode())])
+    refuse(lambda: validate_dataset(ref_for(p, 2), CLS), "more than 256 levels", where=f"{p}:2")
+
+
+def test_unreadable_dataset_path_is_an_input_error_not_an_oserror(tmp_path):
+    long = tmp_path / ("x" * 300 + ".jsonl")  # ENAMETOOLONG from stat()
+    refuse(lambda: validate_dataset(ref_for(long, 1, sha="a" * 64), CLS), "cannot read the train dataset", "too long")
+    p = tmp_path / "m.json"
+    p.write_bytes(manifest_bytes("x" * 300 + ".jsonl"))
+    assert load_manifest(p).train.declared_path == "x" * 300 + ".jsonl"  # loading reads no dataset
+    refuse(lambda: load_manifest(tmp_path / ("y" * 300 + ".json")), "cannot read the manifest")
+
+
+@pytest.mark.parametrize("n", [2**63, int("9" * 4000)], ids=["2**63", "4000-digits"])
+def test_num_samples_beyond_int64_is_refused(tmp_path, n):
+    p = tmp_path / "m.json"
+    p.write_bytes(manifest_bytes(n=n))
+    refuse(lambda: load_manifest(p), "num_samples", "int64", where=f"{p}: train.num_samples")
+
+
 def test_surrogate_pair_sample_id_is_valid_and_lone_surrogate_refused_by_check_row(tmp_path):
     p = write_lines(tmp_path / "d.jsonl", [_row_with(sample_id='"\\ud83d\\ude00"')])
     assert validate_dataset(ref_for(p, 1), CLS).row(0).sample_id == "\U0001F600"

@@ -599,8 +599,16 @@ def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int |
     if not (isinstance(max_row_bytes, int) and not isinstance(max_row_bytes, bool) and max_row_bytes >= 1):
         raise InputError("max_row_bytes", f"must be an integer >= 1, got {show(max_row_bytes)}")
     path = ref.path
+    try:
+        return _validate(ref, objective, vocab_size, max_seq_len, max_row_bytes, progress)
+    except OSError as exc:  # permission denied, a name too long, an I/O error: the file cannot be read
+        raise InputError(str(path), f"cannot read the {ref.split} dataset: {exc.strerror or exc}") from None
+
+
+def _validate(ref: DatasetRef, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress) -> Dataset:
+    path = ref.path
     if not path.exists():
-        raise InputError(str(path), f"{ref.split} dataset does not exist (manifest path {ref.declared_path!r})")
+        raise InputError(str(path), f"{ref.split} dataset does not exist (manifest path {show(ref.declared_path, 200)})")
     if not path.is_file():
         raise InputError(str(path), f"{ref.split} dataset is not a regular file")
     sha = _hash(path, progress)

@@ -23,6 +23,7 @@ from .strict_json import is_int, loads
 
 SCHEMA = "miles.value-pretrain.v1"
 SPLITS = ("train", "heldout")
+MAX_NUM_SAMPLES = 2**63 - 1  # row indices are int64 everywhere downstream
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +99,8 @@ def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots) -> Da
     if not is_sha(sha):
         raise InputError(f"{loc}.sha256", f"expected a lowercase 64-hex SHA-256, got {show(sha)}")
     n = obj["num_samples"]
-    if not is_int(n) or n < 1:
-        raise InputError(f"{loc}.num_samples", f"must be an integer >= 1, got {show(n)}")
+    if not is_int(n) or not 1 <= n <= MAX_NUM_SAMPLES:
+        raise InputError(f"{loc}.num_samples", f"must be an integer from 1 to {MAX_NUM_SAMPLES} (int64), got {show(n)}")
     p = Path(declared)
     resolved = p if p.is_absolute() else base / p
     check_data_roots(resolved, data_roots, f"{loc}.path")

@@ -6,7 +6,7 @@ consumer, Miles' Python loader included. Bools are told apart from numbers by th
 the callers (`is_int`, `is_number`), never here.
 
 Whatever the input, `loads` either returns or raises `InputError`: integers too long for Python's
-int parsing, nesting deeper than its recursion limit, and strings holding a lone surrogate escape
+int parsing, nesting deeper than `MAX_DEPTH`, and strings holding a lone surrogate escape
 (``"\\ud800"``: not Unicode, it cannot be written back as UTF-8, e.g. into a receipt) are refused
 with the location like any other invalid JSON.
 """
@@ -28,6 +28,11 @@ class _StrictError(ValueError):
 # Python refuses int(str) beyond 4300 digits by default (CVE-2020-10735); no field of ours needs
 # more than 20, so the same bound is applied whatever the interpreter's setting.
 MAX_INT_DIGITS = 4300
+# Deepest nesting accepted. Python's parser recurses once per level and fails near its recursion
+# limit (1000 frames, minus whatever the caller's stack already holds: a Dagster sensor holds more
+# than the command line). A fixed bound well below it gives every caller the same verdict; real
+# manifests and rows nest fewer than 10 levels.
+MAX_DEPTH = 256
 
 
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -61,10 +66,24 @@ def _int(text: str) -> int:
         raise _StrictError(f"integer {show(text, 40)}: {exc}") from None
 
 
+_TOO_DEEP = object()
 _DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_float, parse_int=_int)
 # Only a \\uD800-\\uDFFF escape can put a surrogate into a decoded string (raw surrogate bytes are
 # invalid UTF-8 and refused before parsing); texts without one skip the walk below.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether containers nest more than `limit` levels in `obj`. Iterative, leaves never stacked."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        for child in (item.values() if isinstance(item, dict) else item):
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _lone_surrogate(obj: Any) -> str | None:
@@ -105,7 +124,10 @@ def loads(text: str | bytes, where: str) -> Any:
     except json.JSONDecodeError as exc:
         raise InputError(where, f"invalid JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
-        raise InputError(where, "invalid JSON: nested too deeply (beyond the parser's recursion limit)") from None
+        obj = _TOO_DEEP
+    # Fewer brackets than MAX_DEPTH cannot nest deeper: the walk runs only for bracket-rich texts.
+    if obj is _TOO_DEEP or (text.count("[") + text.count("{") > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH)):
+        raise InputError(where, f"invalid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
     if _SURROGATE_ESCAPE.search(text):
         bad = _lone_surrogate(obj)
         if bad is not None:
