@@ -8,12 +8,14 @@ Two paths give the same verdict:
   rows (`check_columns`).
 * the exact path (`rows.check_row` on the strict stdlib parse) is the reference. Any line the fast
   path cannot judge alone (keys beyond the known five, whose nested duplicates and values it does
-  not inspect; anything simdjson rejects; nested brackets) goes to the exact path, and when a batch
-  fails a numpy check, the exact path names the offending line and value.
+  not inspect; anything simdjson rejects, lone surrogate escapes and integers beyond 64 bits
+  included; nested brackets; a loss_mask value other than 0/1, 0.0/1.0 or false/true) goes to the
+  exact path, and when a batch fails a numpy check, the exact path names the offending line and
+  value. Masks of 0.0/1.0 and false/true (Miles accepts them) are read as 0/1 on both paths.
 
 Memory: file bytes are never held beyond one batch (~16 MB) plus one row, and a row is at most
 `max_row_bytes` (default 64 MiB): a longer JSONL line is refused after reading that many bytes of it,
-never whole. Per row we keep a byte offset (JSONL), the token length, the active-target count, the
+never whole (for Parquet the limit applies to the decoded row, after pyarrow decoded its batch). Per row we keep a byte offset (JSONL), the token length, the active-target count, the
 scalar label and a 64-bit hash of the sample id (about 32 bytes a row).
 
 Blank lines are lines of JSON whitespace only (space, tab, CR; RFC 8259): a line holding a form

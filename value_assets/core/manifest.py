@@ -80,7 +80,8 @@ def check_data_roots(path: Path, data_roots: Iterable[str | Path] | None, where:
     roots = [_realpath(r, "data roots") for r in data_roots]
     real = _realpath(path, where)
     if not any(_inside(real, r) for r in roots):
-        raise InputError(where, f"dataset path {str(path)!r} resolves to {str(real)!r}, outside the configured data roots {[str(r) for r in roots]}")
+        raise InputError(where, f"dataset path {show(str(path), 300)} resolves to {show(str(real), 300)}, outside the configured data roots "
+                                f"{show([str(r) for r in roots], 300)}")
 
 
 def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots) -> DatasetRef:
