@@ -302,13 +302,20 @@ class _JsonlBatch:
 def _mask_buffer(arr) -> bytes | None:
     """A loss_mask array as int64 bytes; 0.0/1.0 and false/true read as 0/1 (Miles' loader does).
     None (exact path) when it holds anything else but ints: ints are judged by `check_columns`."""
-    try:
-        return bytes(arr.as_buffer(of_type="i"))
-    except TypeError:
-        pass
-    try:
-        vals = np.frombuffer(arr.as_buffer(of_type="d"), dtype=np.float64)
-    except TypeError:  # bools, or bools mixed with numbers; strings and nulls give other dtypes
+    # Dispatch on the first element: a failed as_buffer costs as much as a successful one.
+    first = type(arr[0]) if len(arr) else int
+    if first is int:
+        try:
+            return bytes(arr.as_buffer(of_type="i"))
+        except TypeError:
+            pass  # ints mixed with floats or bools
+    vals = None
+    if first is not bool:
+        try:
+            vals = np.frombuffer(arr.as_buffer(of_type="d"), dtype=np.float64)
+        except TypeError:
+            pass
+    if vals is None:  # bools, or bools mixed with numbers; strings and nulls give other dtypes
         vals = np.asarray(arr.as_list())
         if vals.dtype.kind not in "biuf":
             return None
