@@ -18,7 +18,7 @@ from .strict_json import finite_float, is_int
 
 INT64_MAX = 2**63 - 1
 FIELDS = ("sample_id", "tokens", "response_length", "returns", "loss_mask")
-_MASK_TYPES = (int, float, bool)  # exact types: an int subclass other than bool is no JSON value
+_MASK_TYPES = (int, float, bool)  # the JSON numbers and booleans a parsed mask value can be
 
 
 @dataclass(frozen=True)
