@@ -1,7 +1,8 @@
 """The `value-assets` command line.
 
 Exit status 0 on success, 2 on invalid input (a one-paragraph message on stderr naming the value and
-where it came from; nothing is written), 1 on an unexpected failure.
+where it came from; nothing is written), 1 on an unexpected failure (a one-paragraph message too;
+the traceback only with VALUE_ASSETS_TRACEBACK=1).
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+import traceback
 
 from typing import Any, Sequence
 
 from .core.errors import InputError
 
 EXIT_INVALID = 2
+EXIT_UNEXPECTED = 1
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -66,14 +70,17 @@ def _load_manifest(args):
 
 
 def cmd_validate(args) -> int:
-    from .core.dataset import validate_dataset
+    from .core.dataset import DEFAULT_MAX_ROW_BYTES, validate_dataset
 
     manifest = _load_manifest(args)
-    out: dict[str, Any] = {"manifest": str(manifest.path), "sha256": manifest.sha256, "objective": manifest.objective.canonical()}
+    out: dict[str, Any] = {"manifest": str(manifest.path), "sha256": manifest.sha256, "objective": manifest.objective.canonical(),
+                           "ignored_objective_keys": list(manifest.ignored_objective_keys)}
+    max_row_bytes = args.max_row_bytes or DEFAULT_MAX_ROW_BYTES
     for ref in manifest.splits():
         bar = _ProgressBar(f"{ref.split}:")
         try:
-            ds = validate_dataset(ref, manifest.objective, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, progress=bar)
+            ds = validate_dataset(ref, manifest.objective, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len,
+                                  max_row_bytes=max_row_bytes, progress=bar)
         finally:
             bar.close()
         s = ds.stats
@@ -87,6 +94,9 @@ def cmd_validate(args) -> int:
     print(f"sha256    {out['sha256']}")
     obj = out["objective"]
     print(f"objective {obj['loss_type']}, {obj['num_bins']} bins over {obj['reward_range']}, {obj['target_type']} (sigma ratio {obj['hl_gauss_sigma_ratio']})")
+    if out["ignored_objective_keys"]:
+        keys = ", ".join(repr(k) for k in out["ignored_objective_keys"])
+        print(f"          ignored unknown objective key(s): {keys} (as Miles' loader ignores them)")
     print()
     print(f"{'split':<8} {'format':<8} {'rows':>8} {'tokens':>10} {'active':>10} {'max len':>8}  labels              sha256")
     for split in ("train", "heldout"):
@@ -175,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--manifest-sha256", help="pin the manifest's sha256 (checked before parsing)")
     v.add_argument("--vocab-size", type=_positive)
     v.add_argument("--max-seq-len", type=_positive)
+    v.add_argument("--max-row-bytes", type=_positive,
+                   help="refuse a row larger than this many bytes (JSONL line; Parquet decoded row); default 64 MiB")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate)
 
@@ -212,16 +224,28 @@ def _add_engine_commands(sub) -> None:
     add_commands(sub)
 
 
+def _paragraph(text: str, limit: int = 2000) -> str:
+    """One paragraph: line breaks inside a message (a pyarrow error, a quoted value) become spaces."""
+    text = re.sub(r"\s*\n\s*", " ", text).strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except InputError as exc:
-        print(f"value-assets: error: {exc}", file=sys.stderr)
+        print(f"value-assets: error: {_paragraph(str(exc))}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - no raw traceback: bad input is refused as InputError above
+        if os.environ.get("VALUE_ASSETS_TRACEBACK") == "1":
+            traceback.print_exc(file=sys.stderr)
+        print(f"value-assets: unexpected failure (please report it): {type(exc).__name__}: {_paragraph(str(exc))} "
+              "(set VALUE_ASSETS_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

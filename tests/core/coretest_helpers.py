@@ -90,9 +90,37 @@ def _flt(text):
     return v
 
 
+def _all_strings(obj):
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k
+            yield from _all_strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _all_strings(v)
+
+
+def _depth(obj) -> int:
+    if isinstance(obj, dict):
+        return 1 + max(map(_depth, obj.values()), default=0)
+    if isinstance(obj, list):
+        return 1 + max(map(_depth, obj), default=0)
+    return 0
+
+
 def naive_parse(line: bytes) -> Any:
+    """Python's json made strict; a string that is not valid Unicode (a lone surrogate escape) is
+    refused like invalid UTF-8, nesting deeper than 256 levels too. Too-long ints raise ValueError,
+    nesting beyond the recursion limit RecursionError."""
     text = line.decode("utf-8")  # raises UnicodeDecodeError
-    return json.loads(text, object_pairs_hook=_pairs, parse_constant=_const, parse_float=_flt)
+    obj = json.loads(text, object_pairs_hook=_pairs, parse_constant=_const, parse_float=_flt)
+    for s in _all_strings(obj):
+        s.encode("utf-8")  # raises UnicodeEncodeError (a ValueError)
+    if _depth(obj) > 256:
+        raise _Bad("too deep")
+    return obj
 
 
 def naive_validate(path: Path, objective: Objective, num_samples: int, vocab_size=None, max_seq_len=None) -> dict[str, Any]:
@@ -105,7 +133,7 @@ def naive_validate(path: Path, objective: Objective, num_samples: int, vocab_siz
     rows: list[tuple[int, Any]] = []
     seen: dict[str, int] = {}
     for no, line in enumerate(lines, start=1):
-        if line.strip(b" \t\r") == b"":
+        if line.strip(b" \t\r") == b"":  # JSON whitespace only (RFC 8259): not \f, \v or U+00A0
             continue
         try:
             obj = naive_parse(line)

@@ -3,7 +3,9 @@ reference (json made strict + rows.check_row) accepts, and names a genuinely bad
 reject. Chunked reading is exercised with small READ_CHUNK / ARROW_BLOCK sizes.
 
 The inputs that broke the earlier pyarrow-based reader (an escaped-key null mask, a BOM on line 1,
-`null` as the first line) are part of the mutation set.
+`null` as the first line) are part of the mutation set, and so are the later hardening cases: Miles'
+0.0/1.0 and false/true masks (valid), other mask values, lone surrogates, 5000-digit integers, deep
+nesting, mse returns beyond 1e6 and lines of non-JSON whitespace (a form feed is not blank).
 """
 
 import json
@@ -99,12 +101,22 @@ MUTATIONS = {
     "ret_str": _set("returns", lambda r: ["0"] + r["returns"][1:]),
     "ret_null": _set("returns", lambda r: [None] + r["returns"][1:]),
     "ret_big": _set("returns", lambda r: [1e300] + r["returns"][1:]),
+    "ret_mse_limit": _set("returns", lambda r: [-1e6] + r["returns"][1:]),  # mse: valid
+    "ret_mse_over": _set("returns", lambda r: [1000000.5] + r["returns"][1:]),
+    "ret_int400": _text(lambda b, o: b.replace(b'"returns":[', b'"returns":[' + b"9" * 400 + b",", 1)),
     "mask_null": _set("loss_mask", None),
     "mask_short": _set("loss_mask", lambda r: [1] * (r["response_length"] - 1)),
     "mask_long": _set("loss_mask", lambda r: [1] * (r["response_length"] + 1)),
     "mask_two": _set("loss_mask", lambda r: [2] + [1] * (r["response_length"] - 1)),
-    "mask_bool": _set("loss_mask", lambda r: [True] * r["response_length"]),
-    "mask_float": _set("loss_mask", lambda r: [1.0] * r["response_length"]),
+    "mask_bool": _set("loss_mask", lambda r: [True] * r["response_length"]),  # valid (Miles)
+    "mask_float": _set("loss_mask", lambda r: [1.0] * r["response_length"]),  # valid (Miles)
+    "mask_mixed": _set("loss_mask", lambda r: ([0.0, False, True] * r["response_length"])[: r["response_length"] - 1] + [1]),
+    "mask_bool_zero": _set("loss_mask", lambda r: [False] * r["response_length"]),
+    "mask_half": _set("loss_mask", lambda r: [0.5] + [1] * (r["response_length"] - 1)),
+    "mask_two_float": _set("loss_mask", lambda r: [1.0] * (r["response_length"] - 1) + [2.0]),
+    "mask_str_elem": _set("loss_mask", lambda r: ["1"] * r["response_length"]),
+    "mask_null_elem": _set("loss_mask", lambda r: [1] * (r["response_length"] - 1) + [None]),
+    "mask_true_half": _set("loss_mask", lambda r: [True] * (r["response_length"] - 1) + [0.5]),
     "mask_zero": _set("loss_mask", lambda r: [0] * r["response_length"]),
     "mask_str": _set("loss_mask", "1"),
     "masked_out_of_range": lambda r, o: enc({**r, "loss_mask": [0] + [1] * (r["response_length"] - 1) if r["response_length"] > 1 else [1],
@@ -134,8 +146,14 @@ MUTATIONS = {
     "escaped_null_mask": _text(lambda b, o: b[:-1] + b',"loss\\u005fmask":null}' if b'"loss_mask"' not in b else b),
     "bom": _text(lambda b, o: b"\xef\xbb\xbf" + b),
     "control_char": _text(lambda b, o: b.replace(b'"sample_id":"', b'"sample_id":"\x01', 1)),
+    "sid_surrogate": _text(lambda b, o: b.replace(b'"sample_id":"', b'"sample_id":"\\ud800', 1)),
+    "sid_surrogate_pair": _text(lambda b, o: b.replace(b'"sample_id":"', b'"sample_id":"\\ud83d\\ude00', 1)),  # valid
+    "extra_surrogate": _insert(b'"x":"\\udc00"'),
+    "int5000_extra": _insert(b'"x":' + b"7" * 5000),
+    "int5000_token": _text(lambda b, o: b.replace(b'"tokens":[', b'"tokens":[' + b"7" * 5000 + b",", 1)),
+    "deep_extra": _insert(b'"x":' + b"[" * 3000 + b"]" * 3000),
 }
-LINE_MUTATIONS = ["blank_before", "ws_before"]
+LINE_MUTATIONS = {"blank_before": b"", "ws_before": b" \t ", "ff_before": b"\x0c", "vt_before": b" \x0b", "nbsp_before": b"\xc2\xa0"}
 
 
 @st.composite
@@ -143,12 +161,12 @@ def corrupted_file(draw):
     n = draw(st.integers(1, 7))
     rows = [draw(valid_row(i)) for i in range(n)]
     lines = [enc(r) for r in rows]
-    muts = draw(st.lists(st.tuples(st.sampled_from(sorted(MUTATIONS) + LINE_MUTATIONS), st.integers(0, n - 1), st.integers(0, n - 1)),
-                         min_size=1, max_size=3))
+    muts = draw(st.lists(st.tuples(st.sampled_from(sorted(MUTATIONS) + sorted(LINE_MUTATIONS)), st.integers(0, n - 1),
+                                   st.integers(0, n - 1)), min_size=1, max_size=3))
     inserts = []
     for name, k, other in muts:
         if name in LINE_MUTATIONS:
-            inserts.append((k, b"" if name == "blank_before" else b" \t "))
+            inserts.append((k, LINE_MUTATIONS[name]))
         else:
             lines[k] = MUTATIONS[name](rows[k], rows[other])
     for k, text in sorted(inserts, reverse=True):

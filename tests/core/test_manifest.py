@@ -166,7 +166,6 @@ def test_train_required_and_objective_required_and_schema(tmp_path):
     ({"hl_gauss_sigma_ratio": 0}, "hl_gauss_sigma_ratio", "0"),
     ({"hl_gauss_sigma_ratio": -0.5}, "hl_gauss_sigma_ratio", "-0.5"),
     ({"hl_gauss_sigma_ratio": True}, "hl_gauss_sigma_ratio", "True"),
-    ({"bins": 3}, "", "'bins'"),
 ])
 def test_bad_objective_fields(tmp_path, objective, field, needle):
     p = write(tmp_path, base(objective=objective))

@@ -101,3 +101,63 @@ def test_manifest_outside_the_data_roots_is_invalid(tick, write_manifest, instan
     assert not result.run_requests
     assert "outside.json" in result.skip_reason.skip_message
     assert instance.get_dynamic_partitions("manifests") == []
+
+
+POISON = {
+    "int5000.json": b'{"schema": "miles.value-pretrain.v1", "n": ' + b"1" * 5000 + b"}",
+    "deep.json": b'{"schema": "miles.value-pretrain.v1", "x": ' + b"[" * 100_000 + b"}",
+    "nul.json": json.dumps({"schema": "miles.value-pretrain.v1",
+                            "train": {"path": "a\u0000b.jsonl", "sha256": "a" * 64, "num_samples": 1}, "objective": {}}).encode(),
+    "surrogate.json": b'{"schema": "miles.value-pretrain.v1", "x": "\\ud800"}',
+}
+
+
+def test_poisoned_manifests_are_skipped_alone_and_the_valid_one_beside_them_registers(tick, write_manifest, instance, manifests_dir,
+                                                                                      test_resources, tmp_path, capfd):
+    from value_assets.resources import ManifestInbox
+
+    for name, data in POISON.items():
+        (manifests_dir / name).write_bytes(data)
+    write_manifest(manifests_dir, "alpha")
+    # Data roots configured: the NUL path used to raise ValueError from realpath inside the tick.
+    resources = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), data_roots=[str(tmp_path)])}
+    capfd.readouterr()
+    result = tick(instance, resources)
+    (request,) = result.run_requests
+    assert request.partition_key.startswith("alpha-")
+    assert instance.get_dynamic_partitions("manifests") == [request.partition_key]
+    logged = capfd.readouterr().err  # the sensor log (context.log) of a test context goes to stderr
+    for name, needle in (("int5000.json", "5000 digits"), ("deep.json", "nested too deeply"), ("nul.json", "NUL"),
+                         ("surrogate.json", "lone surrogate")):
+        assert name in logged and needle in logged, (name, needle)
+    assert len(logged) < 20_000, "a huge offending value must not flood the log"
+    # Judged once: the next tick neither re-reports them nor fails.
+    again = tick(instance, resources, cursor=result.cursor)
+    assert not again.run_requests and "no new manifests" in again.skip_reason.skip_message
+    assert set(parse_cursor(result.cursor)) == {str(manifests_dir / n) for n in [*POISON, "alpha.json"]}
+
+
+def test_symlinked_manifest_is_judged_by_its_target_folder(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+    # The target's datasets sit beside the target, under the only data root; beside the link there
+    # is nothing. Relative paths resolve against the file whose bytes are read (the target), in the
+    # sensor as in the assets that load the registered manifest later.
+    from value_assets.core.manifest import load_manifest
+    from value_assets.resources import ManifestInbox
+
+    elsewhere = tmp_path / "elsewhere"
+    target = write_manifest(elsewhere, "beta")
+    link = manifests_dir / "beta.json"
+    link.symlink_to(target)
+    resources = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), data_roots=[str(elsewhere)])}
+    result = tick(instance, resources)
+    (request,) = result.run_requests
+    key = request.partition_key
+    assert key.startswith("beta-") and sha12_of(key) == sha256_file(target)[:12]
+    registration = json.loads((tmp_path / "artifacts" / key / "registration.json").read_text())
+    assert registration["source_path"] == str(target.resolve())
+    manifest = load_manifest(registration["source_path"], data_roots=[elsewhere])
+    assert manifest.train.path == (elsewhere / "data" / "beta" / "train.jsonl").resolve()
+    # With the link's folder as the only root, the same manifest is outside it: judged by its target.
+    other = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), data_roots=[str(manifests_dir)])}
+    refused = tick(instance, other, cursor=None)
+    assert not refused.run_requests and "data roots" in refused.skip_reason.skip_message

@@ -8,12 +8,18 @@ Two paths give the same verdict:
   rows (`check_columns`).
 * the exact path (`rows.check_row` on the strict stdlib parse) is the reference. Any line the fast
   path cannot judge alone (keys beyond the known five, whose nested duplicates and values it does
-  not inspect; anything simdjson rejects; nested brackets) goes to the exact path, and when a batch
-  fails a numpy check, the exact path names the offending line and value.
+  not inspect; anything simdjson rejects, lone surrogate escapes and integers beyond 64 bits
+  included; nested brackets; a loss_mask value other than 0/1, 0.0/1.0 or false/true) goes to the
+  exact path, and when a batch fails a numpy check, the exact path names the offending line and
+  value. Masks of 0.0/1.0 and false/true (Miles accepts them) are read as 0/1 on both paths.
 
-Memory: file bytes are never held beyond one batch (~16 MB); per row we keep a byte offset (JSONL),
-the token length, the active-target count, the scalar label and a 64-bit hash of the sample id
-(about 32 bytes a row).
+Memory: file bytes are never held beyond one batch (~16 MB) plus one row, and a row is at most
+`max_row_bytes` (default 64 MiB): a longer JSONL line is refused after reading that many bytes of it,
+never whole (for Parquet the limit applies to the decoded row, after pyarrow decoded its batch). Per row we keep a byte offset (JSONL), the token length, the active-target count, the
+scalar label and a 64-bit hash of the sample id (about 32 bytes a row).
+
+Blank lines are lines of JSON whitespace only (space, tab, CR; RFC 8259): a line holding a form
+feed or another Unicode space is not blank, and is refused as invalid JSON like any other line.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import simdjson
 
 from .errors import InputError, show
 from .manifest import DatasetRef
-from .objective import Objective
+from .objective import MAX_ABS_VALUE, Objective
 from .rows import FIELDS, Row, check_row, format_label
 from .strict_json import loads
 
@@ -42,7 +49,12 @@ READ_CHUNK = 8 << 20
 BATCH_BYTES = 16 << 20
 BATCH_ROWS = 8192
 PARQUET_BATCH = 2048  # rows; memory per batch stays bounded even for 4k-token rows
+# The largest row accepted, in bytes: a JSONL line without its newline; for Parquet the decoded row
+# (8 bytes per token, return and mask value, plus the sample_id's UTF-8 bytes). 64 MiB is ~8M tokens
+# of JSON, far beyond any context length, while validation memory stays well under 1 GB.
+DEFAULT_MAX_ROW_BYTES = 64 << 20
 _FIELD_SET = frozenset(FIELDS)
+_JSON_WHITESPACE = b" \t\r\n"
 
 
 @dataclass
@@ -185,6 +197,8 @@ def check_columns(c: Columns, objective: Objective, vocab_size: int | None, max_
     if objective.loss_type == "classification":
         low, high = objective.reward_range
         rbad |= (c.r_vals < low) | (c.r_vals > high)
+    else:
+        rbad |= np.abs(c.r_vals) > MAX_ABS_VALUE
     if rbad.any():
         bad |= _rows_with(rbad, c.r_len)
     if bad.any():
@@ -285,6 +299,31 @@ class _JsonlBatch:
                        m_vals=flat(self.masks, np.int64))
 
 
+def _mask_buffer(arr) -> bytes | None:
+    """A loss_mask array as int64 bytes; 0.0/1.0 and false/true read as 0/1 (Miles' loader does).
+    None (exact path) when it holds anything else but ints: ints are judged by `check_columns`."""
+    # Dispatch on the first element: a failed as_buffer costs as much as a successful one.
+    first = type(arr[0]) if len(arr) else int
+    if first is int:
+        try:
+            return bytes(arr.as_buffer(of_type="i"))
+        except TypeError:
+            pass  # ints mixed with floats or bools
+    vals = None
+    if first is not bool:
+        try:
+            vals = np.frombuffer(arr.as_buffer(of_type="d"), dtype=np.float64)
+        except TypeError:
+            pass
+    if vals is None:  # bools, or bools mixed with numbers; strings and nulls give other dtypes
+        vals = np.asarray(arr.as_list())
+        if vals.dtype.kind not in "biuf":
+            return None
+    if np.any((vals != 0) & (vals != 1)):
+        return None  # 0.5, 2.0, NaN: the exact path names the value
+    return vals.astype(np.int64).tobytes()
+
+
 def _fast_parse(line: bytes):
     """(sample_id, tokens, response_length, returns, mask or None) as buffers, or None to defer to the exact path."""
     if line[:1] != b"{":
@@ -304,13 +343,22 @@ def _fast_parse(line: bytes):
             return None
         toks = bytes(obj["tokens"].as_buffer(of_type="i"))
         rets = bytes(obj["returns"].as_buffer(of_type="d"))
-        mask = bytes(obj["loss_mask"].as_buffer(of_type="i")) if has_mask else None
+        mask = None
+        if has_mask:
+            mask = _mask_buffer(obj["loss_mask"])
+            if mask is None:
+                return None
         return sid, toks, rl, rets, mask
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, UnicodeDecodeError):
         return None
 
 
-def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, progress):
+def _too_long(where: str, max_row_bytes: int, what: str) -> InputError:
+    return InputError(where, f"{what} is longer than the maximum row size of {max_row_bytes} bytes ({max_row_bytes / 2**20:g} MiB); "
+                             "raise the limit with max_row_bytes= (command line: --max-row-bytes) if such rows are intended")
+
+
+def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress):
     acc = _Accumulator()
     offsets: list[int] = []
     line_numbers: list[int] = []
@@ -331,11 +379,17 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, p
 
     batch, raw = _JsonlBatch(), []
     pos = 0
+    lineno = 0
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+        # readline(limit + 1): a line of at most max_row_bytes plus its "\n" is read whole; a longer
+        # one is refused after max_row_bytes + 1 bytes, without reading the rest of it.
+        while line := f.readline(max_row_bytes + 1):
+            lineno += 1
+            if len(line) > max_row_bytes and line[-1:] != b"\n":
+                raise _too_long(f"{path}:{lineno}", max_row_bytes, "line")
             start = pos
             pos += len(line)
-            if line[:1] != b"{" and not line.strip():
+            if line[:1] != b"{" and not line.strip(_JSON_WHITESPACE):
                 continue  # blank lines are skipped and not counted
             offsets.append(start)
             line_numbers.append(lineno)
@@ -384,33 +438,43 @@ class _Flat(bytes):
 # ----------------------------------------------------------------------------------------------
 
 
+def _decoded_type(t: pa.DataType) -> pa.DataType:
+    """The value type of a dictionary-encoded column (pandas categorical); any other type as is."""
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
 def _parquet_schema_error(schema: pa.Schema) -> str | None:
-    def list_of(t, want_int: bool) -> bool:
+    def list_of(t, *kinds) -> bool:
         if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
             return False
-        v = t.value_type
-        return pa.types.is_integer(v) if want_int else (pa.types.is_integer(v) or pa.types.is_floating(v))
+        return any(kind(t.value_type) for kind in kinds)
 
     names = schema.names
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        return f"duplicate column name(s) {show(dups)} (refused: a reader picking one of them would silently ignore the other)"
     for req in ("sample_id", "tokens", "response_length", "returns"):
         if req not in names:
-            return f"missing column {req!r} (columns: {names})"
-    t = schema.field("sample_id").type
+            return f"missing column {req!r} (columns: {show(names, 200)})"
+    t = _decoded_type(schema.field("sample_id").type)
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
-        return f"column sample_id must be string, got {t}"
-    if not list_of(schema.field("tokens").type, True):
+        return f"column sample_id must be string, got {schema.field('sample_id').type}"
+    if not list_of(schema.field("tokens").type, pa.types.is_integer):
         return f"column tokens must be list<int> (floats are never token ids), got {schema.field('tokens').type}"
-    if not pa.types.is_integer(schema.field("response_length").type):
+    if not pa.types.is_integer(_decoded_type(schema.field("response_length").type)):
         return f"column response_length must be int, got {schema.field('response_length').type}"
-    if not list_of(schema.field("returns").type, False):
+    if not list_of(schema.field("returns").type, pa.types.is_integer, pa.types.is_floating):
         return f"column returns must be list<float>, got {schema.field('returns').type}"
-    if "loss_mask" in names and not list_of(schema.field("loss_mask").type, True):
-        return f"column loss_mask must be list<int>, got {schema.field('loss_mask').type}"
+    # Miles reads 0.0/1.0 and false/true as 0/1: float and bool masks are accepted, values checked.
+    if "loss_mask" in names and not list_of(schema.field("loss_mask").type, pa.types.is_integer, pa.types.is_floating,
+                                           pa.types.is_boolean):
+        return f"column loss_mask must be list<int> (or list<bool>, list<float> of 0/1), got {schema.field('loss_mask').type}"
     return None
 
 
 def _list_np(arr: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(row lengths, flat values, row-is-null or None, value-is-null or None) of a list column."""
+    """(row lengths, flat values, row-is-null or None, value-is-null or None) of a list column.
+    `dtype` None keeps the column's own value type."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     offsets = arr.offsets.to_numpy().astype(np.int64)
@@ -420,21 +484,52 @@ def _list_np(arr: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     rnull = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
     if flat.null_count:
         flat = flat.fill_null(0)
-    vals = flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False) if len(flat) else np.zeros(0, dtype=dtype)
-    return lengths, vals, rnull, vnull
+    if not len(flat):
+        return lengths, np.zeros(0, dtype=dtype or np.int64), rnull, vnull
+    vals = flat.to_numpy(zero_copy_only=False)
+    return lengths, (vals if dtype is None else vals.astype(dtype, copy=False)), rnull, vnull
 
 
-def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len, progress) -> _Accumulator:
+def _sample_ids(col: pa.Array, path: Path, row0: int) -> list[str]:
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:  # Parquet does not guarantee valid UTF-8 in a string column
+        for k in range(len(col)):
+            try:
+                col[k].as_py()
+            except UnicodeDecodeError:
+                raw = col.slice(k, 1).cast(pa.binary())[0].as_py()
+                raise InputError(f"{path}:row {row0 + k}", f"sample_id is not valid UTF-8: {show(raw)}") from None
+        raise
+
+
+def _iter_parquet(pf: pq.ParquetFile, path: Path, columns: list[str]):
+    """(first row, batch) of the file in PARQUET_BATCH-row batches; a page that cannot be read or
+    decoded (corrupt bytes under a matching sha) is a located InputError, not a pyarrow exception."""
+    batches = pf.iter_batches(batch_size=PARQUET_BATCH, columns=columns)
+    row0 = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path}:row {row0}", f"cannot read the Parquet data from this row on (corrupt file?): "
+                                                   f"{type(exc).__name__}: {show(str(exc), 200)}") from None
+        yield row0, batch
+        row0 += batch.num_rows
+
+
+def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress) -> _Accumulator:
     try:
         pf = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise InputError(str(path), f"not a readable Parquet file: {exc}") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(str(path), f"not a readable Parquet file: {type(exc).__name__}: {show(str(exc), 200)}") from None
     err = _parquet_schema_error(pf.schema_arrow)
     if err:
         raise InputError(str(path), err)
     present_cols = [c for c in FIELDS if c in pf.schema_arrow.names]
     acc = _Accumulator()
-    row0 = 0
     total = pf.metadata.num_rows
 
     def exact(batch: pa.RecordBatch, k: int) -> None:
@@ -442,9 +537,14 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len,
         check_row(batch.slice(k, 1).to_pylist()[0], where, objective, vocab_size=vocab_size, max_seq_len=max_seq_len)
         raise InputError(where, "row breaks a dataset rule (columnar check)")
 
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH, columns=present_cols):
+    for row0, batch in _iter_parquet(pf, path, present_cols):
         n = batch.num_rows
         col = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
+        for name in ("sample_id", "response_length"):
+            if pa.types.is_dictionary(col[name].type):
+                col[name] = col[name].dictionary_decode()
+        ids = _sample_ids(col["sample_id"], path, row0)
+        # Rows the columns cannot judge alone (nulls, non-0/1 float masks) go to the exact check.
         nulls = np.zeros(n, dtype=bool)
         for name in ("sample_id", "response_length"):
             if col[name].null_count:
@@ -458,26 +558,33 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len,
                 nulls |= _rows_with(vn, lens)
         if "loss_mask" in col:
             # A null cell in a present column is an explicit null, not an absent mask.
-            m_len, m_vals, m_rn, m_vn = _list_np(col["loss_mask"], np.int64)
+            m_len, m_vals, m_rn, m_vn = _list_np(col["loss_mask"], None)
             if m_rn is not None:
                 nulls |= m_rn
             if m_vn is not None:
                 nulls |= _rows_with(m_vn, m_len)
+            if m_vals.dtype.kind == "f":
+                nonbinary = (m_vals != 0) & (m_vals != 1)  # 0.5 must not truncate to 0
+                nulls |= _rows_with(nonbinary, m_len)
+                m_vals = np.where(nonbinary, 0, m_vals)
+            m_vals = m_vals.astype(np.int64)
             present = np.ones(n, dtype=bool)
         else:
             m_len, m_vals, present = np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(n, dtype=bool)
         if nulls.any():
             exact(batch, int(np.flatnonzero(nulls)[0]))
+        id_bytes = pc.binary_length(col["sample_id"]).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        too_big = 8 * (t_len + r_len + m_len) + id_bytes > max_row_bytes
+        if too_big.any():
+            raise _too_long(f"{path}:row {row0 + int(np.flatnonzero(too_big)[0])}", max_row_bytes, "the decoded row")
         rl_arr = col["response_length"].to_numpy().astype(np.int64)
-        ids = col["sample_id"].to_pylist()
         bad, facts = check_columns(Columns(ids=ids, t_len=t_len, t_vals=t_vals, rl=rl_arr, r_len=r_len, r_vals=r_vals,
                                            mask_present=present, m_len=m_len, m_vals=m_vals), objective, vocab_size, max_seq_len)
         if bad is not None:
             exact(batch, bad)
         acc.add(*facts, ids)
-        row0 += n
         if progress:
-            progress("validate", row0, total)
+            progress("validate", row0 + n, total)
     return acc
 
 
@@ -492,11 +599,25 @@ def sniff_format(path: Path) -> str:
 
 
 def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int | None = None,
-                     max_seq_len: int | None = None, progress: Progress | None = None) -> Dataset:
-    """Run every SPEC 2 check on one split; return the validated dataset or raise InputError."""
+                     max_seq_len: int | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+                     progress: Progress | None = None) -> Dataset:
+    """Run every SPEC 2 check on one split; return the validated dataset or raise InputError.
+
+    `max_row_bytes` bounds one row (see DEFAULT_MAX_ROW_BYTES); a longer row is refused, located.
+    """
+    if not (isinstance(max_row_bytes, int) and not isinstance(max_row_bytes, bool) and max_row_bytes >= 1):
+        raise InputError("max_row_bytes", f"must be an integer >= 1, got {show(max_row_bytes)}")
+    path = ref.path
+    try:
+        return _validate(ref, objective, vocab_size, max_seq_len, max_row_bytes, progress)
+    except OSError as exc:  # permission denied, a name too long, an I/O error: the file cannot be read
+        raise InputError(str(path), f"cannot read the {ref.split} dataset: {exc.strerror or exc}") from None
+
+
+def _validate(ref: DatasetRef, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress) -> Dataset:
     path = ref.path
     if not path.exists():
-        raise InputError(str(path), f"{ref.split} dataset does not exist (manifest path {ref.declared_path!r})")
+        raise InputError(str(path), f"{ref.split} dataset does not exist (manifest path {show(ref.declared_path, 200)})")
     if not path.is_file():
         raise InputError(str(path), f"{ref.split} dataset is not a regular file")
     sha = _hash(path, progress)
@@ -505,9 +626,9 @@ def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int |
     fmt = sniff_format(path)
     offsets = line_numbers = None
     if fmt == "jsonl":
-        acc, offsets, line_numbers = _validate_jsonl(path, objective, vocab_size, max_seq_len, progress)
+        acc, offsets, line_numbers = _validate_jsonl(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
     else:
-        acc = _validate_parquet(path, objective, vocab_size, max_seq_len, progress)
+        acc = _validate_parquet(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
     lengths, active, labels, hashes = acc.finish()
     ds = Dataset(path=path, sha256=sha, fmt=fmt, objective=objective, split=ref.split, lengths=lengths, active=active,
                  labels=labels, offsets=offsets, line_numbers=line_numbers)
@@ -534,7 +655,9 @@ def _check_unique_ids(ds: Dataset, hashes: np.ndarray) -> None:
         first_seen[sid] = i
 
 
-def validate_manifest_datasets(manifest, *, vocab_size=None, max_seq_len=None, progress=None) -> dict[str, Dataset]:
+def validate_manifest_datasets(manifest, *, vocab_size=None, max_seq_len=None, max_row_bytes=DEFAULT_MAX_ROW_BYTES,
+                               progress=None) -> dict[str, Dataset]:
     """Validate every split the manifest names, in order (train, then heldout)."""
-    return {ref.split: validate_dataset(ref, manifest.objective, vocab_size=vocab_size, max_seq_len=max_seq_len, progress=progress)
+    return {ref.split: validate_dataset(ref, manifest.objective, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                                        max_row_bytes=max_row_bytes, progress=progress)
             for ref in manifest.splits()}

@@ -23,5 +23,8 @@ class InputError(ValueError):
 
 def show(value: object, limit: int = 80) -> str:
     """A short printable rendering of an offending value for error messages."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        value = value[:limit]  # a 50 MB string is never copied whole into a repr
+        return repr(value)[: limit - 3] + "..."
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -2,6 +2,11 @@
 
 Compatible with Miles `miles.value-pretrain.v1` manifests. Loading reads only the manifest file;
 datasets are opened by `value_assets.core.dataset`.
+
+A manifest path is resolved once (symlinks included): its bytes are read from the resolved file,
+and relative dataset paths resolve against that file's folder, so a symlinked manifest means what
+its target means. Unknown `objective` keys are ignored, as Miles' loader ignores them, and listed in
+`Manifest.ignored_objective_keys`; what Miles would silently misread (duplicate keys, NaN) is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from .strict_json import is_int, loads
 
 SCHEMA = "miles.value-pretrain.v1"
 SPLITS = ("train", "heldout")
+MAX_NUM_SAMPLES = 2**63 - 1  # row indices are int64 everywhere downstream
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +46,7 @@ class Manifest:
     objective: Objective
     provenance: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    ignored_objective_keys: tuple[str, ...] = ()  # unknown objective keys, ignored as Miles ignores them
 
     @property
     def stem(self) -> str:
@@ -59,14 +66,22 @@ def _inside(path: Path, root: Path) -> bool:
     return path.parts[: len(root.parts)] == root.parts
 
 
+def _realpath(path: str | Path, where: str) -> Path:
+    try:
+        return Path(os.path.realpath(path))
+    except ValueError as exc:  # "embedded null byte": no file system path holds one
+        raise InputError(where, f"path {show(str(path))} is not a valid file system path: {exc}") from None
+
+
 def check_data_roots(path: Path, data_roots: Iterable[str | Path] | None, where: str) -> None:
     """Refuse `path` unless it lies inside one of `data_roots` (when any are configured)."""
     if data_roots is None:
         return
-    roots = [Path(os.path.realpath(r)) for r in data_roots]
-    real = Path(os.path.realpath(path))
+    roots = [_realpath(r, "data roots") for r in data_roots]
+    real = _realpath(path, where)
     if not any(_inside(real, r) for r in roots):
-        raise InputError(where, f"dataset path {str(path)!r} resolves to {str(real)!r}, outside the configured data roots {[str(r) for r in roots]}")
+        raise InputError(where, f"dataset path {show(str(path), 300)} resolves to {show(str(real), 300)}, outside the configured data roots "
+                                f"{show([str(r) for r in roots], 300)}")
 
 
 def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots) -> DatasetRef:
@@ -79,12 +94,14 @@ def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots) -> Da
     declared = obj["path"]
     if not isinstance(declared, str) or not declared:
         raise InputError(f"{loc}.path", f"must be a non-empty string, got {show(declared)}")
+    if "\x00" in declared:
+        raise InputError(f"{loc}.path", f"must not contain a NUL character (no file system path does), got {show(declared)}")
     sha = obj["sha256"]
     if not is_sha(sha):
         raise InputError(f"{loc}.sha256", f"expected a lowercase 64-hex SHA-256, got {show(sha)}")
     n = obj["num_samples"]
-    if not is_int(n) or n < 1:
-        raise InputError(f"{loc}.num_samples", f"must be an integer >= 1, got {show(n)}")
+    if not is_int(n) or not 1 <= n <= MAX_NUM_SAMPLES:
+        raise InputError(f"{loc}.num_samples", f"must be an integer from 1 to {MAX_NUM_SAMPLES} (int64), got {show(n)}")
     p = Path(declared)
     resolved = p if p.is_absolute() else base / p
     check_data_roots(resolved, data_roots, f"{loc}.path")
@@ -107,24 +124,27 @@ def parse_manifest(data: bytes, path: Path, *, data_roots: Iterable[str | Path] 
     heldout = None
     if obj.get("heldout") is not None:
         heldout = _dataset_ref("heldout", obj["heldout"], base, where, data_roots)
-    objective = Objective.from_json(obj["objective"], where=f"{where}: objective")
+    objective = Objective.from_json(obj["objective"], where=f"{where}: objective", ignore_unknown=True)
     prov = obj.get("provenance")
     if prov is not None and not isinstance(prov, dict):
         raise InputError(f"{where}: provenance", f"must be an object when present, got {show(prov)}")
-    return Manifest(path=path, sha256=sha256_bytes(data), train=train, heldout=heldout, objective=objective, provenance=prov, raw=obj)
+    return Manifest(path=path, sha256=sha256_bytes(data), train=train, heldout=heldout, objective=objective, provenance=prov, raw=obj,
+                    ignored_objective_keys=Objective.unknown_keys(obj["objective"]))
 
 
 def load_manifest(path: str | Path, *, pinned_sha256: str | None = None, data_roots: Iterable[str | Path] | None = None) -> Manifest:
     """Load and check a manifest. A pinned digest is checked against the raw bytes before parsing."""
     if pinned_sha256 is not None:
         require_sha(pinned_sha256, "pinned manifest sha256")
-    p = Path(os.path.abspath(path))
+    p = _realpath(path, "manifest")  # once: the bytes and the base of relative paths come from one file
     try:
         data = p.read_bytes()
     except FileNotFoundError:
         raise InputError(str(p), "manifest file does not exist") from None
     except IsADirectoryError:
         raise InputError(str(p), "manifest path is a directory, expected a JSON file") from None
+    except OSError as exc:
+        raise InputError(str(p), f"cannot read the manifest: {exc.strerror or exc}") from None
     if pinned_sha256 is not None:
         actual = sha256_bytes(data)
         if actual != pinned_sha256:

@@ -7,18 +7,18 @@ first offending value when a columnar check fails.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .errors import InputError, show
-from .objective import Objective
-from .strict_json import is_int, is_number
+from .objective import MAX_ABS_VALUE, Objective
+from .strict_json import finite_float, is_int
 
 INT64_MAX = 2**63 - 1
 FIELDS = ("sample_id", "tokens", "response_length", "returns", "loss_mask")
+_MASK_TYPES = (int, float, bool)  # the JSON numbers and booleans a parsed mask value can be
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,10 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
         raise InputError(where, "missing field 'sample_id'")
     if not isinstance(sid, str) or sid == "":
         raise InputError(where, f"sample_id must be a non-empty string, got {show(sid)}")
+    try:
+        sid.encode("utf-8")  # receipts and reports write ids as UTF-8
+    except UnicodeEncodeError:
+        raise InputError(where, f"sample_id {show(sid)} is not valid Unicode (a lone surrogate): it cannot be written as UTF-8") from None
     if "tokens" not in obj:
         raise InputError(where, "missing field 'tokens'")
     tokens = obj["tokens"]
@@ -96,10 +100,14 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
     low, high = objective.reward_range
     classification = objective.loss_type == "classification"
     for i, r in enumerate(rets):
-        if not is_number(r) or not math.isfinite(r):
+        value = finite_float(r)
+        if value is None:
             raise InputError(where, f"returns[{i}] must be a finite number, got {show(r)}")
-        if classification and not (low <= r <= high):
-            raise InputError(where, f"returns[{i}] = {r} is outside reward_range [{low}, {high}]")
+        if classification and not (low <= value <= high):
+            raise InputError(where, f"returns[{i}] = {show(r)} is outside reward_range [{low}, {high}]")
+        if not classification and abs(value) > MAX_ABS_VALUE:
+            raise InputError(where, f"returns[{i}] = {show(r)} is beyond +-{MAX_ABS_VALUE:g}, the largest mse return accepted "
+                                    "((V - R)^2 is float32 on the GPU; rescale the rewards)")
     if "loss_mask" in obj:
         mask = obj["loss_mask"]
         if not isinstance(mask, list):
@@ -107,8 +115,9 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
         if len(mask) != rl:
             raise InputError(where, f"loss_mask has {len(mask)} values, expected response_length = {rl}")
         for i, m in enumerate(mask):
-            if not is_int(m) or m not in (0, 1):
-                raise InputError(where, f"loss_mask[{i}] must be 0 or 1, got {show(m)}")
+            # As Miles' loader: 0/1, 0.0/1.0 and false/true, all read as 0/1 (SPEC 2 item 7).
+            if type(m) not in _MASK_TYPES or m not in (0, 1):
+                raise InputError(where, f"loss_mask[{i}] must be 0 or 1 (0.0/1.0 and false/true are read as 0/1), got {show(m)}")
         if not any(mask):
             raise InputError(where, "loss_mask has no 1: the row has no active target")
         mask_arr = np.asarray(mask, dtype=np.int8)
