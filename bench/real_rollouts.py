@@ -98,6 +98,8 @@ def cmd_generate(args) -> None:
     items = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
     rendered = {it["item"]: tok.apply_chat_template(it["prompt"], tokenize=False, add_generation_prompt=True) for it in items}
