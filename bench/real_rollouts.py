@@ -61,10 +61,14 @@ def cmd_tasks(args) -> None:
     for f_index, (family, cfg) in enumerate(FAMILIES):
         shots = list(rg.create_dataset("basic_arithmetic", size=3, seed=10_000 + f_index, **COMMON, **cfg))
         items = rg.create_dataset("basic_arithmetic", size=args.per_family, seed=args.seed + f_index, **COMMON, **cfg)
-        prefix = INSTRUCTION + "\n\n" + "".join(f"{s['question']}\nAnswer: {s['answer']}\n\n" for s in shots)
+        # Few-shot as earlier chat turns: a small chat model follows solved turns far better than
+        # examples inlined in one message.
+        shots_turns = [{"role": "system", "content": INSTRUCTION}]
+        for s in shots:
+            shots_turns += [{"role": "user", "content": s["question"]}, {"role": "assistant", "content": str(s["answer"])}]
         for i, item in enumerate(items):
             out.append({"item": f"{family}/{i}", "task": family, "question": item["question"], "answer": str(item["answer"]).strip(),
-                        "prompt": [{"role": "user", "content": prefix + f"{item['question']}\nAnswer:"}]})
+                        "prompt": shots_turns + [{"role": "user", "content": item["question"]}]})
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in out))
     print(f"wrote {len(out)} items ({args.per_family} per family, {len(FAMILIES)} families) to {args.out}")
 
@@ -73,8 +77,10 @@ _INT = re.compile(r"-?\d+")
 
 
 def score(response: str, answer: str) -> float:
-    m = _INT.search(response)
-    return 1.0 if m is not None and m.group(0) == answer else 0.0
+    """1 when the final integer of the response's first line is the answer ("8 + 4 = 12" -> 12)."""
+    first = response.strip().split("\n", 1)[0] if response.strip() else ""
+    found = _INT.findall(first)
+    return 1.0 if found and found[-1] == answer else 0.0
 
 
 def _sample(model, tok, prompts: list[str], temperature: float, max_new_tokens: int, batch: int, seed: int) -> list[str]:
@@ -385,7 +391,7 @@ def main() -> None:
     gen.add_argument("--model", required=True)
     gen.add_argument("--out", required=True)
     gen.add_argument("--samples", type=int, default=4)
-    gen.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7, 0.4])
+    gen.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7, 0.4, 0.2])
     gen.add_argument("--calibrate", type=int, default=48, help="items per family used only to choose the temperature")
     gen.add_argument("--max-new-tokens", type=int, default=12)
     gen.add_argument("--batch", type=int, default=1024)
