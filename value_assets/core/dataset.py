@@ -533,8 +533,3 @@ def _check_unique_ids(ds: Dataset, hashes: np.ndarray) -> None:
             raise InputError(ds.location(i), f"duplicate sample_id {show(sid)} (first at {ds.location(first_seen[sid])})")
         first_seen[sid] = i
 
-
-def validate_manifest_datasets(manifest, *, vocab_size=None, max_seq_len=None, progress=None) -> dict[str, Dataset]:
-    """Validate every split the manifest names, in order (train, then heldout)."""
-    return {ref.split: validate_dataset(ref, manifest.objective, vocab_size=vocab_size, max_seq_len=max_seq_len, progress=progress)
-            for ref in manifest.splits()}
