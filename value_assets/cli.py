@@ -15,6 +15,7 @@ import time
 from typing import Any, Sequence
 
 from .core.errors import InputError
+from .core.publish import PublishError
 
 EXIT_INVALID = 2
 
@@ -220,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"value-assets: error: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except PublishError as exc:  # not bad input (exit 1): e.g. a full disk; nothing was published
+        print(f"value-assets: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
