@@ -36,7 +36,10 @@ def run_assets(defs, instance, key, names):
 
 
 def failure(result, step_key: str) -> str:
-    event = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE" and e.step_key == step_key)
+    """The failure message of one step ("" when that step did not fail)."""
+    event = next((e for e in result.all_events if e.event_type_value == "STEP_FAILURE" and e.step_key == step_key), None)
+    if event is None:
+        return ""
     data = event.event_specific_data
     return f"{data.error.message if data.error else ''} {getattr(data.user_failure_data, 'description', '')}"
 
