@@ -19,27 +19,18 @@ from dagster import (
 )
 
 from value_assets.assets import batch_plan, ev_report, heldout_dataset, train_dataset
-from value_assets.assets.common import latest_metadata, to_metadata_value
-from value_assets.assets.lineage import (
-    contract_disagreements,
-    ev_summary,
-    load_registered_manifest,
-    read_published,
-    resolve_latest_contract,
-)
+from value_assets.assets.common import latest_metadata, partition_manifest, to_metadata_value
+from value_assets.core.contract_lookup import contract_disagreements, resolve_latest_contract
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
+from value_assets.core.publish import read_published
+from value_assets.core.report import CRITERIA, decide_gate, ev_summary
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
 # Partitioned checks are "preview" in 1.13 but required here: without them one manifest's pass
 # would stand for every manifest (PLATFORM.md). Known and intended, so not repeated on every load.
 warnings.filterwarnings("ignore", message="Specifying a partitions_def on an AssetCheckSpec")
-
-
-def _manifest(context, artifacts: ArtifactStore, inbox: ManifestInbox):
-    key = context.partition_key
-    return load_registered_manifest(artifacts.partition_dir(key), key, inbox.roots())
 
 
 def _failed(message: str, **metadata: Any) -> AssetCheckResult:
@@ -66,7 +57,7 @@ def dataset_integrity_result(ref, split: str) -> AssetCheckResult:
 
 def _dataset_check(context, artifacts, inbox, split: str) -> AssetCheckResult:
     try:
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
     except InputError as exc:
         return _failed(str(exc), split=split)
     return dataset_integrity_result(manifest.train if split == "train" else manifest.heldout, split)
@@ -96,7 +87,7 @@ def contract_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactS
     recorded = latest_metadata(context.instance, "training_contract", key) or {}
     plan = latest_metadata(context.instance, "batch_plan", key) or {}
     try:
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
         ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded.get("contract_sha256"))
     except InputError as exc:
         return _failed(str(exc))
@@ -115,41 +106,17 @@ def contract_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactS
 # ---------------------------------------------------------------- ev_gate
 
 def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
-    """Re-decide the SPEC 7 gate from the report's per-batch sufficient statistics.
+    """Record `decide_gate` over the report (SPEC 7), naming the report sha it was decided on.
 
-    The report's own `passed` is not trusted: both weightings are recomputed with the core gate
-    (aggregate EV from summed statistics > 0, positive-EV batches a strict majority) and must
-    agree with the report's aggregates and verdict.
+    The report's own `passed` is not trusted: the gate is recomputed from the per-batch sufficient
+    statistics, and a stated verdict or aggregate that disagrees fails it. Promotion requires this
+    result, on the same sha, for the same partition.
     """
-    from value_assets.core.stats import GATE_CRITERIA, SuffStats, gate_weighting
-
-    summary = ev_summary(report)
-    failures: list[str] = []
-    recomputed: dict[str, Any] = {}
-    if report.get("split") != "heldout":
-        failures.append(f"split is {report.get('split')!r}: only heldout rows gate (no heldout split: not promotable)")
-    for weighting in ("token", "trajectory"):
-        try:
-            parts = [SuffStats.from_json(batch[weighting]["stats"]) for batch in report.get("batches") or []]
-            if not parts:
-                raise InputError("report", "has no per-batch statistics")
-            gate = gate_weighting(parts, f"{weighting}-weighted EV")
-        except (InputError, KeyError, TypeError, ValueError) as exc:
-            failures.append(f"{weighting}-weighted: cannot recompute the gate: {exc}")
-            continue
-        recomputed[weighting] = gate.to_json()
-        if not gate.passed:
-            failures.append(f"{weighting}-weighted: aggregate EV {gate.ev:.4g} (needs > 0), positive-EV batches "
-                            f"{gate.positive_batches} of {gate.batches} (needs a strict majority)")
-        reported = summary[f"{weighting}_ev"]
-        if not isinstance(reported, (int, float)) or abs(reported - gate.ev) > 1e-9 * max(1.0, abs(gate.ev)):
-            failures.append(f"{weighting}-weighted: report's aggregate EV {reported!r} != recomputed {gate.ev!r}")
-    if (not failures) != summary["passed"]:
-        failures.append(f"report says passed={summary['passed']}, recomputation says {not failures}")
-    metadata = {"report_sha256": report_sha, "criteria": dict(GATE_CRITERIA, split="heldout only"),
-                "recomputed": recomputed, **summary}
-    if failures:
-        return _failed("; ".join(failures), failures=failures, **metadata)
+    decision = decide_gate(report)
+    metadata = {"report_sha256": report_sha, "criteria": CRITERIA,
+                "recomputed": {w: g.to_json() for w, g in decision.weightings.items()}, **ev_summary(report)}
+    if not decision.passed:
+        return _failed("; ".join(decision.failures), failures=list(decision.failures), **metadata)
     return AssetCheckResult(passed=True, metadata={k: to_metadata_value(v) for k, v in metadata.items()})
 
 
@@ -162,9 +129,10 @@ def ev_gate(context: AssetCheckExecutionContext):
     try:
         report, sha = read_published(Path(str(recorded["report_path"])), "EV report")
     except InputError as exc:
-        return _failed(str(exc))
+        return _failed(str(exc), recorded_report_sha256=recorded.get("report_sha256"))
     if sha != recorded.get("report_sha256"):
-        return _failed(f"report hashes to {sha}, ev_report recorded {recorded.get('report_sha256')}")
+        return _failed(f"report hashes to {sha}, ev_report recorded {recorded.get('report_sha256')}",
+                       report_sha256=sha, recorded_report_sha256=recorded.get("report_sha256"))
     return gate_result(report, sha)
 
 

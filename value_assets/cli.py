@@ -18,6 +18,7 @@ import traceback
 from typing import Any, Sequence
 
 from .core.errors import InputError
+from .core.publish import PublishError
 
 EXIT_INVALID = 2
 EXIT_UNEXPECTED = 1
@@ -238,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"value-assets: error: {_paragraph(str(exc))}", file=sys.stderr)
         return EXIT_INVALID
+    except PublishError as exc:  # not bad input (exit 1): e.g. a full disk; nothing was published
+        print(f"value-assets: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - no raw traceback: bad input is refused as InputError above

@@ -30,7 +30,7 @@ from dagster import (
     sensor,
 )
 
-from value_assets.assets.lineage import Registration, register_manifest
+from value_assets.core.registration import Registration, register_manifest
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.jobs import full_job

@@ -4,10 +4,14 @@ A real subprocess speaking real Dagster Pipes. It writes what the GPU job writes
 own builders (contracts and the `latest` pointer, a write-once EV report with two PNG plots, a
 canary receipt), without any model, and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
 `provenance.standin` (kept, not interpreted, by the product): `ev` (float, the EV it reports for
-both weightings), `silent` (report nothing, exit 0), `exit_code` (fail after writing nothing).
+both weightings), `silent` (report nothing, exit 0), `exit_code` (fail after writing nothing),
+`enospc_once` (a marker path: the first evaluation that finds no marker creates it and gets
+ENOSPC from `os.write` when the report's `.sha256` sidecar is written: a disk that fills up
+between report and sidecar).
 """
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -103,6 +107,16 @@ def evaluate(pipes, argv):
     k = knobs(a.manifest)
     if k.get("silent"):
         return
+    if k.get("enospc_once") and not Path(k["enospc_once"]).exists():
+        Path(k["enospc_once"]).write_text("")
+        real_write = os.write
+
+        def full_disk(fd, data):
+            if bytes(data[-6:]) == b".json\n":  # the report's sidecar line "<sha>  ev-<sha12>.json\n"
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(fd, data)
+
+        os.write = full_disk
     ev_target = float(k.get("ev", 0.4))
     slope = 1.0 - math.sqrt(1.0 - ev_target)
     manifest = load_manifest(a.manifest)

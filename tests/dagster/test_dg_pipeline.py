@@ -83,7 +83,7 @@ def test_two_manifests_are_isolated(instance, test_defs, test_resources, manifes
         instance=instance, partition_key=bad_key, asset_selection=[AssetKey("promoted_critic")], raise_on_error=False)
     assert not forced.success
     failure = next(e for e in forced.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "did not pass" in failure.event_specific_data.error.message + str(failure.event_specific_data.user_failure_data)
+    assert "latest ev_gate evaluation failed" in str(failure.event_specific_data.user_failure_data)
     assert not (tmp_path / "artifacts" / "registry" / f"{bad_key}.json").exists()
 
 

@@ -1,6 +1,6 @@
 """The asset graph: data assets (CPU, in-process) and critic assets (GPU job through Pipes).
 
-Assets are thin: they read inputs, call a plain function (`lineage`, `value_assets.core`) or the
+Assets are thin: they read inputs, call a plain function (`value_assets.core`) or the
 launcher resource, and return `MaterializeResult`s whose data versions are the artifacts' shas.
 """
 

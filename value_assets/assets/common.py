@@ -1,4 +1,5 @@
-"""Small Dagster-side helpers shared by assets and checks: error mapping, config, instance lookups."""
+"""Small Dagster-side helpers shared by assets and checks: error mapping, the partition's manifest,
+instance lookups (what the lineage recorded, handed to the rules in `value_assets.core`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, Failure, MetadataValue
+from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance, Failure, MetadataValue
 
 from value_assets.core.errors import InputError
-from value_assets.assets.lineage import PromotionRefused
+from value_assets.core.promotion import GateRecord, PromotionRefused, ReportRecord
 
 INLINE_PLOT_MAX_BYTES = 512 * 1024
 
@@ -24,6 +25,18 @@ def fail_on_bad_input(what: str) -> Iterator[None]:
         raise Failure(description=f"{what}: {exc}", allow_retries=False) from None
 
 
+def partition_manifest(context, artifacts, inbox):
+    """The manifest the context's partition registered, loaded with its sha pinned."""
+    from value_assets.core.registration import load_registered_manifest
+
+    key = context.partition_key
+    return load_registered_manifest(artifacts.partition_dir(key), key, inbox.roots())
+
+
+def _values(metadata) -> dict[str, Any]:
+    return {key: getattr(value, "value", value) for key, value in (metadata or {}).items()}
+
+
 def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: str) -> dict[str, Any] | None:
     """Metadata values of the newest materialization of one partition of an asset, or None."""
     result = instance.fetch_materializations(
@@ -34,7 +47,40 @@ def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: st
     materialization = result.records[0].asset_materialization
     if materialization is None:
         return None
-    return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
+    return _values(materialization.metadata)
+
+
+def ev_report_records(instance: DagsterInstance, partition_key: str) -> Iterator[ReportRecord]:
+    """Every `ev_report` materialization of one partition, newest first, as the rules read them."""
+    records_filter = AssetRecordsFilter(asset_key=AssetKey("ev_report"), asset_partitions=[partition_key])
+    cursor = None
+    while True:
+        result = instance.fetch_materializations(records_filter, limit=100, cursor=cursor)
+        for record in result.records:
+            meta = _values(record.asset_materialization.metadata if record.asset_materialization else None)
+            yield ReportRecord(contract_sha256=meta.get("contract_sha256"), report_path=meta.get("report_path"),
+                               report_sha256=meta.get("report_sha256"), evaluated=meta.get("reused") is not True)
+        if not result.has_more:
+            return
+        cursor = result.cursor
+
+
+def latest_gate_record(instance: DagsterInstance, partition_key: str) -> GateRecord | None:
+    """The latest completed `ev_gate` evaluation of this partition only (never another's), or None."""
+    # No public instance method filters check executions by partition in 1.13; the event log
+    # storage's does (the same query the UI's partitioned check history uses).
+    from dagster._core.event_api import PartitionKeyFilter
+    from dagster._core.storage.asset_check_execution_record import COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES
+
+    key = AssetCheckKey(AssetKey("ev_report"), "ev_gate")
+    history = instance.event_log_storage.get_asset_check_execution_history(
+        key, limit=1, status=set(COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES),
+        partition_filter=PartitionKeyFilter(key=partition_key))
+    evaluation = history[0].evaluation if history else None
+    if evaluation is None:
+        return None
+    return GateRecord(partition_key=evaluation.partition, passed=evaluation.passed, blocking=evaluation.blocking,
+                      report_sha256=_values(evaluation.metadata).get("report_sha256"), run_id=history[0].run_id)
 
 
 def plot_files(plots: Any, base: Path, strip_prefix: str = "") -> list[tuple[str, Path, str | None]]:

@@ -21,18 +21,22 @@ from dagster import (
 )
 from pydantic import Field
 
-from value_assets.assets.common import fail_on_bad_input, latest_metadata, plot_metadata, to_metadata_value
-from value_assets.assets.data import _manifest, batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
-from value_assets.assets.lineage import (
-    ContractRef,
-    canonical_json,
-    ev_summary,
-    read_published,
-    report_manifest_sha,
-    resolve_latest_contract,
-    verify_promotion,
+from value_assets.assets.common import (
+    ev_report_records,
+    fail_on_bad_input,
+    latest_gate_record,
+    latest_metadata,
+    partition_manifest,
+    plot_metadata,
+    to_metadata_value,
 )
+from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
+from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
 from value_assets.core.hashing import sha256_bytes
+from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify_promotion
+from value_assets.core.publish import read_published
+from value_assets.core.report import ev_summary, report_manifest_sha
+from value_assets.core.strict_json import canonical_bytes
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, GpuJobLauncher, ManifestInbox
 
@@ -128,7 +132,7 @@ def critic_training(
     """Train (or resume) the critic with the GPU job; both assets are versioned by the contract sha."""
     key = context.partition_key
     with fail_on_bad_input("critic_training"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.critic_dir(key)
     results = launcher.launch(context, "train", train_argv(manifest, output, config, plan, inbox.roots()),
@@ -158,7 +162,7 @@ def canary_receipt(
     """One planned step end to end; writes a non-promotable receipt and no contract (SPEC 5)."""
     key = context.partition_key
     with fail_on_bad_input("canary_receipt"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.canary_dir(key, context.run.run_id)
     argv = train_argv(manifest, output, config, plan, inbox.roots()) + ["--canary"]
@@ -212,17 +216,22 @@ def ev_report(
     """Forward-only EV evaluation of the latest contracted critic on heldout rows (SPEC 7).
 
     A failing gate still materializes its report; `ev_gate` (blocking) then stops promotion.
-    An existing verified report for the same contract is reused instead of re-evaluating.
+    A published report is reused instead of re-evaluated only when its sha is the one an evaluation
+    of this lineage recorded for this contract (SPEC 8); any other report at the path is refused
+    with a message naming it (`core.promotion.decide_reuse`).
     """
     key = context.partition_key
     with fail_on_bad_input("ev_report"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
         ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
-    report_path = artifacts.report_path(key, ref.sha256)
-    extra: dict[str, Any] = {}
-    if report_path.exists():
-        context.log.info(f"{report_path} already published for contract {ref.sha256}: reused, not re-evaluated")
-        extra["reused"] = True
+        report_path = artifacts.report_path(key, ref.sha256)
+        recorded_sha = lineage_report_sha(ev_report_records(context.instance, key), contract_sha256=ref.sha256,
+                                          report_path=report_path)
+        reuse = decide_reuse(report_path, recorded_sha)
+    extra: dict[str, Any] = {"reused": reuse}
+    if reuse:
+        context.log.info(f"{report_path} was published for contract {ref.sha256} with the sha this lineage recorded "
+                         f"({recorded_sha}): reused, not re-evaluated")
     else:
         split = "heldout" if manifest.heldout is not None else "train"
         argv = ["--checkpoint", str(ref.checkpoint_dir), "--manifest", str(manifest.path),
@@ -241,7 +250,10 @@ def ev_report(
             "evaluate")
         extra.update(result.metadata or {})
     with fail_on_bad_input("ev_report: published report"):
-        report, report_sha = read_published(report_path, "EV report")
+        report, report_sha = read_published(report_path, "EV report", expected_sha=recorded_sha if reuse else None)
+    reported = getattr(extra.get("report_sha256"), "value", extra.get("report_sha256"))
+    if not reuse and reported is not None and reported != report_sha:
+        raise Failure(description=f"the evaluation job reported report {reported} but {report_path} hashes to {report_sha}")
     if report.get("contract_sha256") != ref.sha256:
         raise Failure(description=f"{report_path} names contract {report.get('contract_sha256')!r}, expected {ref.sha256}")
     return MaterializeResult(data_version=DataVersion(report_sha),
@@ -253,27 +265,29 @@ def ev_report(
 def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The registry record the online RL job pins: checkpoint + contract sha (SPEC 8).
 
-    The decision is `ev_gate`'s (blocking); this asset only re-verifies, from the files, that the
-    report exists, hashes to its recorded sha, passed, and names the contract being promoted.
+    The decision is `ev_gate`'s (blocking) and the rules are `core.promotion.verify_promotion`'s:
+    this asset reads what the lineage recorded (the contract, the report sha `ev_report` recorded
+    for it, this partition's latest `ev_gate` evaluation) and hands it to them with the files.
     """
     from value_assets.core.publish import atomic_write
 
     key = context.partition_key
     with fail_on_bad_input("promoted_critic refused"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
         ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
         report_path = artifacts.report_path(key, ref.sha256)
-        recorded = latest_metadata(context.instance, "ev_report", key) or {}
-        if str(recorded.get("report_path")) != str(report_path):
-            from value_assets.assets.lineage import PromotionRefused
-
-            raise PromotionRefused(f"ev_report has no materialization of {report_path} for contract {ref.sha256} "
-                                   f"(latest: {recorded.get('report_path')!r})")
-        record = verify_promotion(partition_key=key, manifest_sha256=manifest.sha256, contract=ref,
-                                  report_path=report_path, recorded_report_sha256=recorded.get("report_sha256"))
+        record = verify_promotion(
+            partition_key=key, manifest_sha256=manifest.sha256, contract=ref, report_path=report_path,
+            recorded_report_sha256=lineage_report_sha(ev_report_records(context.instance, key),
+                                                      contract_sha256=ref.sha256, report_path=report_path),
+            gate=latest_gate_record(context.instance, key),
+            # Hook: pass core's `verify_checkpoint(step_dir, contract)` here once checkpoint-file
+            # binding lands (SPEC 6); until then the contract's own sha is what is verified.
+            verify_checkpoint=None,
+        )
     registry_path = artifacts.registry_path(key)
-    atomic_write(registry_path, canonical_json(record))
-    identity = sha256_bytes(canonical_json({k: v for k, v in record.items() if k != "promoted_at"}))
+    atomic_write(registry_path, canonical_bytes(record))
+    identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
     return MaterializeResult(
         data_version=DataVersion(identity),
         metadata={

@@ -19,24 +19,18 @@ from dagster import (
 )
 from pydantic import Field
 
-from value_assets.assets.common import fail_on_bad_input
-from value_assets.assets.lineage import load_registered_manifest
+from value_assets.assets.common import fail_on_bad_input, partition_manifest
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
 GROUP = "data"
 
 
-def _manifest(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox):
-    key = context.partition_key
-    return load_registered_manifest(artifacts.partition_dir(key), key, inbox.roots())
-
-
 @asset(partitions_def=manifests_partitions, code_version="1", group_name=GROUP, kinds={"json"})
 def value_manifest(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The registered manifest, re-loaded with its sha pinned: objective, dataset refs, provenance."""
     with fail_on_bad_input("value_manifest"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
     return MaterializeResult(
         data_version=DataVersion(manifest.sha256),
         metadata={
@@ -80,7 +74,7 @@ def _validate(context, artifacts, inbox, split: str) -> MaterializeResult:
     from value_assets.core.dataset import validate_dataset
 
     with fail_on_bad_input(f"{split}_dataset"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
         ref = manifest.train if split == "train" else manifest.heldout
         if ref is None:
             # Not an error: such a critic trains, but ev_gate refuses it (no heldout split).
@@ -121,7 +115,7 @@ def batch_plan(
     from value_assets.core.publish import publish_once
 
     with fail_on_bad_input("batch_plan"):
-        manifest = _manifest(context, artifacts, inbox)
+        manifest = partition_manifest(context, artifacts, inbox)
         plan = build_plan(manifest.train.num_samples, config.global_batch_size, config.epochs, config.seed)
         path = artifacts.plan_path(context.partition_key)
         # Write-once; the identical plan again is a no-op, a different one for this partition is

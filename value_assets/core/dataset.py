@@ -653,11 +653,3 @@ def _check_unique_ids(ds: Dataset, hashes: np.ndarray) -> None:
         if sid in first_seen:
             raise InputError(ds.location(i), f"duplicate sample_id {show(sid)} (first at {ds.location(first_seen[sid])})")
         first_seen[sid] = i
-
-
-def validate_manifest_datasets(manifest, *, vocab_size=None, max_seq_len=None, max_row_bytes=DEFAULT_MAX_ROW_BYTES,
-                               progress=None) -> dict[str, Dataset]:
-    """Validate every split the manifest names, in order (train, then heldout)."""
-    return {ref.split: validate_dataset(ref, manifest.objective, vocab_size=vocab_size, max_seq_len=max_seq_len,
-                                        max_row_bytes=max_row_bytes, progress=progress)
-            for ref in manifest.splits()}

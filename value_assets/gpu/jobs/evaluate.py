@@ -22,7 +22,7 @@ from value_assets.core.hashing import require_sha
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
-from value_assets.core.publish import publish_once
+from value_assets.core.publish import publication_state, publish_once
 from value_assets.core.report import build_report
 from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
@@ -98,7 +98,8 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
         raise InputError("--global-batch-size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
     batches = mixed_label_batches(ds.labels.tolist(), g, cfg.num_batches, cfg.seed)
     report_path = cfg.report
-    if report_path.exists() or report_path.is_symlink():
+    # A report without its sidecar is an unfinished publication: the identical result completes it.
+    if publication_state(report_path) not in ("absent", "unfinished"):
         raise InputError(str(report_path), "a report already exists here; reports are write-once")
     longest = int(ds.lengths.max()) - 1
     mbt = max(cfg.micro_batch_tokens, longest)
