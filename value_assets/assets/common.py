@@ -1,4 +1,4 @@
-"""Small Dagster-side helpers shared by assets and checks: error mapping, config, instance lookups."""
+"""Small Dagster-side helpers shared by assets and checks: error mapping, run config, instance lookups."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, Failure, MetadataValue
+from dagster import AssetKey, AssetRecordsFilter, Config, DagsterInstance, Failure, MetadataValue
+from pydantic import Field
 
 from value_assets.core.errors import InputError
+from value_assets.core.jobs import field_default, field_doc
 from value_assets.assets.lineage import PromotionRefused
 
 INLINE_PLOT_MAX_BYTES = 512 * 1024
@@ -22,6 +24,24 @@ def fail_on_bad_input(what: str) -> Iterator[None]:
         yield
     except (InputError, PromotionRefused) as exc:
         raise Failure(description=f"{what}: {exc}", allow_retries=False) from None
+
+
+def job_setting(job_config: type, name: str) -> Any:
+    """A Dagster run-config field standing for field `name` of a job config (`TrainJob`,
+    `EvaluateJob`): unset (None) means the job config's default, and the description is the job
+    config's own. The run config never holds a second copy of a default or of a rule: the job
+    config validates what is given when the asset builds it."""
+    try:
+        default = field_default(job_config, name)
+    except KeyError:
+        default = None
+    note = "" if default is None else f" Unset: {default!r}."
+    return Field(default=None, description=field_doc(job_config, name) + note)
+
+
+def given(config: Config) -> dict[str, Any]:
+    """The run-config fields that were set (not None), as job-config keyword arguments."""
+    return {name: getattr(config, name) for name in type(config).model_fields if getattr(config, name) is not None}
 
 
 def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: str) -> dict[str, Any] | None:
