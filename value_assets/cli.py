@@ -138,10 +138,8 @@ def cmd_plan(args) -> int:
 def cmd_make_demo_data(args) -> int:
     from .core.demo_data import make_demo_data
 
-    if args.rows < 1:
-        raise InputError("--rows", f"must be >= 1, got {args.rows}")
-    if args.heldout_rows < 0:
-        raise InputError("--heldout-rows", f"must be >= 0, got {args.heldout_rows}")
+    require_int(args.rows, "--rows")
+    require_int(args.heldout_rows, "--heldout-rows", minimum=0)
     path = make_demo_data(args.out_dir, rows=args.rows, heldout_rows=args.heldout_rows, seed=args.seed,
                           shuffle_labels=args.shuffle_labels, fmt=args.format, name=args.name)
     print(path)
