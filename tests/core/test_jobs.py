@@ -135,7 +135,6 @@ def test_data_roots_from_flags_and_environment(monkeypatch):
     assert data_roots_from_env([Path("/a")]) == ("/a", "/env")
 
 
-# ---- the command line: flags take the configs' defaults ---------------------------------------
 
 def _subparser(command: str):
     parser = build_parser()

@@ -73,8 +73,6 @@ def data_roots_from_env(given: Iterable[str | Path] | None = None, environ: Mapp
     return tuple(roots) or None
 
 
-# ---- type checks shared by both configs (driven by the field annotations) ----------------------
-
 def _is_optional(hint: Any) -> tuple[bool, Any]:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -169,8 +167,6 @@ def _common_checks(cfg: Any) -> None:
         require_int(getattr(cfg, name), name)
     _positive_number(cfg.timeout_s, "timeout_s")
 
-
-# ---- the jobs -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
 class TrainJob(_JobConfig):
