@@ -17,7 +17,8 @@ import traceback
 
 from typing import Any, Sequence
 
-from .core.errors import InputError
+from .core.errors import InputError, require_int
+from .core.jobs import TrainJob, data_roots_from_env, field_default, field_doc
 from .core.publish import PublishError
 
 EXIT_INVALID = 2
@@ -56,12 +57,8 @@ class _ProgressBar:
             self.stream.flush()
 
 
-def _data_roots(args) -> list[str] | None:
-    roots = list(args.data_root or [])
-    env = os.environ.get("VALUE_ASSETS_DATA_ROOTS")
-    if env:
-        roots += [r for r in env.split(os.pathsep) if r]
-    return roots or None
+def _data_roots(args) -> tuple[str, ...] | None:
+    return data_roots_from_env(args.data_root)
 
 
 def _load_manifest(args):
@@ -153,10 +150,8 @@ def cmd_plan(args) -> int:
 def cmd_make_demo_data(args) -> int:
     from .core.demo_data import make_demo_data
 
-    if args.rows < 1:
-        raise InputError("--rows", f"must be >= 1, got {args.rows}")
-    if args.heldout_rows < 0:
-        raise InputError("--heldout-rows", f"must be >= 0, got {args.heldout_rows}")
+    require_int(args.rows, "--rows")
+    require_int(args.heldout_rows, "--heldout-rows", minimum=0)
     path = make_demo_data(args.out_dir, rows=args.rows, heldout_rows=args.heldout_rows, seed=args.seed,
                           shuffle_labels=args.shuffle_labels, fmt=args.format, name=args.name)
     print(path)
@@ -164,13 +159,12 @@ def cmd_make_demo_data(args) -> int:
 
 
 def _positive(text: str) -> int:
+    """argparse type of the count flags of validate and plan (core's `require_int` rule)."""
     try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+        return require_int(int(text), "")
+    except ValueError as exc:  # int() of a non-number, or an InputError (a ValueError too)
+        message = exc.message if isinstance(exc, InputError) else f"must be an integer, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     manifest_args(pl)
     pl.add_argument("--manifest-sha256")
     pl.add_argument("--global-batch-size", type=_positive)
-    pl.add_argument("--epochs", type=_positive, default=1)
-    pl.add_argument("--seed", type=int, default=0)
+    # The plan's settings are training's (core.jobs.TrainJob): same defaults, same meaning.
+    pl.add_argument("--epochs", type=_positive, default=field_default(TrainJob, "epochs"), help=field_doc(TrainJob, "epochs") + " (default: %(default)s)")
+    pl.add_argument("--seed", type=int, default=field_default(TrainJob, "seed"), help=field_doc(TrainJob, "seed") + " (default: %(default)s)")
     pl.add_argument("--gpus", type=_positive)
     pl.add_argument("--max-global-batch-size", type=_positive)
     pl.add_argument("--json", action="store_true")

@@ -10,7 +10,6 @@ ENOSPC from `os.write` when the report's `.sha256` sidecar is written: a disk th
 between report and sidecar).
 """
 
-import argparse
 import errno
 import json
 import math
@@ -24,6 +23,7 @@ from dagster_pipes import open_dagster_pipes
 
 from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
 from value_assets.core.dataset import validate_dataset
+from value_assets.core.jobs import EvaluateJob, TrainJob
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan
@@ -45,25 +45,18 @@ def knobs(manifest_path: str) -> dict:
     return (json.loads(Path(manifest_path).read_text()).get("provenance") or {}).get("standin") or {}
 
 
-def train(pipes, argv, canary: bool):
-    p = argparse.ArgumentParser()
-    p.add_argument("manifest")
-    for flag in ("--output", "--backbone", "--lr", "--manifest-sha256"):
-        p.add_argument(flag)
-    p.add_argument("--data-root", action="append")
-    for flag in ("--global-batch-size", "--epochs", "--seed", "--gpus", "--save-interval", "--micro-batch-tokens"):
-        p.add_argument(flag, type=int)
-    p.add_argument("--canary", action="store_true")
-    a = p.parse_args(argv)
+def train(pipes, config, canary: bool):
+    a = TrainJob.from_json(config)  # the job config crosses the boundary as data, like the real job
+    assert a.canary == canary, (a.canary, canary)
     k = knobs(a.manifest)
     if k.get("exit_code"):
         print("stand-in failing on purpose", file=sys.stderr)
         sys.exit(k["exit_code"])
     if k.get("silent"):
         return
-    manifest = load_manifest(a.manifest, pinned_sha256=a.manifest_sha256, data_roots=a.data_root)
+    manifest = load_manifest(a.manifest, pinned_sha256=a.manifest_sha256, data_roots=a.data_roots)
     plan = build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed)
-    out = Path(a.output)
+    out = a.output
     if canary:
         train = validate_dataset(manifest.train, manifest.objective)
         ids = [row.sample_id for row in train.rows(plan.batch(1))]
@@ -86,24 +79,16 @@ def train(pipes, argv, canary: bool):
     pipes.report_asset_materialization(
         asset_key="critic_checkpoint", data_version=sha,
         metadata={"steps": steps, "final_loss": losses[-1], "loss_curve": losses, "contract_sha256": sha,
-                  "tokens_per_s": 1234.5})
+                  "tokens_per_s": 1234.5, "standin_config": {"raw_value": config, "type": "json"}})
     pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
                                        metadata={"contract_sha256": sha, "completed_steps": steps})
     # A check no step declares: the launcher must drop it, not crash.
     pipes.report_asset_check(check_name="standin_undeclared", passed=True, asset_key="training_contract")
 
 
-def evaluate(pipes, argv):
+def evaluate(pipes, config):
     """A real core report from synthetic values V = a*R + (1-a)/2, whose EV is exactly 1 - (1-a)^2."""
-    p = argparse.ArgumentParser()
-    for flag in ("--checkpoint", "--manifest", "--contract-sha256", "--report", "--split"):
-        p.add_argument(flag)
-    p.add_argument("--num-batches", type=int)
-    p.add_argument("--global-batch-size", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--gpus", type=int)
-    p.add_argument("--data-root", action="append")
-    a = p.parse_args(argv)
+    a = EvaluateJob.from_json(config)
     k = knobs(a.manifest)
     if k.get("silent"):
         return
@@ -122,7 +107,7 @@ def evaluate(pipes, argv):
     manifest = load_manifest(a.manifest)
     ref = manifest.heldout if a.split == "heldout" else manifest.train
     data = validate_dataset(ref, manifest.objective)
-    g = a.global_batch_size or default_batch_size(len(data), a.num_batches, a.gpus or 1)
+    g = a.global_batch_size or default_batch_size(len(data), a.num_batches, a.gpus)
     batches = mixed_label_batches(list(data.labels), g, a.num_batches, a.seed)
     rank_reports, active = [], []
     for batch in batches:
@@ -135,10 +120,10 @@ def evaluate(pipes, argv):
         rank_reports.append([RankReport(0, list(batch), SuffStats.merge(tok), SuffStats.merge(traj), row_values)])
         active.append(int(sum(data.active_targets[i] for i in batch)))
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
-                          checkpoint=a.checkpoint, contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
+                          checkpoint=str(a.checkpoint), contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
                           global_batch_size=g, batches=batches, rank_reports=rank_reports,
                           active_targets=active, labels=list(data.labels))
-    report_path = Path(a.report)
+    report_path = a.report
     # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.
     report["plots"] = {}
     for name in ("ev_per_batch", "calibration"):
@@ -155,9 +140,9 @@ def main():
         extras = pipes.extras
         pipes.log.info(f"stand-in task {extras['task']} for partition {extras.get('partition_key')} (pid {os.getpid()})")
         if extras["task"] == "evaluate":
-            evaluate(pipes, extras["argv"])
+            evaluate(pipes, extras["config"])
         else:
-            train(pipes, extras["argv"], canary=extras["task"] == "canary")
+            train(pipes, extras["config"], canary=extras["task"] == "canary")
 
 
 if __name__ == "__main__":

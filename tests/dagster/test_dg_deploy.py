@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from value_assets.core.jobs import EvaluateJob, TrainJob
 from value_assets.resources import K8sPodLauncher, RayJobLauncher
 from value_assets.resources.launchers import PIPES_MODULE
 
@@ -16,8 +17,8 @@ GPU_IMAGE = "registry.example.com/value-assets-gpu:0.1.0"
 BOOTSTRAP = {"DAGSTER_PIPES_CONTEXT": "ctx-payload", "DAGSTER_PIPES_MESSAGES": "msg-payload"}
 
 
-def pod_for(launcher, argv, task="train"):
-    pod = launcher.render_pod("dagster-run-abc-critic-training", task, argv, BOOTSTRAP)
+def pod_for(launcher, config, task="train"):
+    pod = launcher.render_pod("dagster-run-abc-critic-training", task, config.to_json(), BOOTSTRAP)
     return pod, pod.spec.containers[0]
 
 
@@ -25,7 +26,7 @@ def test_k8s_pod_has_image_command_gpus_env_and_mounts():
     launcher = K8sPodLauncher(image=GPU_IMAGE, gpus=1, env={"VALUE_ASSETS_ARTIFACTS": "/artifacts"},
                               pvc_mounts={"value-assets-artifacts": "/artifacts", "value-assets-data": "/data"},
                               node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"})
-    pod, container = pod_for(launcher, ["m.json", "--output", "/artifacts/p/critic", "--gpus", "8"])
+    pod, container = pod_for(launcher, TrainJob(manifest="m.json", output="/artifacts/p/critic", gpus=8))
     assert container.image == GPU_IMAGE
     assert container.command == ["python", "-m", PIPES_MODULE]
     assert container.resources.limits["nvidia.com/gpu"] == "8"
@@ -42,9 +43,13 @@ def test_k8s_pod_has_image_command_gpus_env_and_mounts():
     assert pod.metadata.name == "dagster-run-abc-critic-training"
 
 
-def test_k8s_pod_without_gpus_flag_uses_the_configured_count():
-    _, container = pod_for(K8sPodLauncher(image=GPU_IMAGE, gpus=2), ["--checkpoint", "c"], task="evaluate")
+def test_k8s_pod_requests_the_job_configs_gpus():
+    evaluation = EvaluateJob(checkpoint="c", manifest="m.json", contract_sha256="a" * 64, report="r.json", gpus=2)
+    _, container = pod_for(K8sPodLauncher(image=GPU_IMAGE, gpus=4), evaluation, task="evaluate")
     assert container.resources.limits["nvidia.com/gpu"] == "2"
+    # the job config's default is one worker, whatever the launcher's fallback
+    _, container = pod_for(K8sPodLauncher(image=GPU_IMAGE, gpus=4), TrainJob(manifest="m.json", output="o"))
+    assert container.resources.limits["nvidia.com/gpu"] == "1"
 
 
 def test_ray_job_params_name_the_pipes_entry():

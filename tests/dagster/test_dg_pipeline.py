@@ -10,6 +10,7 @@ import pytest
 from dagster import AssetKey
 
 from value_assets.assets.common import latest_metadata
+from value_assets.core.jobs import TrainJob
 
 pytestmark = pytest.mark.integration
 
@@ -144,4 +145,22 @@ def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifes
     result = run(test_defs, "full", instance, key, config)
     assert result.success
     assert latest_metadata(instance, "batch_plan", key)["steps"] == 8
-    assert latest_metadata(instance, "critic_checkpoint", key)["completed_steps"] == 8
+    checkpoint = latest_metadata(instance, "critic_checkpoint", key)
+    assert checkpoint["completed_steps"] == 8
+    # The job received the run config as a TrainJob (set fields as given, the rest its defaults).
+    job = TrainJob.from_json(checkpoint["standin_config"])
+    assert (job.global_batch_size, job.epochs, job.seed, job.save_interval, job.lr) == (4, 2, 17, 2, 3e-4)
+    assert job.manifest_sha256 == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
+    defaults = TrainJob(manifest="m", output="o")
+    assert (job.gpus, job.warmup_steps, job.micro_batch_tokens) == (defaults.gpus, defaults.warmup_steps, defaults.micro_batch_tokens)
+
+
+def test_invalid_run_config_fails_before_launch(instance, test_defs, test_resources, manifests_dir, write_manifest,
+                                                register, tmp_path):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "badcfg"))
+    config = {"ops": {"critic_training": {"config": {"warmup_steps": -5}}}}
+    result = run(test_defs, "full", instance, key, config)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure and e.step_key == "critic_training")
+    assert "warmup_steps: must be an integer >= 0, got -5" in str(failure.event_specific_data.error)
+    assert not (tmp_path / "artifacts" / key / "critic").exists()

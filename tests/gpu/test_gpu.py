@@ -76,13 +76,14 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
 def test_job_trains_evaluates_and_gates_on_one_gpu(tmp_path):
     """The whole Ray job on the GPU: placement group with a GPU bundle, NCCL, bf16."""
     from value_assets.core.demo_data import make_demo_data
-    from value_assets.gpu.jobs.train import TrainConfig, train
-    from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
+    from value_assets.core.jobs import EvaluateJob, TrainJob
+    from value_assets.gpu.jobs.train import train
+    from value_assets.gpu.jobs.evaluate import evaluate
 
     m = make_demo_data(tmp_path / "data", seed=0)
     out = tmp_path / "critic"
-    res = train(TrainConfig(manifest=m, output=out, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, gpus=1), log=print)
-    ev = evaluate(EvalConfig(checkpoint=out, manifest=m, contract_sha256=res.contract_sha256, report=tmp_path / "ev.json", gpus=1), log=print)
+    res = train(TrainJob(manifest=m, output=out, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, gpus=1), log=print)
+    ev = evaluate(EvaluateJob(checkpoint=out, manifest=m, contract_sha256=res.contract_sha256, report=tmp_path / "ev.json", gpus=1), log=print)
     optimal = json.loads(Path(m).read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"]
     agg = ev.report["aggregates"]
     print(json.dumps({"token_ev": agg["token"]["ev"], "trajectory_ev": agg["trajectory"]["ev"], "optimal": optimal,
@@ -97,17 +98,18 @@ def test_two_gpu_layouts_train_like_one_gpu(tmp_path, layout):
     sums): the same planned steps as one GPU, within bf16 tolerance, and the same report when
     the two-GPU checkpoint is evaluated on two GPUs and re-sharded onto one."""
     from value_assets.core.demo_data import make_demo_data
-    from value_assets.gpu.jobs.train import TrainConfig, train
-    from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
+    from value_assets.core.jobs import EvaluateJob, TrainJob
+    from value_assets.gpu.jobs.train import train
+    from value_assets.gpu.jobs.evaluate import evaluate
 
     m = make_demo_data(tmp_path / "data", seed=0)
     base = dict(manifest=m, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, stop_after=8)
-    one = train(TrainConfig(output=tmp_path / "one", gpus=1, **base), log=print)
-    two = train(TrainConfig(output=tmp_path / "two", gpus=2, **layout, **base), log=print)
+    one = train(TrainJob(output=tmp_path / "one", gpus=1, **base), log=print)
+    two = train(TrainJob(output=tmp_path / "two", gpus=2, **layout, **base), log=print)
     assert two.losses == pytest.approx(one.losses, rel=2e-2)
     evs = []
     for name, gpus, kw in (("two", 2, layout), ("resharded", 1, {})):
-        ev = evaluate(EvalConfig(checkpoint=tmp_path / "two", manifest=m, contract_sha256=two.contract_sha256,
+        ev = evaluate(EvaluateJob(checkpoint=tmp_path / "two", manifest=m, contract_sha256=two.contract_sha256,
                                  report=tmp_path / f"{name}.json", gpus=gpus, **kw), log=print)
         evs.append(ev.report["aggregates"]["trajectory"]["ev"])
     print(json.dumps({"layout": layout, "losses_one": one.losses, "losses_two": two.losses, "traj_ev": evs}))

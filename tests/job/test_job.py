@@ -18,8 +18,9 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import canonical_bytes
-from value_assets.gpu.jobs.train import RECEIPT_NAME, TrainConfig, prepare, train
-from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
+from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.gpu.jobs.train import RECEIPT_NAME, prepare, train
+from value_assets.gpu.jobs.evaluate import evaluate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -48,9 +49,9 @@ def data(tmp_path_factory):
     return {"learnable": make_demo_data(root, seed=0), "shuffled": make_demo_data(root, seed=0, shuffle_labels=True)}
 
 
-def base_cfg(manifest: Path, output: Path, **kw) -> TrainConfig:
+def base_cfg(manifest: Path, output: Path, **kw) -> TrainJob:
     settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, save_interval=32, gpus=2, lr=2e-3)
-    return TrainConfig(manifest=manifest, output=output, **(settings | kw))
+    return TrainJob(manifest=manifest, output=output, **(settings | kw))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def learned(ray_cluster, data, tmp_path_factory):
     cfg = base_cfg(data["learnable"], out)
     result = train(cfg, log=quiet)
     report = tmp_path_factory.mktemp("reports") / "ev.json"
-    ev = evaluate(EvalConfig(checkpoint=out, manifest=data["learnable"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
+    ev = evaluate(EvaluateJob(checkpoint=out, manifest=data["learnable"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
     return cfg, result, ev
 
 
@@ -105,7 +106,7 @@ def test_shuffled_labels_fail_the_gate(ray_cluster, data, tmp_path):
     out = tmp_path / "critic"
     result = train(base_cfg(data["shuffled"], out), log=quiet)
     report = tmp_path / "ev.json"
-    ev = evaluate(EvalConfig(checkpoint=out, manifest=data["shuffled"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
+    ev = evaluate(EvaluateJob(checkpoint=out, manifest=data["shuffled"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
     assert not ev.passed
     assert ev.report["passed"] is False
     # the failing report is still published
@@ -274,7 +275,7 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
     assert resumed.losses == two.losses[2:] and resumed.state_sha256 == two.state_sha256
 
     def ev(result, name, **kw):
-        return evaluate(EvalConfig(checkpoint=Path(result.critic_dir), manifest=data["learnable"], contract_sha256=result.contract_sha256,
+        return evaluate(EvaluateJob(checkpoint=Path(result.critic_dir), manifest=data["learnable"], contract_sha256=result.contract_sha256,
                                    report=tmp_path / f"{name}.json", **kw), log=quiet).report["aggregates"]
 
     # (The one-stage run's parameters equal these within 1e-5: tests/engine checks that.)
@@ -286,9 +287,9 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
 
 
 @pytest.mark.parametrize("kw, flag, message", [
-    ({"gpus": 3, "pipeline_parallel": 3, "global_batch_size": 30}, "--pipeline-parallel", "3 stages do not split the backbone's 2 layers evenly"),
+    ({"gpus": 3, "pipeline_parallel": 3, "global_batch_size": 30}, "pipeline_parallel", "3 stages do not split the backbone's 2 layers evenly"),
     ({"gpus": 2, "tensor_parallel": 2, "pipeline_parallel": 2}, "gpus", "not divisible by the model-parallel size tp x pp = 2 x 2 = 4"),
-    ({"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30}, "--tensor-parallel", "3 does not divide the backbone's num_attention_heads"),
+    ({"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30}, "tensor_parallel", "3 does not divide the backbone's num_attention_heads"),
 ])
 def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypatch, kw, flag, message):
     from value_assets.gpu.runtime import cluster
@@ -308,6 +309,6 @@ def test_evaluation_refuses_a_layout_the_backbone_cannot_take(learned, data, tmp
     cfg, result, _ = learned
     report = tmp_path / "ev.json"
     with pytest.raises(InputError, match="4 stages do not split the backbone's 2 layers evenly"):
-        evaluate(EvalConfig(checkpoint=cfg.output, manifest=data["learnable"], contract_sha256=result.contract_sha256,
+        evaluate(EvaluateJob(checkpoint=cfg.output, manifest=data["learnable"], contract_sha256=result.contract_sha256,
                             report=report, gpus=4, pipeline_parallel=4), log=quiet)
     assert not report.exists()

@@ -5,8 +5,8 @@ launcher resource, and return `MaterializeResult`s whose data versions are the a
 """
 
 from value_assets.assets.critic import (
-    EvalConfig,
-    TrainConfig,
+    EvaluateRunConfig,
+    TrainRunConfig,
     canary_receipt,
     critic_training,
     ev_report,
@@ -28,8 +28,8 @@ ALL_ASSETS = [
 __all__ = [
     "ALL_ASSETS",
     "PlanConfig",
-    "TrainConfig",
-    "EvalConfig",
+    "TrainRunConfig",
+    "EvaluateRunConfig",
     "value_manifest",
     "train_dataset",
     "heldout_dataset",

@@ -1,5 +1,5 @@
 """Small Dagster-side helpers shared by assets and checks: error mapping, the partition's manifest,
-instance lookups (what the lineage recorded, handed to the rules in `value_assets.core`)."""
+run config, instance lookups (what the lineage recorded, handed to the rules in `value_assets.core`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance, Failure, MetadataValue
+from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, Config, DagsterInstance, Failure, MetadataValue
+from pydantic import Field
 
 from value_assets.core.errors import InputError
+from value_assets.core.jobs import field_default, field_doc
 from value_assets.core.promotion import GateRecord, PromotionRefused, ReportRecord
 
 INLINE_PLOT_MAX_BYTES = 512 * 1024
@@ -35,6 +37,24 @@ def partition_manifest(context, artifacts, inbox):
 
 def _values(metadata) -> dict[str, Any]:
     return {key: getattr(value, "value", value) for key, value in (metadata or {}).items()}
+
+
+def job_setting(job_config: type, name: str) -> Any:
+    """A Dagster run-config field standing for field `name` of a job config (`TrainJob`,
+    `EvaluateJob`): unset (None) means the job config's default, and the description is the job
+    config's own. The run config never holds a second copy of a default or of a rule: the job
+    config validates what is given when the asset builds it."""
+    try:
+        default = field_default(job_config, name)
+    except KeyError:
+        default = None
+    note = "" if default is None else f" Unset: {default!r}."
+    return Field(default=None, description=field_doc(job_config, name) + note)
+
+
+def given(config: Config) -> dict[str, Any]:
+    """The run-config fields that were set (not None), as job-config keyword arguments."""
+    return {name: getattr(config, name) for name in type(config).model_fields if getattr(config, name) is not None}
 
 
 def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: str) -> dict[str, Any] | None:

@@ -1,6 +1,8 @@
 """GPU assets (training, canary, evaluation, through the launcher) and promotion.
 
-Each GPU asset builds the job's argument vector, launches it through `GpuJobLauncher`, then
+Each GPU asset builds the job's config (`TrainJob` / `EvaluateJob`: the run config's settings,
+unset ones taking the job config's defaults, plus the partition's facts), launches it through
+`GpuJobLauncher` (the config crosses to the job as JSON in the Pipes extras), then
 re-reads what the job published (contract, report) so that the recorded shas come from the
 files on disk, not only from what the job said.
 """
@@ -19,11 +21,11 @@ from dagster import (
     asset,
     multi_asset,
 )
-from pydantic import Field
-
 from value_assets.assets.common import (
     ev_report_records,
     fail_on_bad_input,
+    given,
+    job_setting,
     latest_gate_record,
     latest_metadata,
     partition_manifest,
@@ -33,6 +35,7 @@ from value_assets.assets.common import (
 from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
 from value_assets.core.hashing import sha256_bytes
+from value_assets.core.jobs import EvaluateJob, TrainJob
 from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify_promotion
 from value_assets.core.publish import read_published
 from value_assets.core.report import ev_summary, report_manifest_sha
@@ -44,50 +47,36 @@ GROUP = "critic"
 GPU_POOL = "gpu"
 
 
-class TrainConfig(Config):
-    """Training run settings; G, epochs and seed come from the published batch plan."""
+class TrainRunConfig(Config):
+    """Run config of `critic_training` and `canary_receipt`: the `TrainJob` settings a run may set
+    (unset: `TrainJob`'s defaults). G, epochs and seed come from the published batch plan."""
 
-    backbone: str = Field(default="tiny", description="Actor checkpoint path, or `tiny` for the CPU demo model.")
-    gpus: int = Field(default=1, ge=1)
-    tensor_parallel: int = Field(default=1, ge=1, description="Tensor-parallel size (divides gpus).")
-    pipeline_parallel: int = Field(default=1, ge=1, description="Pipeline stages (divides gpus and the backbone's layers).")
-    save_interval: int = Field(default=0, ge=0, description="Save every K steps; 0: only at the end.")
-    lr: float | None = Field(default=None, gt=0, description="Learning rate; default 2e-3 for the tiny demo backbone, 1e-5 for a real actor.")
-    micro_batch_tokens: int | None = Field(default=None, ge=1)
-
-
-def default_lr(backbone: str) -> float:
-    """A randomly initialised tiny model needs a large step; a pretrained actor a small one."""
-    return 2e-3 if backbone == "tiny" else 1e-5
+    backbone: str | None = job_setting(TrainJob, "backbone")
+    gpus: int | None = job_setting(TrainJob, "gpus")
+    tensor_parallel: int | None = job_setting(TrainJob, "tensor_parallel")
+    pipeline_parallel: int | None = job_setting(TrainJob, "pipeline_parallel")
+    save_interval: int | None = job_setting(TrainJob, "save_interval")
+    lr: float | None = job_setting(TrainJob, "lr")
+    warmup_steps: int | None = job_setting(TrainJob, "warmup_steps")
+    micro_batch_tokens: int | None = job_setting(TrainJob, "micro_batch_tokens")
 
 
-def train_argv(manifest, output_dir, config: TrainConfig, plan: tuple[int, int, int], data_roots=None) -> list[str]:
-    """`value-assets train` arguments; the manifest sha is pinned so the job trains on the very
-    bytes this partition registered."""
+def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,
+              canary: bool = False) -> TrainJob:
+    """The training job of a partition; the manifest sha is pinned so the job trains on the very
+    bytes this partition registered, and G, epochs and seed are the published plan's."""
     g, epochs, seed = plan
-    argv = [str(manifest.path), "--manifest-sha256", manifest.sha256, "--output", str(output_dir),
-            "--backbone", config.backbone,
-            "--global-batch-size", str(g), "--epochs", str(epochs), "--seed", str(seed),
-            "--gpus", str(config.gpus), "--lr", repr(config.lr if config.lr is not None else default_lr(config.backbone))]
-    if config.tensor_parallel > 1:
-        argv += ["--tensor-parallel", str(config.tensor_parallel)]
-    if config.pipeline_parallel > 1:
-        argv += ["--pipeline-parallel", str(config.pipeline_parallel)]
-    if config.save_interval:
-        argv += ["--save-interval", str(config.save_interval)]
-    if config.micro_batch_tokens:
-        argv += ["--micro-batch-tokens", str(config.micro_batch_tokens)]
-    for root in data_roots or []:
-        argv += ["--data-root", str(root)]
-    return argv
+    return TrainJob(manifest=manifest.path, manifest_sha256=manifest.sha256, output=output_dir,
+                    global_batch_size=g, epochs=epochs, seed=seed, data_roots=data_roots, canary=canary,
+                    **given(config))
 
 
-def _job_extras(context: AssetExecutionContext, manifest, **paths: Any) -> dict[str, Any]:
+def _job_extras(context: AssetExecutionContext, manifest) -> dict[str, Any]:
+    """What the job is for (its paths are in the job config the launcher adds)."""
     return {
         "partition_key": context.partition_key,
         "manifest_sha256": manifest.sha256,
         "asset_keys": sorted(k.to_user_string() for k in context.selected_asset_keys),
-        **{k: str(v) for k, v in paths.items()},
     }
 
 
@@ -124,7 +113,7 @@ def contract_metadata(ref: ContractRef) -> dict[str, Any]:
 )
 def critic_training(
     context: AssetExecutionContext,
-    config: TrainConfig,
+    config: TrainRunConfig,
     artifacts: ArtifactStore,
     inbox: ManifestInbox,
     launcher: GpuJobLauncher,
@@ -135,8 +124,9 @@ def critic_training(
         manifest = partition_manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.critic_dir(key)
-    results = launcher.launch(context, "train", train_argv(manifest, output, config, plan, inbox.roots()),
-                              _job_extras(context, manifest, output_dir=output))
+    with fail_on_bad_input("critic_training: config"):
+        job = train_job(config, manifest, output, plan, inbox.roots())
+    results = launcher.launch(context, "train", job, _job_extras(context, manifest))
     with fail_on_bad_input("critic_training: published contract"):
         ref = resolve_latest_contract(output)
     for result in results:
@@ -156,7 +146,7 @@ def critic_training(
 @asset(partitions_def=manifests_partitions, deps=[batch_plan, train_dataset], code_version="1",
        group_name=GROUP, pool=GPU_POOL, kinds={"ray"})
 def canary_receipt(
-    context: AssetExecutionContext, config: TrainConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
+    context: AssetExecutionContext, config: TrainRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
     launcher: GpuJobLauncher,
 ) -> MaterializeResult:
     """One planned step end to end; writes a non-promotable receipt and no contract (SPEC 5)."""
@@ -165,9 +155,9 @@ def canary_receipt(
         manifest = partition_manifest(context, artifacts, inbox)
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.canary_dir(key, context.run.run_id)
-    argv = train_argv(manifest, output, config, plan, inbox.roots()) + ["--canary"]
-    result = materialization_of(
-        launcher.launch(context, "canary", argv, _job_extras(context, manifest, output_dir=output)), "canary")
+    with fail_on_bad_input("canary_receipt: config"):
+        job = train_job(config, manifest, output, plan, inbox.roots(), canary=True)
+    result = materialization_of(launcher.launch(context, "canary", job, _job_extras(context, manifest)), "canary")
     return MaterializeResult(
         data_version=result.data_version,
         metadata={**(result.metadata or {}), "promotable": False, "output_dir": MetadataValue.path(str(output))},
@@ -184,13 +174,16 @@ def recorded_contract_sha(context: AssetExecutionContext, partition_key: str) ->
     return sha
 
 
-class EvalConfig(Config):
-    num_batches: int = Field(default=8, ge=1, description="B mixed-label batches (SPEC 7).")
-    global_batch_size: int | None = Field(default=None, ge=2, description="G rows per evaluation batch (G x B <= heldout rows); default min(64, rows / B).")
-    seed: int = Field(default=0, description="Seed of the mixed-label batch selection.")
-    gpus: int = Field(default=1, ge=1)
-    tensor_parallel: int = Field(default=1, ge=1, description="Any layout: the checkpoint is re-sharded on load.")
-    pipeline_parallel: int = Field(default=1, ge=1, description="Any layout: the checkpoint is re-sharded on load.")
+class EvaluateRunConfig(Config):
+    """Run config of `ev_report`: the `EvaluateJob` settings a run may set (unset: `EvaluateJob`'s
+    defaults). Checkpoint, contract, manifest, split and report path are the partition's."""
+
+    num_batches: int | None = job_setting(EvaluateJob, "num_batches")
+    global_batch_size: int | None = job_setting(EvaluateJob, "global_batch_size")
+    seed: int | None = job_setting(EvaluateJob, "seed")
+    gpus: int | None = job_setting(EvaluateJob, "gpus")
+    tensor_parallel: int | None = job_setting(EvaluateJob, "tensor_parallel")
+    pipeline_parallel: int | None = job_setting(EvaluateJob, "pipeline_parallel")
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:
@@ -210,7 +203,7 @@ def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dic
 @asset(partitions_def=manifests_partitions, deps=["training_contract", "critic_checkpoint", heldout_dataset],
        code_version="1", group_name=GROUP, pool=GPU_POOL, kinds={"ray"})
 def ev_report(
-    context: AssetExecutionContext, config: EvalConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
+    context: AssetExecutionContext, config: EvaluateRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
     launcher: GpuJobLauncher,
 ) -> MaterializeResult:
     """Forward-only EV evaluation of the latest contracted critic on heldout rows (SPEC 7).
@@ -234,20 +227,10 @@ def ev_report(
                          f"({recorded_sha}): reused, not re-evaluated")
     else:
         split = "heldout" if manifest.heldout is not None else "train"
-        argv = ["--checkpoint", str(ref.checkpoint_dir), "--manifest", str(manifest.path),
-                "--contract-sha256", ref.sha256, "--report", str(report_path), "--split", split,
-                "--num-batches", str(config.num_batches), "--seed", str(config.seed), "--gpus", str(config.gpus)]
-        if config.global_batch_size is not None:
-            argv += ["--global-batch-size", str(config.global_batch_size)]
-        if config.tensor_parallel > 1:
-            argv += ["--tensor-parallel", str(config.tensor_parallel)]
-        if config.pipeline_parallel > 1:
-            argv += ["--pipeline-parallel", str(config.pipeline_parallel)]
-        for root in inbox.roots() or []:
-            argv += ["--data-root", str(root)]
-        result = materialization_of(
-            launcher.launch(context, "evaluate", argv, _job_extras(context, manifest, report_path=report_path)),
-            "evaluate")
+        with fail_on_bad_input("ev_report: config"):
+            job = EvaluateJob(checkpoint=ref.checkpoint_dir, manifest=manifest.path, contract_sha256=ref.sha256,
+                              report=report_path, split=split, data_roots=inbox.roots(), **given(config))
+        result = materialization_of(launcher.launch(context, "evaluate", job, _job_extras(context, manifest)), "evaluate")
         extra.update(result.metadata or {})
     with fail_on_bad_input("ev_report: published report"):
         report, report_sha = read_published(report_path, "EV report", expected_sha=recorded_sha if reuse else None)

@@ -17,9 +17,8 @@ from dagster import (
     TableSchema,
     asset,
 )
-from pydantic import Field
-
-from value_assets.assets.common import fail_on_bad_input, partition_manifest
+from value_assets.assets.common import fail_on_bad_input, given, job_setting, partition_manifest
+from value_assets.core.jobs import TrainJob, field_default
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
@@ -98,12 +97,22 @@ def heldout_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, in
     return _validate(context, artifacts, inbox, "heldout")
 
 
-class PlanConfig(Config):
-    """The batch plan (SPEC 3). Training reads these back from the plan, never from its own config."""
+PLAN_SETTINGS = ("global_batch_size", "epochs", "seed")
 
-    global_batch_size: int = Field(default=32, ge=1)
-    epochs: int = Field(default=1, ge=1)
-    seed: int = 0
+
+class PlanConfig(Config):
+    """The batch plan (SPEC 3): `TrainJob`'s plan settings (unset: its defaults). Training reads
+    these back from the published plan, never from its own config."""
+
+    global_batch_size: int | None = job_setting(TrainJob, "global_batch_size")
+    epochs: int | None = job_setting(TrainJob, "epochs")
+    seed: int | None = job_setting(TrainJob, "seed")
+
+
+def plan_settings(config: PlanConfig) -> tuple[int, int, int]:
+    """(G, epochs, seed): the run config's, else `TrainJob`'s defaults (checked by `build_plan`)."""
+    settings = {name: field_default(TrainJob, name) for name in PLAN_SETTINGS} | given(config)
+    return settings["global_batch_size"], settings["epochs"], settings["seed"]
 
 
 @asset(partitions_def=manifests_partitions, deps=[train_dataset], code_version="1", group_name=GROUP)
@@ -116,7 +125,8 @@ def batch_plan(
 
     with fail_on_bad_input("batch_plan"):
         manifest = partition_manifest(context, artifacts, inbox)
-        plan = build_plan(manifest.train.num_samples, config.global_batch_size, config.epochs, config.seed)
+        g, epochs, seed = plan_settings(config)
+        plan = build_plan(manifest.train.num_samples, g, epochs, seed)
         path = artifacts.plan_path(context.partition_key)
         # Write-once; the identical plan again is a no-op, a different one for this partition is
         # refused (its critic folder's contract binds the first plan).
@@ -127,9 +137,9 @@ def batch_plan(
             "plan_sha256": plan.sha256,
             "plan_path": MetadataValue.path(str(path)),
             "steps": plan.num_steps,
-            "global_batch_size": config.global_batch_size,
-            "epochs": config.epochs,
-            "seed": config.seed,
+            "global_batch_size": plan.global_batch_size,
+            "epochs": plan.epochs,
+            "seed": plan.seed,
             "rows": manifest.train.num_samples,
         },
     )

@@ -28,3 +28,11 @@ def show(value: object, limit: int = 80) -> str:
         return repr(value)[: limit - 3] + "..."
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def require_int(value: object, where: str, minimum: int = 1) -> int:
+    """Return `value` if it is an integer (never a bool) >= `minimum`, else raise an InputError
+    naming `where` and the value. The one check behind every count setting (sizes, steps, GPUs)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InputError(where, f"must be an integer >= {minimum}, got {show(value)}")
+    return value

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from .errors import InputError, show
+from .errors import InputError, require_int, show
 from .strict_json import is_int
 
 
@@ -20,8 +20,7 @@ def mixed_label_batches(labels: Sequence[float], global_batch_size: int, num_bat
     g, b = global_batch_size, num_batches
     if not is_int(g) or g < 2:
         raise InputError("global_batch_size", f"must be an integer >= 2 for mixed-label batches, got {show(g)}")
-    if not is_int(b) or b < 1:
-        raise InputError("num_batches", f"must be an integer >= 1, got {show(b)}")
+    require_int(b, "num_batches")
     n = len(labels)
     if g * b > n:
         raise InputError("num_batches", f"{b} batches of {g} rows need {g * b} rows, but only {n} rows have a label")

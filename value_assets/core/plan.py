@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError, show
+from .errors import InputError, require_int, show
 from .hashing import sha256_bytes
 from .strict_json import canonical_bytes, is_int
 
@@ -61,16 +61,10 @@ class BatchPlan:
         return coverage(self.num_rows, self.steps, self.epochs)
 
 
-def _positive_int(value: object, name: str) -> int:
-    if not is_int(value) or value < 1:
-        raise InputError(name, f"must be an integer >= 1, got {show(value)}")
-    return value  # type: ignore[return-value]
-
-
 def build_plan(num_rows: int, global_batch_size: int, epochs: int = 1, seed: int = 0) -> BatchPlan:
-    n = _positive_int(num_rows, "num_rows")
-    g = _positive_int(global_batch_size, "global_batch_size")
-    e = _positive_int(epochs, "epochs")
+    n = require_int(num_rows, "num_rows")
+    g = require_int(global_batch_size, "global_batch_size")
+    e = require_int(epochs, "epochs")
     if not is_int(seed):
         raise InputError("seed", f"must be an integer, got {show(seed)}")
     if n < g:
@@ -110,9 +104,9 @@ class ExactCoverage:
 
 def choose_exact_coverage(num_rows: int, gpus: int, max_global_batch_size: int) -> ExactCoverage:
     """Largest dp <= min(N, GPUs, max G) dividing N; then the largest multiple of dp <= min(N, max G) dividing N."""
-    n = _positive_int(num_rows, "num_rows")
-    gp = _positive_int(gpus, "gpus")
-    mg = _positive_int(max_global_batch_size, "max_global_batch_size")
+    n = require_int(num_rows, "num_rows")
+    gp = require_int(gpus, "gpus")
+    mg = require_int(max_global_batch_size, "max_global_batch_size")
     dp = max(d for d in range(1, min(n, gp, mg) + 1) if n % d == 0)
     g = max(m for m in range(dp, min(n, mg) + 1, dp) if n % m == 0)
     return ExactCoverage(dp=dp, global_batch_size=g, dropped=n % g, repeated=0)
@@ -120,9 +114,9 @@ def choose_exact_coverage(num_rows: int, gpus: int, max_global_batch_size: int) 
 
 def data_parallel_size(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
     """GPUs / (tp x pp); the GPUs must divide into whole model-parallel groups (SPEC 3)."""
-    total = _positive_int(total_gpus, "gpus")
-    tp = _positive_int(tensor_parallel, "tensor_parallel")
-    pp = _positive_int(pipeline_parallel, "pipeline_parallel")
+    total = require_int(total_gpus, "gpus")
+    tp = require_int(tensor_parallel, "tensor_parallel")
+    pp = require_int(pipeline_parallel, "pipeline_parallel")
     if total % (tp * pp):
         raise InputError("gpus", f"{total} GPUs are not divisible by the model-parallel size tp x pp = {tp} x {pp} = {tp * pp}")
     return total // (tp * pp)
@@ -132,8 +126,8 @@ def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parall
                    global_batch_size: int, micro_batch_size: int = 1) -> int:
     """Check SPEC 3 topology rules before launch; return the data-parallel size."""
     dp = data_parallel_size(total_gpus=total_gpus, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
-    g = _positive_int(global_batch_size, "global_batch_size")
-    mb = _positive_int(micro_batch_size, "micro_batch_size")
+    g = require_int(global_batch_size, "global_batch_size")
+    mb = require_int(micro_batch_size, "micro_batch_size")
     if g % dp:
         raise InputError("global_batch_size", f"{g} is not divisible by the data-parallel size {dp}")
     if (g // dp) % mb:

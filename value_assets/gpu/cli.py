@@ -1,62 +1,69 @@
 """The GPU-job subcommands of `value-assets`: train, evaluate, export-hf.
 
-This module only declares arguments; torch, ray and megatron are imported when a command runs, so
-`value-assets validate` stays light.
+This module only declares arguments and builds the job config (`value_assets.core.jobs`) from
+them: flag defaults and help come from the config's fields. torch, ray and megatron are imported
+when a command runs, so `value-assets validate` stays light.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from value_assets.core.jobs import DATA_ROOTS_ENV, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+
+J = TypeVar("J", TrainJob, EvaluateJob)
 
 
 EXIT_GATE_FAILED = 3
 
 
-def _data_roots(args):
-    from value_assets.cli import _data_roots as roots
+def _flag(parser: argparse.ArgumentParser, cls: type, name: str, type: Callable[[str], Any] | None = None, **kw: Any) -> None:
+    """`--name-with-dashes` for field `name` of job config `cls`: its default and its help come
+    from the field, so the command line cannot disagree with the assets or the Pipes job. A field
+    without a default is a required flag. Values are checked by the config, not by argparse."""
+    f = cls.__dataclass_fields__[name]
+    help_text = field_doc(cls, name).replace("%", "%%")
+    if f.default is dataclasses.MISSING:
+        kw["required"] = True
+    else:
+        kw["default"] = f.default
+        if f.default is not None and f.default is not False:
+            help_text += " (default: %(default)s)"
+    if type is bool:
+        kw["action"] = "store_true"
+    elif type is not None:
+        kw["type"] = type
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, help=help_text, **kw)
 
-    r = roots(args)
-    return tuple(r) if r else None
 
-
-def train_config(args):
-    """The driver's TrainConfig from parsed `train` arguments (the CLI and the Pipes job share it)."""
-    from value_assets.gpu.jobs.train import TrainConfig
-
-    return TrainConfig(manifest=Path(args.manifest), output=Path(args.output), backbone=args.backbone,
-                       global_batch_size=args.global_batch_size, epochs=args.epochs, seed=args.seed, save_interval=args.save_interval,
-                       gpus=args.gpus, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
-                       micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
-                       warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
-                       data_roots=_data_roots(args), ray_address=args.ray_address)
-
-
-def eval_config(args):
-    """The EvalConfig from parsed `evaluate` arguments (the CLI and the Pipes job share it)."""
-    from value_assets.gpu.jobs.evaluate import EvalConfig
-
-    return EvalConfig(checkpoint=Path(args.checkpoint), manifest=Path(args.manifest), contract_sha256=args.contract_sha256,
-                      report=Path(args.report), split=args.split, num_batches=args.num_batches, global_batch_size=args.global_batch_size,
-                      seed=args.seed, gpus=args.gpus, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
-                      data_roots=_data_roots(args),
-                      ray_address=args.ray_address)
+def config_from_args(cls: type[J], args: argparse.Namespace) -> J:
+    """The job config from parsed arguments: every attribute named like a field, plus the data
+    roots of --data-root and $VALUE_ASSETS_DATA_ROOTS. Validation is the config's own."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["data_roots"] = data_roots_from_env(getattr(args, "data_root", None))
+    return cls(**values)
 
 
 def cmd_train(args) -> int:
+    cfg = config_from_args(TrainJob, args)  # refuses bad settings before torch is imported
     from value_assets.gpu.jobs.train import train
 
-    cfg = train_config(args)
     result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(result.to_json() if args.json else {k: v for k, v in result.to_json().items() if k not in ("metrics", "losses")}, sort_keys=True))
     return 0
 
 
 def cmd_evaluate(args) -> int:
+    cfg = config_from_args(EvaluateJob, args)
     from value_assets.gpu.jobs.evaluate import evaluate
 
-    cfg = eval_config(args)
     res = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     agg = res.report["aggregates"]
     print(json.dumps({"report": res.report_path, "sha256": res.report_sha256, "passed": res.passed,
@@ -76,48 +83,35 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    from value_assets.cli import _positive as p
-
-    return p(text)
+def _data_root_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-root", action="append",
+                        help=field_doc(TrainJob, "data_roots") + f" Repeatable; also ${DATA_ROOTS_ENV} ({os.pathsep}-separated).")
 
 
 def add_commands(sub) -> None:
     t = sub.add_parser("train", help="train a critic on the train split (GPU job; CPU without CUDA)")
-    t.add_argument("manifest")
-    t.add_argument("--output", required=True, help="critic folder: iter_*/ checkpoints, contracts, latest pointer, metrics")
-    t.add_argument("--backbone", required=True, help="'tiny', a Hugging Face folder or a Megatron checkpoint folder")
-    t.add_argument("--global-batch-size", type=_positive, default=16)
-    t.add_argument("--epochs", type=_positive, default=1)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--save-interval", type=int, default=0, help="save every K steps (0: at the end only)")
-    t.add_argument("--gpus", type=_positive, default=1, help="worker slots: GPUs, or CPU processes without CUDA")
-    t.add_argument("--tensor-parallel", type=_positive, default=1)
-    t.add_argument("--pipeline-parallel", type=_positive, default=1, help="pipeline stages (must divide the backbone's layers)")
-    t.add_argument("--micro-batch-tokens", type=_positive, default=4096)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--warmup-steps", type=int, default=0)
-    t.add_argument("--canary", action="store_true", help="run the first planned step only; write a non-promotable receipt")
-    t.add_argument("--manifest-sha256")
-    t.add_argument("--data-root", action="append")
-    t.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+    t.add_argument("manifest", help=field_doc(TrainJob, "manifest"))
+    _flag(t, TrainJob, "output")
+    _flag(t, TrainJob, "backbone")
+    for name in ("global_batch_size", "epochs", "seed", "save_interval", "gpus", "tensor_parallel", "pipeline_parallel",
+                 "micro_batch_tokens"):
+        _flag(t, TrainJob, name, int)
+    _flag(t, TrainJob, "lr", float)
+    _flag(t, TrainJob, "warmup_steps", int)
+    _flag(t, TrainJob, "canary", bool)
+    _flag(t, TrainJob, "manifest_sha256")
+    _data_root_flag(t)
+    _flag(t, TrainJob, "ray_address")
     t.add_argument("--json", action="store_true", help="print per-step metrics too")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="forward-only EV report and gate (exit 3 when the gate fails)")
-    e.add_argument("--checkpoint", required=True, help="a contracted iter_* folder, or a critic folder (its latest)")
-    e.add_argument("--manifest", required=True)
-    e.add_argument("--contract-sha256", required=True)
-    e.add_argument("--report", required=True, help="report path (write-once)")
-    e.add_argument("--split", choices=("heldout", "train"), default="heldout")
-    e.add_argument("--num-batches", type=_positive, default=8)
-    e.add_argument("--global-batch-size", type=_positive)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--gpus", type=_positive, default=1)
-    e.add_argument("--tensor-parallel", type=_positive, default=1)
-    e.add_argument("--pipeline-parallel", type=_positive, default=1, help="any layout: the checkpoint is re-sharded on load")
-    e.add_argument("--data-root", action="append")
-    e.add_argument("--ray-address")
+    for name in ("checkpoint", "manifest", "contract_sha256", "report", "split"):
+        _flag(e, EvaluateJob, name)
+    for name in ("num_batches", "global_batch_size", "seed", "gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens"):
+        _flag(e, EvaluateJob, name, int)
+    _data_root_flag(e)
+    _flag(e, EvaluateJob, "ray_address")
     e.set_defaults(func=cmd_evaluate)
 
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")

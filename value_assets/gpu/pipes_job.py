@@ -1,10 +1,11 @@
 """The GPU job's Dagster Pipes entry: ``python -m value_assets.gpu.pipes_job``.
 
 Dagster's launcher (local subprocess, Ray job or Kubernetes pod) starts this module with Pipes
-extras ``{"task": "train" | "canary" | "evaluate", "argv": [...], "partition_key": ...}``. The
-argument vector is the `value-assets train` / `evaluate` command line, parsed by the same parser.
-The job runs the driver and reports, through Pipes, one materialization per asset it produced
-(metadata and data version = the sha of what it published). Bad input ends the job with a
+extras ``{"task": "train" | "canary" | "evaluate", "config": {...}, "partition_key": ...}``. The
+config is the job's settings as data: `TrainJob.to_json()` (with ``canary: true`` exactly when the
+task is ``canary``) or `EvaluateJob.to_json()`, read back with `from_json`. The job runs the
+driver and reports, through Pipes, one materialization per asset it produced (metadata and data
+version = the sha of what it published). Bad input ends the job with a
 Pipes-visible error and exit status 2; nothing is reported then, so the step fails.
 """
 
@@ -16,22 +17,22 @@ from typing import Any
 from dagster_pipes import open_dagster_pipes
 
 from value_assets.core.errors import InputError
+from value_assets.core.jobs import EvaluateJob, TrainJob
 
 
-def _parse(task: str, argv: list[str]):
-    from value_assets.cli import build_parser
+def job_config(task: str, config: Any) -> TrainJob | EvaluateJob:
+    """The task's job config from the extras' ``config`` object; an InputError names the bad key."""
+    if task == "evaluate":
+        return EvaluateJob.from_json(config)
+    cfg = TrainJob.from_json(config)
+    if cfg.canary != (task == "canary"):
+        raise InputError("canary", f"is {str(cfg.canary).lower()} in the config of a {task!r} task")
+    return cfg
 
-    if task == "canary" and "--canary" not in argv:
-        argv = [*argv, "--canary"]
-    command = "evaluate" if task == "evaluate" else "train"
-    return build_parser().parse_args([command, *argv])
 
-
-def _train(pipes, args) -> None:
-    from value_assets.gpu.cli import train_config
+def _train(pipes, cfg: TrainJob) -> None:
     from value_assets.gpu.jobs.train import train
 
-    cfg = train_config(args)
     result = train(cfg, log=pipes.log.info)
     tokens_per_s = [m.get("tokens_per_s") for m in result.metrics if m.get("tokens_per_s")]
     common: dict[str, Any] = {
@@ -44,7 +45,7 @@ def _train(pipes, args) -> None:
         "checkpoint": result.checkpoint,
         "plan_sha256": result.plan_sha256,
     }
-    if args.canary:
+    if cfg.canary:
         from value_assets.core.hashing import sha256_file
 
         sha = sha256_file(result.receipt)
@@ -57,11 +58,9 @@ def _train(pipes, args) -> None:
                                        metadata={"contract_sha256": sha, "completed_steps": result.completed_steps})
 
 
-def _evaluate(pipes, args) -> None:
-    from value_assets.gpu.cli import eval_config
+def _evaluate(pipes, cfg: EvaluateJob) -> None:
     from value_assets.gpu.jobs.evaluate import evaluate
 
-    cfg = eval_config(args)
     res = evaluate(cfg, log=pipes.log.info)
     agg = res.report["aggregates"]
     pipes.report_asset_materialization(asset_key="ev_report", data_version=res.report_sha256, metadata={
@@ -81,8 +80,11 @@ def main() -> int:
             pipes.log.error(f"unknown task {task!r}; expected train, canary or evaluate")
             return 2
         try:
-            args = _parse(task, [str(a) for a in extras.get("argv", [])])
-            (_evaluate if task == "evaluate" else _train)(pipes, args)
+            cfg = job_config(task, extras.get("config"))
+            if isinstance(cfg, EvaluateJob):
+                _evaluate(pipes, cfg)
+            else:
+                _train(pipes, cfg)
         except InputError as exc:
             pipes.log.error(f"invalid input: {exc}")
             print(f"value-assets: error: {exc}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Launchers of the GPU job: one interface, three ways to run it, all through Dagster Pipes.
 
 The GPU job is ``python -m value_assets.gpu.pipes_job``. It opens Dagster Pipes, reads its task and
-argument vector from the Pipes extras, runs it, and reports materializations (metadata and data
+job config (`TrainJob` / `EvaluateJob` as JSON, never an argument vector) from the Pipes extras, runs it, and reports materializations (metadata and data
 version) for the asset keys the extras name. The launcher decides only *where* it runs:
 
 - `SubprocessLauncher` (default): a child process of the step, through `PipesSubprocessClient`.
@@ -14,6 +14,7 @@ step was asked to produce fails the step: silence is never success.
 """
 
 
+import json
 import shlex
 import warnings
 import sys
@@ -30,6 +31,8 @@ from dagster import (
 )
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
+
+from value_assets.core.jobs import EvaluateJob, TrainJob
 
 # Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
 warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
@@ -49,13 +52,17 @@ class GpuJobLauncher(ConfigurableResource):
         self,
         context: Any,
         task: str,
-        argv: Sequence[str],
+        config: TrainJob | EvaluateJob,
         extras: Mapping[str, Any] | None = None,
     ) -> list[PipesResult]:
         if task not in TASKS:
             raise ValueError(f"unknown GPU task {task!r}; expected one of {TASKS}")
-        payload = {**(extras or {}), "task": task, "argv": [str(a) for a in argv]}
-        context.log.info(f"GPU job {task} via {type(self).__name__}: {shlex.join(payload['argv'])}")
+        expected = EvaluateJob if task == "evaluate" else TrainJob
+        if not isinstance(config, expected) or (task != "evaluate" and config.canary != (task == "canary")):
+            raise ValueError(f"GPU task {task!r} needs a {expected.__name__}"
+                             f"{'' if task == 'evaluate' else ' with canary=' + str(task == 'canary')}, got {config!r}")
+        payload = {**(extras or {}), "task": task, "config": config.to_json()}
+        context.log.info(f"GPU job {task} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
         invocation = self._invoke(context, task, payload)
         # Pipes would invent an empty materialization for every selected asset the job did not
         # report; a silent job must fail instead.
@@ -158,7 +165,7 @@ class K8sPodLauncher(GpuJobLauncher):
     image: str = Field(description="GPU job image (deploy/Dockerfile, target `gpu`).")
     namespace: str | None = None
     command: list[str] = Field(default_factory=lambda: ["python", "-m", PIPES_MODULE])
-    gpus: int = Field(default=1, description="nvidia.com/gpu per pod unless argv carries --gpus N.")
+    gpus: int = Field(default=1, description="nvidia.com/gpu per pod when the job config names no `gpus` (every job config does).")
     cpu: str = "8"
     memory: str = "64Gi"
     shm_size: str = Field(default="16Gi", description="/dev/shm for NCCL and data loaders.")
@@ -175,14 +182,12 @@ class K8sPodLauncher(GpuJobLauncher):
     kubeconfig_file: str | None = None
     pod_wait_timeout_s: float = 7 * 24 * 3600.0
 
-    def gpus_for(self, argv: Sequence[str]) -> int:
-        args = list(argv)
-        if "--gpus" in args:
-            return int(args[args.index("--gpus") + 1])
-        return self.gpus
+    def gpus_for(self, config: Mapping[str, Any]) -> int:
+        """The pod's GPUs: the job config's worker slots (`gpus`)."""
+        return int(config.get("gpus", self.gpus))
 
-    def base_pod_spec(self, task: str, argv: Sequence[str]) -> dict[str, Any]:
-        gpus = self.gpus_for(argv)
+    def base_pod_spec(self, task: str, config: Mapping[str, Any]) -> dict[str, Any]:
+        gpus = self.gpus_for(config)
         mounts = [{"name": f"pvc-{i}", "mountPath": path} for i, path in enumerate(self.pvc_mounts.values())]
         volumes: list[dict[str, Any]] = [
             {"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": claim}}
@@ -212,7 +217,7 @@ class K8sPodLauncher(GpuJobLauncher):
     def base_pod_meta(self, task: str) -> dict[str, Any]:
         return {"labels": {"app.kubernetes.io/name": "value-assets-gpu-job", "value-assets/task": task}}
 
-    def render_pod(self, pod_name: str, task: str, argv: Sequence[str], bootstrap_env: Mapping[str, str]):
+    def render_pod(self, pod_name: str, task: str, config: Mapping[str, Any], bootstrap_env: Mapping[str, str]):
         """The V1Pod this launcher submits, as `PipesK8sClient.run` builds it (used by tests)."""
         from dagster_k8s.pipes import build_pod_body
 
@@ -222,7 +227,7 @@ class K8sPodLauncher(GpuJobLauncher):
             command=list(self.command),
             env_vars={**bootstrap_env, **self.env},
             base_pod_meta=self.base_pod_meta(task),
-            base_pod_spec=self.base_pod_spec(task, argv),
+            base_pod_spec=self.base_pod_spec(task, config),
         )
 
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
@@ -240,6 +245,6 @@ class K8sPodLauncher(GpuJobLauncher):
             command=list(self.command),
             namespace=self.namespace,
             base_pod_meta=self.base_pod_meta(task),
-            base_pod_spec=self.base_pod_spec(task, extras["argv"]),
+            base_pod_spec=self.base_pod_spec(task, extras["config"]),
             pod_wait_timeout=self.pod_wait_timeout_s,
         )

@@ -5,6 +5,7 @@ data parallel, with tensor and pipeline parallelism inside each replica (any lay
 checkpoint is re-sharded on load). Each data-parallel rank's last pipeline stage returns float64
 sufficient statistics; the driver checks their coverage, sums, decides the
 gate and publishes the report write-once, with its two plots. A failing gate still publishes.
+Like training, `prepare` makes every CPU-side check before the cluster is reserved.
 """
 
 from __future__ import annotations
@@ -16,35 +17,16 @@ from typing import Any, Callable
 import numpy as np
 
 from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
-from value_assets.core.dataset import validate_dataset
+from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
-from value_assets.core.hashing import require_sha
-from value_assets.core.manifest import load_manifest
+from value_assets.core.jobs import EvaluateJob
+from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
 from value_assets.core.publish import publication_state, publish_once
 from value_assets.core.report import build_report
 from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    checkpoint: Path
-    manifest: Path
-    contract_sha256: str
-    report: Path
-    split: str = "heldout"
-    num_batches: int = 8
-    global_batch_size: int | None = None
-    seed: int = 0
-    gpus: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    micro_batch_tokens: int = 8192
-    data_roots: tuple[str, ...] | None = None
-    ray_address: str | None = None
-    timeout_s: float = 900.0
 
 
 @dataclass
@@ -65,16 +47,27 @@ def _step_dir(checkpoint: Path) -> Path:
     return latest[0]
 
 
-def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
-    from value_assets.gpu.runtime.cluster import start_workers
-    from value_assets.gpu.jobs.train import check_model_split, row_payload
-    from value_assets.gpu.model.critic import BackboneConfig
-    from value_assets.gpu.jobs.plots import calibration_png, ev_per_batch_png
+@dataclass
+class _Prepared:
+    step_dir: Path
+    contract: dict[str, Any]
+    contract_sha256: str
+    manifest: Manifest
+    dataset: Dataset
+    dp: int
+    global_batch_size: int
+    batches: list[tuple[int, ...]]
+    micro_batch_tokens: int
 
-    # --- everything that can refuse, before the cluster is reserved ---------------------------
-    require_sha(cfg.contract_sha256, "--contract-sha256")
-    if cfg.split not in ("heldout", "train"):
-        raise InputError("--split", f"must be 'heldout' or 'train', got {cfg.split!r}")
+
+def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
+    """Every CPU-side check of SPEC 7, before anything is reserved: the contract (pinned), the
+    manifest and objective it binds, the split's data, the layout against the backbone, the
+    batch selection and the write-once report path. Writes nothing. (The settings' own rules
+    are `EvaluateJob`'s.)"""
+    from value_assets.gpu.jobs.train import check_model_split
+    from value_assets.gpu.model.critic import BackboneConfig
+
     step_dir = _step_dir(cfg.checkpoint)
     contract, contract_sha = load_contract(step_dir, pinned_sha256=cfg.contract_sha256)
     manifest = load_manifest(cfg.manifest, data_roots=cfg.data_roots)
@@ -95,14 +88,26 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> EvalResult:
     check_model_split(backbone, cfg.tensor_parallel, cfg.pipeline_parallel)
     g = cfg.global_batch_size or default_batch_size(len(ds), cfg.num_batches, dp)
     if g < 2 or g % dp:
-        raise InputError("--global-batch-size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
+        raise InputError("global_batch_size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
     batches = mixed_label_batches(ds.labels.tolist(), g, cfg.num_batches, cfg.seed)
     report_path = cfg.report
     # A report without its sidecar is an unfinished publication: the identical result completes it.
     if publication_state(report_path) not in ("absent", "unfinished"):
         raise InputError(str(report_path), "a report already exists here; reports are write-once")
     longest = int(ds.lengths.max()) - 1
-    mbt = max(cfg.micro_batch_tokens, longest)
+    log(f"{cfg.split} data ok: {len(ds)} rows; {len(batches)} batches of {g} rows, data-parallel size {dp}")
+    return _Prepared(step_dir, contract, contract_sha, manifest, ds, dp, g, batches, max(cfg.micro_batch_tokens, longest))
+
+
+def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult:
+    """`prepare` (every refusal), then forward passes on the reserved workers, then publication."""
+    from value_assets.gpu.runtime.cluster import start_workers
+    from value_assets.gpu.jobs.train import row_payload
+    from value_assets.gpu.jobs.plots import calibration_png, ev_per_batch_png
+
+    prep = prepare(cfg, log)
+    step_dir, contract, contract_sha, manifest, ds = prep.step_dir, prep.contract, prep.contract_sha256, prep.manifest, prep.dataset
+    dp, g, batches, mbt, report_path = prep.dp, prep.global_batch_size, prep.batches, prep.micro_batch_tokens, cfg.report
 
     # --- forward-only on the cluster -------------------------------------------------------------
     rank_reports: list[list[RankReport]] = []

@@ -8,7 +8,6 @@ complete. Canary mode runs the first step only and writes a non-promotable recei
 
 from __future__ import annotations
 
-import math
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from value_assets.core.contract import (
 )
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
+from value_assets.core.jobs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
 from value_assets.core.publish import publish_once
@@ -28,43 +28,6 @@ from value_assets.core.strict_json import canonical_bytes
 
 RECEIPT_NAME = "canary_receipt.json"
 _ITER_RE = re.compile(r"iter_(\d{7})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    manifest: Path
-    output: Path
-    backbone: str = "tiny"
-    global_batch_size: int = 16
-    epochs: int = 1
-    seed: int = 0
-    save_interval: int = 0  # 0: save at the end only
-    gpus: int = 1  # worker slots: GPUs, or CPU processes without CUDA
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    micro_batch_tokens: int = 4096
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    canary: bool = False
-    stop_after: int | None = None  # stop (with a save) after this many steps of this run
-    manifest_sha256: str | None = None
-    data_roots: tuple[str, ...] | None = None
-    ray_address: str | None = None
-    timeout_s: float = 900.0
-
-    def __post_init__(self) -> None:
-        for name in ("global_batch_size", "epochs", "gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InputError(f"--{name.replace('_', '-')}", f"must be an integer >= 1, got {v!r}")
-        if not isinstance(self.save_interval, int) or self.save_interval < 0:
-            raise InputError("--save-interval", f"must be an integer >= 0, got {self.save_interval!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise InputError("--lr", f"must be a finite number > 0, got {self.lr!r}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise InputError("stop_after", f"must be >= 1, got {self.stop_after!r}")
 
 
 @dataclass
@@ -113,7 +76,7 @@ def _existing_iterations(critic_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in critic_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name)) and p.is_dir())
 
 
-def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
+def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
     """Every CPU-side check of SPEC 5, before anything is reserved. Writes nothing."""
     from value_assets.gpu.convert.bootstrap import resolve_backbone
 
@@ -127,7 +90,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
     check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
     longest = int(train.lengths.max()) - 1
     if cfg.micro_batch_tokens < longest:
-        raise InputError("--micro-batch-tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
+        raise InputError("micro_batch_tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
     critic_dir = cfg.output
     latest = read_latest(critic_dir) if critic_dir.is_dir() else None
     contract = resume_dir = None
@@ -155,10 +118,10 @@ def check_model_split(backbone, tp: int, pp: int) -> None:
     """The backbone must split evenly over the model-parallel layout (megatron builds equal
     pipeline stages and equal tensor-parallel shards)."""
     if backbone.num_layers % pp:
-        raise InputError("--pipeline-parallel", f"{pp} stages do not split the backbone's {backbone.num_layers} layers evenly")
+        raise InputError("pipeline_parallel", f"{pp} stages do not split the backbone's {backbone.num_layers} layers evenly")
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
         if getattr(backbone, name) % tp:
-            raise InputError("--tensor-parallel", f"{tp} does not divide the backbone's {name} ({getattr(backbone, name)})")
+            raise InputError("tensor_parallel", f"{tp} does not divide the backbone's {name} ({getattr(backbone, name)})")
 
 
 def row_payload(ds: Dataset, index: int) -> dict[str, Any]:
@@ -167,10 +130,10 @@ def row_payload(ds: Dataset, index: int) -> dict[str, Any]:
     return {"row_id": index, "tokens": r.tokens, "response_length": r.response_length, "returns": r.returns, "loss_mask": r.loss_mask}
 
 
-def _lr_at(cfg: TrainConfig, step: int) -> float:
+def _lr_at(cfg: TrainJob, step: int) -> float:
     if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    return cfg.lr
+        return cfg.learning_rate * step / cfg.warmup_steps
+    return cfg.learning_rate
 
 
 def _save(cluster, critic_dir: Path, step: int) -> Path:
@@ -185,7 +148,7 @@ def _save(cluster, critic_dir: Path, step: int) -> Path:
     return step_dir
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     from value_assets.gpu.convert.bootstrap import write_backbone_json
     from value_assets.gpu.runtime.cluster import start_workers
     from value_assets.gpu.jobs.metrics_log import MetricsLog
@@ -206,7 +169,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_step: Callabl
         return result
     objective_json = manifest.objective.canonical()
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
-                       objective=objective_json, train=True, lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                       objective=objective_json, train=True, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
                        ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:

@@ -1,0 +1,190 @@
+"""The job configs (`value_assets.core.jobs`): one default and one rule per setting, JSON both ways,
+and the command line built on them (its flags' defaults are the configs')."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from value_assets.cli import build_parser, main
+from value_assets.core.errors import InputError
+from value_assets.core.jobs import (
+    DATA_ROOTS_ENV, PRETRAINED_LR, TINY_LR, EvaluateJob, TrainJob, data_roots_from_env, field_default, field_doc,
+)
+
+pytestmark = pytest.mark.unit
+SHA = "ab" * 32
+REQUIRED = {
+    TrainJob: {"manifest": "m.json", "output": "critic"},
+    EvaluateJob: {"checkpoint": "critic", "manifest": "m.json", "contract_sha256": SHA, "report": "ev.json"},
+}
+
+
+def make(cls, **kw):
+    return cls(**{**REQUIRED[cls], **kw})
+
+
+@pytest.mark.parametrize("cls", [TrainJob, EvaluateJob])
+def test_every_field_is_documented_and_frozen(cls):
+    for f in dataclasses.fields(cls):
+        assert f.kw_only and len(field_doc(cls, f.name)) > 10, f.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make(cls).seed = 3
+
+
+@pytest.mark.parametrize("cls, settings", [
+    (TrainJob, dict(backbone="/ckpt/actor", global_batch_size=64, epochs=3, seed=-7, save_interval=10, gpus=8,
+                    tensor_parallel=2, pipeline_parallel=2, micro_batch_tokens=8192, lr=3e-4, warmup_steps=5,
+                    weight_decay=0.01, clip_grad=0.5, canary=True, stop_after=4, manifest_sha256=SHA,
+                    data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60)),
+    (TrainJob, {}),
+    (EvaluateJob, dict(split="train", num_batches=4, global_batch_size=2, seed=9, gpus=4, tensor_parallel=2,
+                       pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5)),
+    (EvaluateJob, {}),
+])
+def test_json_round_trip(cls, settings):
+    cfg = make(cls, **settings)
+    doc = cfg.to_json()
+    assert set(doc) == {f.name for f in dataclasses.fields(cls)}
+    assert json.loads(json.dumps(doc, allow_nan=False)) == doc  # plain JSON types only
+    assert all(isinstance(doc[k], str) for k in REQUIRED[cls] if k != "contract_sha256")  # paths as strings
+    assert cls.from_json(json.loads(json.dumps(doc))) == cfg
+    assert isinstance(cfg.manifest, Path)
+    if cfg.data_roots is not None:
+        assert doc["data_roots"] == [str(r) for r in cfg.data_roots] and isinstance(cfg.data_roots, tuple)
+
+
+@pytest.mark.parametrize("cls, name, value, needle", [
+    (TrainJob, "warmup_steps", -5, "must be an integer >= 0, got -5"),
+    (TrainJob, "save_interval", -1, "must be an integer >= 0, got -1"),
+    (TrainJob, "global_batch_size", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "epochs", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "epochs", True, "must be an integer, got True"),
+    (TrainJob, "epochs", 1.0, "must be an integer, got 1.0"),
+    (TrainJob, "gpus", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "tensor_parallel", -2, "must be an integer >= 1, got -2"),
+    (TrainJob, "pipeline_parallel", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "micro_batch_tokens", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "lr", 0.0, "must be a finite number > 0, got 0.0"),
+    (TrainJob, "lr", -1e-4, "must be a finite number > 0, got -0.0001"),
+    (TrainJob, "lr", math.inf, "must be a finite number, got inf"),
+    (TrainJob, "lr", math.nan, "must be a finite number, got nan"),
+    (TrainJob, "lr", "1e-4", "must be a finite number, got '1e-4'"),
+    (TrainJob, "weight_decay", -0.1, "must be a finite number >= 0, got -0.1"),
+    (TrainJob, "clip_grad", 0, "must be a finite number > 0, got 0.0"),
+    (TrainJob, "timeout_s", 0, "must be a finite number > 0, got 0.0"),
+    (TrainJob, "stop_after", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "canary", 1, "must be true or false, got 1"),
+    (TrainJob, "backbone", "", "got ''"),
+    (TrainJob, "manifest_sha256", SHA.upper(), f"got '{SHA.upper()}'"),
+    (TrainJob, "manifest_sha256", "abc", "got 'abc'"),
+    (TrainJob, "data_roots", [], "got []"),
+    (TrainJob, "data_roots", "/data", "got '/data'"),
+    (TrainJob, "manifest", "", "got ''"),
+    (TrainJob, "output", None, "is required, got None"),
+    (EvaluateJob, "contract_sha256", "xyz", "got 'xyz'"),
+    (EvaluateJob, "split", "test", "must be 'heldout' or 'train', got 'test'"),
+    (EvaluateJob, "num_batches", 0, "must be an integer >= 1, got 0"),
+    (EvaluateJob, "global_batch_size", 1, "must be an integer >= 2, got 1"),
+    (EvaluateJob, "gpus", 0, "must be an integer >= 1, got 0"),
+    (EvaluateJob, "micro_batch_tokens", -1, "must be an integer >= 1, got -1"),
+    (EvaluateJob, "seed", "0", "must be an integer, got '0'"),
+])
+def test_each_rule_names_the_field_and_the_value(cls, name, value, needle):
+    with pytest.raises(InputError) as err:
+        make(cls, **{name: value})
+    assert err.value.where == name and needle in err.value.message
+    with pytest.raises(InputError) as err:  # the same rule when the config arrives as JSON
+        cls.from_json({**make(cls).to_json(), name: value})
+    assert err.value.where == name
+
+
+@pytest.mark.parametrize("cls", [TrainJob, EvaluateJob])
+def test_from_json_is_strict(cls):
+    doc = make(cls).to_json()
+    with pytest.raises(InputError, match="argv: is not a") as err:
+        cls.from_json({**doc, "argv": ["--gpus", "2"]})
+    assert err.value.where == "argv"
+    missing = {k: v for k, v in doc.items() if k != "manifest"}
+    with pytest.raises(InputError, match="is required") as err:
+        cls.from_json(missing)
+    assert err.value.where == "manifest"
+    with pytest.raises(InputError, match="must be a JSON object"):
+        cls.from_json([doc])
+    with pytest.raises(InputError) as err:
+        cls.from_json({**doc, "gpus": "2"})
+    assert err.value.where == "gpus" and "'2'" in err.value.message
+
+
+def test_learning_rate_has_one_rule():
+    assert field_default(TrainJob, "lr") is None
+    assert make(TrainJob).learning_rate == TINY_LR == 2e-3
+    assert make(TrainJob, backbone="/ckpt/actor").learning_rate == PRETRAINED_LR == 1e-5
+    assert make(TrainJob, backbone="/ckpt/actor", lr=3e-4).learning_rate == 3e-4
+
+
+def test_data_roots_from_flags_and_environment(monkeypatch):
+    import os
+
+    assert data_roots_from_env(None, {}) is None
+    assert data_roots_from_env([], {DATA_ROOTS_ENV: ""}) is None
+    assert data_roots_from_env(["/a"], {DATA_ROOTS_ENV: os.pathsep.join(["/b", "", "/c"])}) == ("/a", "/b", "/c")
+    monkeypatch.setenv(DATA_ROOTS_ENV, "/env")
+    assert data_roots_from_env([Path("/a")]) == ("/a", "/env")
+
+
+
+def _subparser(command: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[command]
+
+
+@pytest.mark.parametrize("command, cls", [("train", TrainJob), ("evaluate", EvaluateJob)])
+def test_cli_defaults_are_the_configs(command, cls, monkeypatch):
+    from value_assets.gpu.cli import config_from_args
+
+    monkeypatch.delenv(DATA_ROOTS_ENV, raising=False)
+    sp = _subparser(command)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    flags = [a for a in sp._actions if a.dest in fields]
+    assert len(flags) >= 10
+    for action in flags:
+        f = fields[action.dest]
+        if f.default is dataclasses.MISSING:
+            assert action.required or not action.option_strings, action.dest
+        else:
+            assert action.default == f.default, action.dest
+            assert field_doc(cls, action.dest) in action.help
+    argv = ["train", "m.json", "--output", "critic"] if command == "train" else \
+        ["evaluate", "--checkpoint", "critic", "--manifest", "m.json", "--contract-sha256", SHA, "--report", "ev.json"]
+    args = build_parser().parse_args(argv)
+    assert config_from_args(cls, args) == make(cls)
+
+
+def test_cli_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 32)" in out and "(default: tiny)" in out and "(default: 4096)" in out
+    assert f"{TINY_LR:g} for the tiny backbone" in out
+
+
+def test_cli_refuses_negative_warmup_before_anything_runs(tmp_path, capsys):
+    """`--warmup-steps -5` used to be accepted silently; now the config refuses it (exit 2), before
+    the manifest is even read."""
+    rc = main(["train", str(tmp_path / "missing.json"), "--output", str(tmp_path / "critic"), "--warmup-steps", "-5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "warmup_steps" in err and "-5" in err and "missing.json" not in err
+    assert not (tmp_path / "critic").exists()
+
+
+def test_cli_data_roots_reach_the_config(monkeypatch):
+    from value_assets.gpu.cli import config_from_args
+
+    monkeypatch.setenv(DATA_ROOTS_ENV, "/env")
+    args = build_parser().parse_args(["train", "m.json", "--output", "o", "--data-root", "/a", "--lr", "0.01", "--canary"])
+    cfg = config_from_args(TrainJob, args)
+    assert cfg.data_roots == ("/a", "/env") and cfg.lr == 0.01 and cfg.canary is True

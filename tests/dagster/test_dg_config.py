@@ -1,0 +1,82 @@
+"""The Dagster run configs stand for the job configs: no second default, no second rule; and the
+job config, not an argument vector, is what crosses the Pipes boundary."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from value_assets.assets.common import given
+from value_assets.assets.critic import EvaluateRunConfig, TrainRunConfig, train_job
+from value_assets.assets.data import PlanConfig, plan_settings
+from value_assets.core.errors import InputError
+from value_assets.core.jobs import EvaluateJob, TrainJob, field_default, field_doc
+from value_assets.gpu.pipes_job import job_config
+from value_assets.resources.launchers import GpuJobLauncher
+
+pytestmark = pytest.mark.unit
+SHA = "cd" * 32
+
+
+@pytest.mark.parametrize("run_config, job", [(TrainRunConfig, TrainJob), (EvaluateRunConfig, EvaluateJob), (PlanConfig, TrainJob)])
+def test_run_config_fields_are_job_fields_unset_by_default(run_config, job):
+    for name, f in run_config.model_fields.items():
+        assert f.default is None, name  # None: the job config's default applies
+        assert f.description.startswith(field_doc(job, name)), name
+    assert given(run_config()) == {}
+
+
+def test_empty_run_config_gives_the_job_defaults():
+    manifest = SimpleNamespace(path=Path("/m.json"), sha256=SHA)
+    job = train_job(TrainRunConfig(), manifest, Path("/out"), plan_settings(PlanConfig()))
+    assert job == TrainJob(manifest="/m.json", output="/out", manifest_sha256=SHA)
+    assert plan_settings(PlanConfig()) == tuple(field_default(TrainJob, n) for n in ("global_batch_size", "epochs", "seed"))
+    set_ = train_job(TrainRunConfig(lr=3e-4, gpus=2), manifest, Path("/out"), (4, 2, 17), [Path("/data")], canary=True)
+    assert (set_.lr, set_.gpus, set_.global_batch_size, set_.epochs, set_.seed, set_.canary) == (3e-4, 2, 4, 2, 17, True)
+    assert set_.data_roots == ("/data",)
+
+
+def test_run_config_values_are_checked_by_the_job_config():
+    manifest = SimpleNamespace(path=Path("/m.json"), sha256=SHA)
+    with pytest.raises(InputError, match="got -5") as err:
+        train_job(TrainRunConfig(warmup_steps=-5), manifest, Path("/out"), (4, 1, 0))
+    assert err.value.where == "warmup_steps"
+    with pytest.raises(InputError) as err:
+        EvaluateJob(checkpoint="c", manifest="m", contract_sha256=SHA, report="r", **given(EvaluateRunConfig(global_batch_size=1)))
+    assert err.value.where == "global_batch_size"
+
+
+def test_pipes_job_reads_the_config_for_its_task():
+    train = TrainJob(manifest="m.json", output="o")
+    assert job_config("train", train.to_json()) == train
+    canary = TrainJob(manifest="m.json", output="o", canary=True)
+    assert job_config("canary", canary.to_json()) == canary
+    with pytest.raises(InputError) as err:
+        job_config("canary", train.to_json())
+    assert err.value.where == "canary"
+    with pytest.raises(InputError):
+        job_config("train", None)
+    evaluation = EvaluateJob(checkpoint="c", manifest="m", contract_sha256=SHA, report="r")
+    assert job_config("evaluate", evaluation.to_json()) == evaluation
+    with pytest.raises(InputError):
+        job_config("evaluate", train.to_json())
+
+
+class _Recorder(GpuJobLauncher):
+    def _invoke(self, context, task, extras):
+        context.sent.append(extras)
+        return SimpleNamespace(get_results=lambda implicit_materializations: [])
+
+
+def test_launch_sends_the_config_as_json_and_refuses_a_mismatch():
+    logs, sent = [], []
+    context = SimpleNamespace(log=SimpleNamespace(info=logs.append, warning=logs.append), sent=sent,
+                              selected_asset_keys=set())
+    train = TrainJob(manifest="m.json", output="o", gpus=2)
+    _Recorder().launch(context, "train", train, {"partition_key": "p"})
+    assert sent == [{"partition_key": "p", "task": "train", "config": train.to_json()}]
+    assert '"gpus": 2' in logs[0]
+    for task, cfg in (("canary", train), ("evaluate", train), ("train", TrainJob(manifest="m", output="o", canary=True))):
+        with pytest.raises(ValueError, match=task):
+            _Recorder().launch(context, task, cfg)
+    assert len(sent) == 1

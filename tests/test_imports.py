@@ -1,0 +1,128 @@
+"""The import graph of `value_assets`, read statically: no cycles, and every layer imports only
+what docs/architecture.md allows (function-level imports count: a lazy import is still a
+dependency)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PKG = Path(__file__).resolve().parents[1] / "value_assets"
+HEAVY = ("torch", "megatron", "ray", "transformers", "safetensors")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of everything `path` imports, at any depth of the file."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            # `from value_assets.gpu.runtime import cluster` imports the submodule
+            found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in _imports(path) if m in modules and m != name}
+    return graph
+
+
+def _all_imports() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
+
+
+def _top(mod: str) -> str:
+    return mod.split(".")[0]
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    # Package __init__ edges are implicit parents, not cycles of their own.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    if len(parts) > 1 and parts[1] in ("core", "gpu", "resources"):
+        return parts[1]
+    return "top"
+
+
+def test_layers():
+    breaches = []
+    for mod, imports in sorted(_all_imports().items()):
+        layer = _layer(mod)
+        for imp in sorted(imports):
+            top = _top(imp)
+            inner = imp.split(".")[1] if top == "value_assets" and "." in imp else None
+            if layer == "core":
+                bad = top in ("dagster", "dagster_pipes", *HEAVY) or top.startswith("dagster") or (top == "value_assets" and inner not in (None, "core"))
+            elif layer == "gpu":
+                # The job talks to Dagster only through dagster_pipes.
+                bad = top == "dagster" or (top.startswith("dagster_") and top != "dagster_pipes") or (
+                    top == "value_assets" and inner not in (None, "core", "gpu"))
+            elif layer == "resources":
+                bad = top in HEAVY or (top == "value_assets" and inner == "gpu")
+            else:
+                # The Dagster code location and the CLI stay light; only the CLI registers the GPU
+                # commands (value_assets.gpu.cli declares arguments and imports torch lazily).
+                allowed_gpu = mod == "value_assets.cli" and (imp == "value_assets.gpu" or imp.startswith("value_assets.gpu.cli"))
+                bad = top in HEAVY or (top == "value_assets" and inner == "gpu" and not allowed_gpu)
+            if bad:
+                breaches.append(f"{mod} ({layer}) imports {imp}")
+    assert not breaches, "\n".join(breaches)
+
+
+def test_gpu_cli_module_is_light():
+    """`value_assets.gpu.cli` is imported by the light CLI: it may not import torch/ray/megatron at
+    module level."""
+    tree = ast.parse((PKG / "gpu" / "cli.py").read_text())
+    top_level = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top_level.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            top_level.add(node.module or "")
+    assert not [m for m in top_level if _top(m) in HEAVY]

@@ -1,0 +1,248 @@
+"""The settings of the two GPU jobs, train and evaluate: one frozen, keyword-only dataclass each.
+
+This module is the one home of every job setting, its default, its documentation and every rule
+that a setting must follow on its own. Three entry points build the same classes:
+
+- the command line (`value_assets.gpu.cli`) from argparse: flags take their defaults and help
+  from the fields here;
+- the Dagster assets from their run config: a run-config field left unset (`None`) means the
+  default here, and its description is the field's `doc`;
+- the GPU job (`value_assets.gpu.pipes_job`) from the Pipes extras: `from_json(to_json())`.
+
+Construction validates (`__post_init__`): a wrong type or value raises `InputError(field, message
+quoting the value)`. Errors name the field as spelled here, in the JSON and in the Dagster run
+config (`warmup_steps`, not `--warmup-steps`). Rules that need the data, the backbone or the
+files (plan coverage, model split, resume) stay in the jobs' `prepare`.
+
+Paths are `pathlib.Path` here and strings in JSON. Torch-free: the Dagster process imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, TypeVar
+
+from .errors import InputError, require_int, show
+from .hashing import require_sha
+
+DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
+TINY_BACKBONE = "tiny"
+TINY_LR = 2e-3
+PRETRAINED_LR = 1e-5
+SPLITS = ("heldout", "train")
+
+_MISSING = dataclasses.MISSING
+J = TypeVar("J", bound="_JobConfig")
+
+
+def setting(default: Any = _MISSING, *, doc: str) -> Any:
+    """A config field with its one default and its one documentation string."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def field_doc(cls: type, name: str) -> str:
+    """The documentation of field `name` of a job config (CLI help, Dagster description)."""
+    return cls.__dataclass_fields__[name].metadata["doc"]
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of field `name`; KeyError for a required field."""
+    default = cls.__dataclass_fields__[name].default
+    if default is _MISSING:
+        raise KeyError(f"{cls.__name__}.{name} is required")
+    return default
+
+
+def default_lr(backbone: str) -> float:
+    """The learning rate when none is given: the randomly initialised tiny demo backbone needs a
+    large step (2e-3), a pretrained actor a small one (1e-5)."""
+    return TINY_LR if backbone == TINY_BACKBONE else PRETRAINED_LR
+
+
+def data_roots_from_env(given: Iterable[str | Path] | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """`given` folders plus those of $VALUE_ASSETS_DATA_ROOTS (os.pathsep-separated); None when
+    there are none (no restriction)."""
+    env = (os.environ if environ is None else environ).get(DATA_ROOTS_ENV, "")
+    roots = [str(r) for r in (given or [])] + [r for r in env.split(os.pathsep) if r]
+    return tuple(roots) or None
+
+
+def _is_optional(hint: Any) -> tuple[bool, Any]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(hint)) == 2:
+            return True, args[0]
+    return False, hint
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """`value` in the field's type (str -> Path, list -> tuple, int -> float), or an InputError."""
+    optional, hint = _is_optional(hint)
+    if value is None:
+        if optional:
+            return None
+        raise InputError(name, "is required, got None")
+    if hint is Path:
+        if isinstance(value, (str, os.PathLike)) and str(value):
+            return Path(value)
+        raise InputError(name, f"must be a non-empty path string, got {show(value)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise InputError(name, f"must be true or false, got {show(value)}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise InputError(name, f"must be an integer, got {show(value)}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise InputError(name, f"must be a finite number, got {show(value)}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise InputError(name, f"must be a string, got {show(value)}")
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...]: folders
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, os.PathLike)) and str(v) for v in value):
+            return tuple(str(v) for v in value)
+        raise InputError(name, f"must be a non-empty list of folder paths (null: no restriction), got {show(value)}")
+    raise TypeError(f"{name}: unsupported config field type {hint!r}")  # a programming error
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _positive_number(value: float | None, where: str, *, allow_zero: bool = False) -> None:
+    if value is not None and not (value >= 0 if allow_zero else value > 0):
+        raise InputError(where, f"must be a finite number {'>=' if allow_zero else '>'} 0, got {show(value)}")
+
+
+class _JobConfig:
+    """Typing, JSON and the construction order shared by `TrainJob` and `EvaluateJob`."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        self._validate()
+
+    def _validate(self) -> None:  # the rules of one job's settings
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, as plain JSON types (paths as strings, folder lists as lists)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls: type[J], obj: Any) -> J:
+        """The config `to_json` wrote. Strict: an unknown or missing required key, or a value of
+        the wrong type, is an InputError naming the key."""
+        if not isinstance(obj, Mapping):
+            raise InputError(cls.__name__, f"must be a JSON object, got {show(obj)}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in obj:
+            if key not in fields:
+                raise InputError(str(key), f"is not a {cls.__name__} setting (known: {', '.join(fields)})")
+        for name, f in fields.items():
+            if name not in obj and f.default is _MISSING:
+                raise InputError(name, "is required")
+            if isinstance(obj.get(name), os.PathLike):
+                raise InputError(name, f"must be a string in JSON, got {show(obj[name])}")
+        return cls(**obj)
+
+
+def _common_checks(cfg: Any) -> None:
+    for name in ("gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens"):
+        require_int(getattr(cfg, name), name)
+    _positive_number(cfg.timeout_s, "timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob(_JobConfig):
+    """One training run (SPEC 5): `value-assets train`, the `critic_training` and `canary_receipt`
+    assets, and the Pipes tasks `train` / `canary`."""
+
+    manifest: Path = setting(doc="Manifest JSON (miles.value-pretrain.v1) naming the train (and heldout) data.")
+    output: Path = setting(doc="Critic folder: iter_*/ checkpoints, their contracts, the latest pointer, metrics.")
+    backbone: str = setting(TINY_BACKBONE, doc="'tiny' (random CPU demo model), a Hugging Face folder or a Megatron checkpoint folder.")
+    global_batch_size: int = setting(32, doc="G: rows per optimizer step (the batch plan's G).")
+    epochs: int = setting(1, doc="Passes over the train split (the batch plan's epochs).")
+    seed: int = setting(0, doc="Seed of the batch plan's shuffle and of the tiny backbone's initialisation.")
+    save_interval: int = setting(0, doc="Save (and contract) every K steps; 0: at the end only.")
+    gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
+    tensor_parallel: int = setting(1, doc="Tensor-parallel size (divides gpus and the backbone's heads).")
+    pipeline_parallel: int = setting(1, doc="Pipeline stages (divides gpus and the backbone's layers).")
+    micro_batch_tokens: int = setting(4096, doc="Tokens packed per micro-batch; at least the longest row.")
+    lr: float | None = setting(None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other.")
+    warmup_steps: int = setting(0, doc="Linear warmup from 0 to lr over this many steps; 0: none.")
+    weight_decay: float = setting(0.0, doc="AdamW weight decay.")
+    clip_grad: float = setting(1.0, doc="Gradient-norm clipping threshold.")
+    canary: bool = setting(False, doc="Run the first planned step only and publish a non-promotable receipt, no contract.")
+    stop_after: int | None = setting(None, doc="Stop (with a save) after this many steps of this run; unset: run the plan out.")
+    manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
+    data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
+    ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
+    timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
+
+    def _validate(self) -> None:
+        if not self.backbone:
+            raise InputError("backbone", "must be 'tiny' or a checkpoint folder, got ''")
+        for name in ("global_batch_size", "epochs"):
+            require_int(getattr(self, name), name)
+        require_int(self.save_interval, "save_interval", minimum=0)
+        require_int(self.warmup_steps, "warmup_steps", minimum=0)
+        _common_checks(self)
+        _positive_number(self.lr, "lr")
+        _positive_number(self.weight_decay, "weight_decay", allow_zero=True)
+        _positive_number(self.clip_grad, "clip_grad")
+        if self.stop_after is not None:
+            require_int(self.stop_after, "stop_after")
+        if self.manifest_sha256 is not None:
+            require_sha(self.manifest_sha256, "manifest_sha256")
+
+    @property
+    def learning_rate(self) -> float:
+        """`lr`, or the backbone's default (`default_lr`) when unset."""
+        return self.lr if self.lr is not None else default_lr(self.backbone)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateJob(_JobConfig):
+    """One forward-only evaluation (SPEC 7): `value-assets evaluate`, the `ev_report` asset and the
+    Pipes task `evaluate`."""
+
+    checkpoint: Path = setting(doc="A contracted iter_* folder, or a critic folder (its latest).")
+    manifest: Path = setting(doc="The manifest the checkpoint's contract binds.")
+    contract_sha256: str = setting(doc="The sha256 of the checkpoint's contract (checked before anything is loaded).")
+    report: Path = setting(doc="Report path (write-once); its two plots are published beside it.")
+    split: str = setting("heldout", doc="The split to evaluate: 'heldout' (the gate) or 'train'.")
+    num_batches: int = setting(8, doc="B mixed-label batches (SPEC 7).")
+    global_batch_size: int | None = setting(None, doc="G rows per evaluation batch (G x B <= rows); unset: min(64, rows / B), rounded down to a multiple of the data-parallel size.")
+    seed: int = setting(0, doc="Seed of the mixed-label batch selection.")
+    gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
+    tensor_parallel: int = setting(1, doc="Tensor-parallel size; any layout: the checkpoint is re-sharded on load.")
+    pipeline_parallel: int = setting(1, doc="Pipeline stages; any layout: the checkpoint is re-sharded on load.")
+    micro_batch_tokens: int = setting(8192, doc="Tokens packed per forward micro-batch (raised to the longest row).")
+    data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
+    ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
+    timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
+
+    def _validate(self) -> None:
+        require_sha(self.contract_sha256, "contract_sha256")
+        if self.split not in SPLITS:
+            raise InputError("split", f"must be 'heldout' or 'train', got {show(self.split)}")
+        require_int(self.num_batches, "num_batches")
+        if self.global_batch_size is not None:
+            require_int(self.global_batch_size, "global_batch_size", minimum=2)
+        _common_checks(self)
