@@ -58,6 +58,7 @@ __all__ = [
     "read_hf_config",
     "load_hf_backbone_state",
     "export_critic_to_hf",
+    "export_critic_to_openrlhf",
     "load_hf_value_head",
     "backbone_config_kwargs",
     "megatron_backbone_names",
@@ -454,4 +455,37 @@ def export_critic_to_hf(
         head_info["support"] = [low, high, k] if objective.loss_type == "classification" else None
     head_info["read_position"] = "value of response token j at absolute position prompt_len + j - 1"
     (out_folder / "value_head.json").write_text(json.dumps(head_info, indent=2, sort_keys=True) + "\n")
+    return out_folder
+
+
+def export_critic_to_openrlhf(
+    megatron_state: Mapping[str, torch.Tensor],
+    backbone_config: Any,
+    out_folder: str | Path,
+    *,
+    head_prefix: str = "output_layer",
+    objective: Any = None,
+    dtype: torch.float32 = torch.float32,
+) -> Path:
+    """An mse critic in OpenRLHF's critic layout (openrlhf/models/model.py `_get_critic_model`):
+    the base model under `model.*`, the head `score.weight` [1, hidden] with no bias (OpenRLHF
+    builds `nn.Linear(hidden, 1, bias=False)` under `value_head_prefix`, default "score"), and
+    `normalize_reward: true`, `mean`, `std` in config.json, which its critic applies as
+    `(values - mean) / std`. Our head's bias b is carried as mean = -b, std = 1, so OpenRLHF's
+    values equal the engine's. transformers' `<Family>ForTokenClassification` still loads the
+    folder (its `score.bias` is then freshly initialised: use the `scalar` format for verl)."""
+    if objective is not None and objective.head_size != 1:
+        raise InputError("objective", "OpenRLHF critics are scalar: export an mse critic")
+    out_folder = export_critic_to_hf(megatron_state, backbone_config, 1, out_folder, head_prefix=head_prefix,
+                                     objective=objective, dtype=dtype)
+    files = _SafetensorsFolder(out_folder)
+    tensors = {n: files.get(n).clone() for n in files.names()}  # clones: the file is rewritten below
+    bias = tensors.pop("score.bias")
+    save_file(tensors, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out_folder / "config.json").read_text())
+    cfg.update(normalize_reward=True, mean=-float(bias[0]), std=1.0, value_head_prefix="score")
+    (out_folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    info = json.loads((out_folder / "value_head.json").read_text())
+    info.update(layout="openrlhf", prediction="V = (hidden . score.weight - mean) / std")
+    (out_folder / "value_head.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out_folder

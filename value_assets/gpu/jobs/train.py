@@ -52,6 +52,7 @@ class TrainConfig:
     manifest_sha256: str | None = None
     data_roots: tuple[str, ...] | None = None
     ray_address: str | None = None
+    hf_config: str | None = None  # config.json for a Megatron-LM backbone without saved arguments
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -118,7 +119,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> _Prepared:
     from value_assets.gpu.convert.bootstrap import resolve_backbone
 
     manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
-    backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed)
+    backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed, hf_config=cfg.hf_config)
     train = validate_dataset(manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len)
     log(f"train data ok: {len(train)} rows, {train.stats.tokens} tokens, {train.stats.active_targets} active targets")
     plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)
