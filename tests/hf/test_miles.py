@@ -56,7 +56,7 @@ def _critic_values(cfg, source, ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_hf_te_and_local_layouts_give_the_same_critic(tmp_path, megatron_single_rank, family):
     from value_assets.gpu.convert.bootstrap import resolve_backbone
-    from value_assets.gpu.convert.megatron_lm import checkpoint_names, tensor_shapes
+    from value_assets.gpu.convert.megatron_lm import checkpoint_names, tensor_shapes, write_critic
 
     hf = tmp_path / "hf"
     make_hf_checkpoint(hf, family)
@@ -67,12 +67,12 @@ def test_hf_te_and_local_layouts_give_the_same_critic(tmp_path, megatron_single_
     for spec in ("te", "local"):
         folder = tmp_path / spec
         step = _write_layout(folder, state, cfg_hf, spec)
-        # The key set is the layer spec's names for this shape, plus the head (and TE's objects).
+        # The tensor names are the checkpoint names for this shape, plus the head; both specs save
+        # the norms under TE's fused names (megatron-core's local spec maps them there too).
         names = set(tensor_shapes(step))
-        assert names == set(checkpoint_names(cfg_hf, spec)) | {"output_layer.weight", "output_layer.bias"}
-        if spec == "te":
-            assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names
-            assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+        assert names == set(checkpoint_names(cfg_hf)) | {"output_layer.weight", "output_layer.bias"}
+        assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names
+        assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
         cfg, src, ident = resolve_backbone(str(folder))
         assert cfg == cfg_hf, (cfg, cfg_hf)  # the architecture from the saved arguments
         assert ident["kind"] == "megatron-lm" and ident["layer_spec"] == spec and ident["iteration"] == 7
@@ -81,6 +81,15 @@ def test_hf_te_and_local_layouts_give_the_same_critic(tmp_path, megatron_single_
         for k in want_state:
             assert torch.equal(got_state[k], want_state[k]), (spec, k)
         assert torch.equal(got, want), spec
+    # Another writer's unfused norm names (`input_layernorm.weight`, ...) read the same.
+    folder = tmp_path / "unfused"
+    step = folder / "iter_0000003"
+    step.mkdir(parents=True)
+    write_critic(step, state, cfg_hf, "local", 3, fused_norms=False)
+    (folder / "latest_checkpointed_iteration.txt").write_text("3")
+    assert "decoder.layers.input_layernorm.weight" in tensor_shapes(step)
+    cfg, src, _ = resolve_backbone(str(folder))
+    assert torch.equal(_critic_values(cfg, src, ids)[1], want)
 
 
 def test_strict_errors_list_unexpected_and_missing(tmp_path, megatron_single_rank):

@@ -88,7 +88,7 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
         "completed_steps": STEPS, "model_identity": "tiny-critic@test"}
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
     step = out / f"iter_{STEPS:07d}"
-    assert set(megatron_lm.tensor_shapes(step)) == set(megatron_lm.checkpoint_names(cfg, spec)) | set(megatron_lm.HEAD)
+    assert set(megatron_lm.tensor_shapes(step)) == set(megatron_lm.checkpoint_names(cfg)) | set(megatron_lm.HEAD)
     assert megatron_lm.tensor_shapes(step)["output_layer.weight"] == (1, cfg.hidden_size)
     assert megatron_lm.tensor_shapes(step)["embedding.word_embeddings.weight"][0] % 128 == 0
     common = megatron_lm.saved_args(step)

@@ -10,8 +10,9 @@ layer parameter is one tensor `decoder.layers.<name>` of shape [num_layers, ...]
 heterogeneous checkpoints number them, `decoder.layers.<i>.<name>`; both are read). Global tensors
 are the TP=1 tensors whatever TP they were saved with: TP slices are contiguous (the fused QKV
 included) and SwiGLU's fc1 is stored as [all gate; all up] (`apply_swiglu_sharded_factory`). The
-layer names are the local spec's or, for Transformer Engine, those of `names.TE_RENAMES`; TE
-modules add `_extra_state` objects (no weights).
+norms carry TE's fused names (`names.TE_RENAMES`) in *both* megatron-core specs: the local spec
+maps its separate norms onto them when it saves. The specs differ in the `_extra_state` objects
+(no weights) their modules save (`names.EXTRA_STATE`). Unfused norm names are read too.
 
 Reading (`bootstrap`): the tensors are read with torch.distributed.checkpoint without a process
 group, its index through `safe_pickle` (SPEC 9); only backbone tensors are taken, strictly: a
@@ -21,11 +22,11 @@ state are ignored. The architecture comes from the saved `args` where present, e
 Hugging Face `config.json` (`--hf-config`).
 
 Writing (`export-miles`): megatron-core's `dist_checkpointing.save` (so the index, the object
-encoding and `metadata.json` are megatron's own) of the critic at TP=1 under the chosen spec's
-names, untied embeddings (padded to a multiple of 128 rows as Megatron-LM pads at TP=1), the head
-as `output_layer.weight` [K, hidden] / `output_layer.bias` [K], and for the TE spec one
-`_extra_state` placeholder per TE module (`names.TE_EXTRA_STATE`): the byte tensor of
-`pickle.dumps(None)`, which Transformer Engine 1.x and 2.x both read as "no FP8 state".
+encoding and `metadata.json` are megatron's own) of the critic at TP=1 under the checkpoint names (fused norm names), untied embeddings (padded to a multiple of 128 rows as Megatron-LM pads at TP=1), the head
+as `output_layer.weight` [K, hidden] / `output_layer.bias` [K], and one `_extra_state`
+placeholder per module and layer that the spec's model requests (`names.EXTRA_STATE`; None for the
+local spec as megatron's own linears save it, for TE the byte tensor of `pickle.dumps(None)`, which
+Transformer Engine 1.x and 2.x both read as "no FP8 state").
 `common.pt` carries `args` with the architecture, TP = PP = 1 and `no_save_optim`/`no_save_rng`
 (there is no optimizer or RNG state: the RL run starts its own), `iteration` = N and
 `checkpoint_version` 3.0.
@@ -139,7 +140,8 @@ def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None
 
 
 def resolve(folder: Path, hf_config: Path | None = None):
-    """(BackboneConfig, step folder, iteration, layer spec) of a Megatron-LM checkpoint folder."""
+    """(BackboneConfig, step folder, iteration, layer spec named by the saved arguments or None)
+    of a Megatron-LM checkpoint folder."""
     from value_assets.gpu.model.critic import BackboneConfig
 
     it, step_dir = read_tracker(folder)
@@ -156,8 +158,8 @@ def resolve(folder: Path, hf_config: Path | None = None):
         cfg = hf_cfg
     else:
         raise InputError(str(step_dir), "has no saved arguments (common.pt 'args'); pass --hf-config with the actor's config.json")
-    spec = detect_spec(tensor_shapes(step_dir), str(step_dir))
-    return cfg, step_dir, it, spec
+    has_fused_norms(tensor_shapes(step_dir), str(step_dir))  # a mixed index is refused before any launch
+    return cfg, step_dir, it, layer_spec_of(args)
 
 
 # ----------------------------------------------------------------------------- names
@@ -169,26 +171,31 @@ def _dims(cfg: Any) -> names.Dims:
     return names.dims_of(_field, cfg)
 
 
-def checkpoint_names(cfg: Any, spec: str) -> dict[str, tuple[str, int | None]]:
-    """{Megatron-LM stacked checkpoint name: (local whole-model name of layer 0 / global, None)}
-    for the backbone of `cfg` under `spec`: the names a strict reader expects."""
-    if spec not in SPECS:
-        raise InputError("--layer-spec", f"must be one of {SPECS}, got {show(spec)}")
+def checkpoint_names(cfg: Any, fused_norms: bool = True) -> dict[str, tuple[str, int | None]]:
+    """{stacked checkpoint name: (local name, None for a global tensor / 0 for a layer tensor)}
+    of the backbone of `cfg`: the names a strict reader expects. `fused_norms`: the norms under
+    TE's names, as both megatron-core specs save them (False: another writer's unfused names)."""
     out: dict[str, tuple[str, int | None]] = {}
     for local, _, rule, layer in names.rows(_dims(cfg)):
         if layer is None:
             out[local] = (local, None)
         elif layer == 0:
-            out[_LAYER + (names.to_te(rule.local) if spec == "te" else rule.local)] = (rule.local, 0)
+            out[_LAYER + (names.to_te(rule.local) if fused_norms else rule.local)] = (rule.local, 0)
     return out
 
 
-def detect_spec(shapes: Mapping[str, tuple[int, ...]], where: str) -> str:
-    te = any(k.endswith(".layer_norm_weight") for k in shapes)
-    local = any(k.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight")) for k in shapes)
-    if te and local:
-        raise InputError(where, "mixes Transformer-Engine fused norm names (layer_norm_weight) with local-spec norms")
-    return "te" if te else "local"
+def has_fused_norms(shapes: Mapping[str, tuple[int, ...]], where: str) -> bool:
+    fused = any(k.endswith(".layer_norm_weight") for k in shapes)
+    unfused = any(k.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight")) for k in shapes)
+    if fused and unfused:
+        raise InputError(where, "mixes fused norm names (layer_norm_weight) with separate input/pre-MLP norms")
+    return not unfused
+
+
+def layer_spec_of(args: Mapping[str, Any] | None) -> str | None:
+    """The layer spec the saved arguments name (`--transformer-impl`), None when unknown."""
+    impl = (args or {}).get("transformer_impl")
+    return {"transformer_engine": "te", "local": "local"}.get(impl) if isinstance(impl, str) else None
 
 
 def tensor_shapes(step_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -239,9 +246,9 @@ def load_backbone_state(step_dir: str | Path, cfg: Any, tp_rank: int = 0, tp_siz
 
     step_dir = Path(step_dir)
     shapes = tensor_shapes(step_dir)
-    spec = detect_spec(shapes, str(step_dir))
+    fused = has_fused_norms(shapes, str(step_dir))
     d = _dims(cfg)
-    want = checkpoint_names(cfg, spec)
+    want = checkpoint_names(cfg, fused)
     model = {k for k in shapes if _model_tensor(k)}
     numbered = {k for k in model if re.match(r"decoder\.layers\.\d+\.", k)}
     available: dict[str, str] = {}  # stacked-form name -> how it is stored
@@ -253,7 +260,7 @@ def load_backbone_state(step_dir: str | Path, cfg: Any, tp_rank: int = 0, tp_siz
     unexpected = sorted(set(available) - set(want) - set(HEAD))
     missing = sorted(set(want) - set(available))
     if unexpected or missing:
-        raise InputError(str(step_dir), f"is not a {spec}-spec checkpoint of this {cfg.family} backbone: "
+        raise InputError(str(step_dir), f"is not a checkpoint of this {cfg.family} backbone: "
                          f"unexpected {unexpected}, missing {missing}")
     stacked = [k for k in want if available[k] != "numbered"]
     per_layer = [f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available[k] == "numbered" for i in range(d.layers)]
@@ -318,13 +325,18 @@ def megatron_lm_args(cfg: Any, padded_vocab: int, spec: str) -> argparse.Namespa
     )
 
 
-def sharded_critic_state(state: Mapping[str, torch.Tensor], cfg: Any, spec: str) -> dict[str, Any]:
+def sharded_critic_state(state: Mapping[str, torch.Tensor], cfg: Any, spec: str,
+                         fused_norms: bool = True) -> dict[str, Any]:
     """megatron-core ShardedTensors / ShardedObjects of a whole (TP=1) local-spec critic `state`
-    under the Megatron-LM names of `spec`, layers stacked as `TransformerBlock` saves them."""
+    under the checkpoint names, layers stacked as `TransformerBlock` saves them, with the
+    `_extra_state` objects `spec`'s model requests. `fused_norms=False` writes another writer's
+    unfused norm names (tests of the reader only)."""
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
+    if spec not in SPECS:
+        raise InputError("--layer-spec", f"must be one of {SPECS}, got {show(spec)}")
     d = _dims(cfg)
-    want = checkpoint_names(cfg, spec)
+    want = checkpoint_names(cfg, fused_norms)
     sd: dict[str, Any] = {}
     for ck, (local, layer) in want.items():
         if layer is None:
@@ -339,21 +351,29 @@ def sharded_critic_state(state: Mapping[str, torch.Tensor], cfg: Any, spec: str)
             sd[f"{ck}#{i}"] = ShardedTensor.from_rank_offsets(ck, t, (0, i, d.layers), replica_id=0, prepend_axis_num=1)
     for k in HEAD:
         sd[k] = ShardedTensor.from_rank_offsets(k, state[k].detach().float().contiguous(), replica_id=0)
-    if spec == "te":
-        none_state = torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8)
-        for module in names.TE_EXTRA_STATE:
-            key = f"{_LAYER}{module}._extra_state"
-            for i in range(d.layers):
-                sd[f"{key}#{i}"] = ShardedObject(key, none_state.clone(), (d.layers,), (i,), replica_id=0)
+    for module in names.EXTRA_STATE[spec]:
+        key = f"{_LAYER}{module}._extra_state"
+        for i in range(d.layers):
+            sd[f"{key}#{i}"] = ShardedObject(key, _extra_state_placeholder(spec), (d.layers,), (i,), replica_id=0)
     return sd
 
 
-def write_critic(step_dir: Path, state: Mapping[str, torch.Tensor], cfg: Any, spec: str, iteration: int) -> None:
+def _extra_state_placeholder(spec: str) -> Any:
+    """What a module without FP8 state saves: None for megatron's local linears; for TE the byte
+    tensor of `pickle.dumps(None)`, which TE 1.x unpickles to None and TE 2.x (which writes an
+    empty tensor itself) also unpickles to None: both then skip it."""
+    if spec == "local":
+        return None
+    return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8).clone()
+
+
+def write_critic(step_dir: Path, state: Mapping[str, torch.Tensor], cfg: Any, spec: str, iteration: int,
+                 *, fused_norms: bool = True) -> None:
     """Save the critic into the existing empty `step_dir` (collective over the current process
     group; one process at TP=1 is enough)."""
     from megatron.core import dist_checkpointing
 
     padded = -(-cfg.vocab_size // VOCAB_DIVISOR) * VOCAB_DIVISOR
-    dist_checkpointing.save({"model": sharded_critic_state(state, cfg, spec),
+    dist_checkpointing.save({"model": sharded_critic_state(state, cfg, spec, fused_norms),
                              "args": megatron_lm_args(cfg, padded, spec),
                              "iteration": int(iteration), "checkpoint_version": 3.0}, str(step_dir))

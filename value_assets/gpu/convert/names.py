@@ -2,7 +2,7 @@
 
 Each table is data, read in both directions (after torchtitan's `state_dict_adapter.py`
 `from_hf_map`): `hf.py` walks `HF_TABLE` to load an actor (HF -> Megatron local spec) and to export
-a critic (local spec -> HF); `megatron_lm.py` walks `TE_RENAMES` / `TE_EXTRA_STATE` to read and to
+a critic (local spec -> HF); `megatron_lm.py` walks `TE_RENAMES` / `EXTRA_STATE` to read and to
 write Megatron-LM checkpoints of either layer spec. Nothing else spells a parameter name.
 
 Names of the *local* spec (megatron-core `get_gpt_layer_local_spec`, what `gpu.model.build_critic`
@@ -13,15 +13,20 @@ builds) are the hub: every other format maps onto them.
   interleave) or `gate_up` ([gate; up] along dim 0). `tp_dim` is the dim a tensor-parallel rank's
   slice is cut along (None: replicated); `gate_up` slices gate and up separately, as Megatron's
   SwiGLU sharding does. `when` names the backbone flag (`qkv_bias`, `qk_layernorm`) a row needs.
-- `TE_RENAMES`: local layer name -> Megatron-LM Transformer-Engine spec name (TE fuses the input
-  norms into the following linear: `input_layernorm.weight` is `linear_qkv.layer_norm_weight`,
-  `pre_mlp_layernorm.weight` is `linear_fc1.layer_norm_weight`; megatron-core 0.16.1
-  `get_gpt_layer_with_transformer_engine_spec`, RMSNorm: no `layer_norm_bias`). Every other name
-  is the same in both specs.
-- `TE_EXTRA_STATE`: the TE modules of one dense layer that carry an `_extra_state` entry (FP8
-  metadata; an empty placeholder without FP8). They hold no weights: ignored on read, written as
-  placeholders for the TE spec because Megatron-LM's torch_dist loader requests them and a missing
-  key fails the load.
+- `TE_RENAMES`: local module name -> its *checkpoint* name. Transformer Engine fuses the input
+  norms into the following linear (`input_layernorm.weight` is `linear_qkv.layer_norm_weight`,
+  `pre_mlp_layernorm.weight` is `linear_fc1.layer_norm_weight`; RMSNorm: no `layer_norm_bias`),
+  and megatron-core's *local* spec saves its separate norms under those same names
+  (`get_gpt_layer_local_spec`'s `sharded_state_dict_keys_map`, megatron-core 0.16.1 line ~417), so
+  that both specs' torch_dist checkpoints load into either. Every other name is the module name.
+  Checkpoints with unfused norm names (other writers) are read too.
+- `EXTRA_STATE`: per spec, the modules of one dense layer whose `_extra_state` entry a Megatron
+  model requests when it loads (megatron-core 0.16.1, checked by instantiating the local spec: its
+  four parallel linears request one, holding None; TE's linears hold FP8 metadata, a placeholder
+  without FP8; older megatron-core also requests one for TE's `core_attention`, 0.16.1 does not).
+  They hold no weights: ignored on read; written because a requested key that is missing fails
+  the load, while an unrequested one is skipped under Megatron-LM's default
+  `--dist-ckpt-strictness assume_ok_unexpected`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "TE_EXTRA_STATE", "Dims", "rows", "to_te", "from_te"]
+__all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "EXTRA_STATE", "Dims", "rows", "to_te", "from_te"]
 
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
 
@@ -94,13 +99,11 @@ TE_RENAMES: Mapping[str, str] = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _FROM_TE = {te: local for local, te in TE_RENAMES.items()}
-TE_EXTRA_STATE: tuple[str, ...] = (
-    "self_attention.linear_qkv",
-    "self_attention.core_attention",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+EXTRA_STATE: Mapping[str, tuple[str, ...]] = {
+    "local": _LINEARS,
+    "te": _LINEARS + ("self_attention.core_attention",),
+}
 
 
 def rows(d: Dims) -> Iterator[tuple[str, tuple[str, ...], Rule, int | None]]:
