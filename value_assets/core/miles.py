@@ -72,7 +72,7 @@ def check_miles_contract(obj: Any, where: str) -> None:
         if not is_sha(obj[key]):
             raise InputError(f"{where}: {key}", f"must be a lowercase SHA-256 hex digest, got {show(obj[key])}")
     objective = Objective.from_json(obj["objective"], f"{where}: objective")
-    if obj["objective"] != objective.canonical():
+    if canonical_bytes(obj["objective"]) != canonical_bytes(objective.canonical()):  # floats stay floats
         raise InputError(f"{where}: objective", f"must be the canonical objective {objective.canonical()}, got {obj['objective']}")
     plan = obj["batch_plan"]
     if not isinstance(plan, dict) or sorted(plan) != sorted(_PLAN_KEYS):

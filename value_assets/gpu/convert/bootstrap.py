@@ -68,7 +68,7 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
     if megatron_lm.is_megatron_lm_folder(folder):
         cfg, step_dir, it, layer_spec = megatron_lm.resolve(folder, Path(hf_config) if hf_config else None)
         ident = {"kind": "megatron-lm", "path": str(folder.resolve()), "iteration": it, "layer_spec": layer_spec,
-                 "sha256": _folder_digest(step_dir, ("*", ".metadata"))}
+                 "sha256": _folder_digest(step_dir, ("*",))}  # pathlib globs dotfiles too
         return cfg, {"kind": "megatron_lm", "path": str(step_dir.resolve()), "backbone": cfg.to_json()}, ident
     raise InputError("--backbone", f"{spec!r} holds neither a Hugging Face checkpoint (config.json), a Megatron one "
                      f"({BACKBONE_JSON}) nor a Megatron-LM one ({megatron_lm.TRACKER})")
