@@ -18,7 +18,7 @@ from conftest import make_hf_checkpoint
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)] if hasattr(pytest.mark, "timeout") else pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def _critic_state(hf_folder: Path, k: int) -> dict:

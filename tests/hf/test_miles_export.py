@@ -18,7 +18,7 @@ import torch
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ATOL = 1e-4
 STEPS = 2
 
@@ -71,7 +71,7 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
     from value_assets.gpu.cli import cmd_export_miles
     from value_assets.gpu.convert import megatron_lm
 
-    root, cfg, _, _, state = mse_critic
+    root, cfg, ids, values, state = mse_critic
     out = tmp_path / "miles"
     assert cmd_export_miles(SimpleNamespace(checkpoint=str(root), out=str(out), model_identity="tiny-critic@test",
                                             layer_spec=spec)) == 0
@@ -101,6 +101,23 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
     assert back.keys() == state.keys()
     for k in state:
         assert torch.equal(back[k], state[k].float()), k
+    # ... and a critic bootstrapped from the export (head copied in) gives the engine's values.
+    from value_assets.gpu.convert.bootstrap import load_backbone_into, resolve_backbone
+    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+
+    boot_cfg, source, ident = resolve_backbone(str(out))
+    assert boot_cfg == cfg and ident["layer_spec"] == spec
+    init_distributed(0, 1, "127.0.0.1", free_port())
+    try:
+        model = build_critic(boot_cfg, Objective(loss_type="mse"), bf16=False).eval()
+        load_backbone_into(model, source, tp=1)
+        model.load_state_dict(megatron_lm.load_head(step), strict=False)
+        with torch.no_grad():
+            got = critic_forward(model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32), ids.numel())
+    finally:
+        destroy()
+    assert torch.equal(got, values)
 
 
 def test_export_miles_refuses_a_contract_that_does_not_verify(tmp_path, mse_critic):

@@ -18,9 +18,13 @@ HF_FORMATS = ("token-classification", "scalar", "openrlhf")
 
 def contracted_step(checkpoint: Path) -> tuple[Path, dict[str, Any], str]:
     """(step folder, contract, contract sha) of a contracted `iter_*` folder or a critic folder
-    (its `latest`, whose recorded sha is pinned)."""
+    (its `latest`). The sha `latest` recorded is pinned whenever `latest` names the step."""
     step_dir, pinned = checkpoint, None
-    if not (step_dir / CONTRACT_NAME).is_file():
+    if (step_dir / CONTRACT_NAME).is_file():
+        latest = read_latest(step_dir.parent)
+        if latest is not None and latest[0].resolve() == step_dir.resolve():
+            pinned = latest[1]
+    else:
         latest = read_latest(checkpoint) if checkpoint.is_dir() else None
         if latest is None:
             raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")

@@ -38,7 +38,7 @@ import argparse
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -210,30 +210,26 @@ def _model_tensor(name: str) -> bool:
     return not name.startswith(_IGNORED_PREFIXES) and "_extra_state" not in name
 
 
-def _read(step_dir: Path, wanted: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def _read(step_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
     """Read the named whole tensors (no process group; the index through `safe_pickle`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    md = load_dcp_metadata(step_dir / ".metadata")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
 
     class _Reader(FileSystemReader):
-        def read_metadata(self, *a: Any, **k: Any):
-            md = load_dcp_metadata(step_dir / ".metadata")
-            if getattr(md, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                md.storage_meta = StorageMeta()
+        def read_metadata(self, *a: Any, **k: Any):  # never torch's plain pickle.load
             md.storage_meta.load_id = self.load_id
             return md
 
-    reader = _Reader(str(step_dir))
-    md = load_dcp_metadata(step_dir / ".metadata").state_dict_metadata
     out = {}
     for k in wanted:
-        meta = md[k]
-        assert isinstance(meta, TensorStorageMetadata)
+        meta = md.state_dict_metadata[k]
         out[k] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    dcp.load(out, storage_reader=reader, no_dist=True)
+    dcp.load(out, storage_reader=_Reader(str(step_dir)), no_dist=True)
     return out
 
 
@@ -255,16 +251,18 @@ def load_backbone_state(step_dir: str | Path, cfg: Any, tp_rank: int = 0, tp_siz
     for k in model - numbered:
         available[k] = k
     for k in numbered:
-        i, rest = k[len(_LAYER):].split(".", 1)
+        rest = k[len(_LAYER):].split(".", 1)[1]
         available.setdefault(_LAYER + rest, "numbered")
     unexpected = sorted(set(available) - set(want) - set(HEAD))
     missing = sorted(set(want) - set(available))
+    missing += sorted(f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available.get(k) == "numbered"
+                      for i in range(d.layers) if f"{_LAYER}{i}.{k[len(_LAYER):]}" not in numbered)
     if unexpected or missing:
         raise InputError(str(step_dir), f"is not a checkpoint of this {cfg.family} backbone: "
                          f"unexpected {unexpected}, missing {missing}")
     stacked = [k for k in want if available[k] != "numbered"]
     per_layer = [f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available[k] == "numbered" for i in range(d.layers)]
-    tensors = _read(step_dir, {k: shapes[k] for k in stacked + per_layer})
+    tensors = _read(step_dir, stacked + per_layer)
     rules = {rule.local: rule for _, rule in names.HF_TABLE}
     out: dict[str, torch.Tensor] = {}
     for ck, (local, layer) in want.items():
@@ -302,7 +300,7 @@ def load_head(step_dir: str | Path) -> dict[str, torch.Tensor]:
     missing = [k for k in HEAD if k not in shapes]
     if missing:
         raise InputError(str(step_dir), f"has no critic head: missing {missing}")
-    return _read(step_dir, {k: shapes[k] for k in HEAD})
+    return _read(step_dir, HEAD)
 
 
 # ----------------------------------------------------------------------------- writing

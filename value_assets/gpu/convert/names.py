@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "EXTRA_STATE", "Dims", "rows", "to_te", "from_te"]
+__all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "EXTRA_STATE", "Dims", "rows", "to_te", "dims_of"]
 
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
 
@@ -98,7 +98,6 @@ TE_RENAMES: Mapping[str, str] = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
-_FROM_TE = {te: local for local, te in TE_RENAMES.items()}
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 EXTRA_STATE: Mapping[str, tuple[str, ...]] = {
     "local": _LINEARS,
@@ -109,24 +108,23 @@ EXTRA_STATE: Mapping[str, tuple[str, ...]] = {
 def rows(d: Dims) -> Iterator[tuple[str, tuple[str, ...], Rule, int | None]]:
     """(local name, HF names without the `model.` prefix, rule, layer index or None), whole model,
     in Megatron's order, rows whose `when` flag is off left out."""
-    for where, rule in HF_TABLE:
-        if where == "layer":
-            continue
-        if where == "final":
-            for i in range(d.layers):
-                for w, r in HF_TABLE:
-                    if w == "layer" and (r.when is None or getattr(d, r.when)):
-                        yield f"decoder.layers.{i}.{r.local}", tuple(f"layers.{i}.{n}" for n in r.hf), r, i
-        yield rule.local, rule.hf, rule, None
+
+    def pick(where: str) -> list[Rule]:
+        return [r for w, r in HF_TABLE if w == where and (r.when is None or getattr(d, r.when))]
+
+    for r in pick("embed"):
+        yield r.local, r.hf, r, None
+    for i in range(d.layers):
+        for r in pick("layer"):
+            yield f"decoder.layers.{i}.{r.local}", tuple(f"layers.{i}.{n}" for n in r.hf), r, i
+    for r in pick("final"):
+        yield r.local, r.hf, r, None
 
 
 def to_te(layer_name: str) -> str:
-    """A local-spec layer name (the part after `decoder.layers.{i}.`) as the TE spec spells it."""
+    """A local-spec layer name (the part after `decoder.layers.{i}.`) as checkpoints spell it;
+    readers map back through the same table (`megatron_lm.checkpoint_names`)."""
     return TE_RENAMES.get(layer_name, layer_name)
-
-
-def from_te(layer_name: str) -> str:
-    return _FROM_TE.get(layer_name, layer_name)
 
 
 def dims_of(field: Callable[[Any, str], Any], cfg: Any) -> Dims:
