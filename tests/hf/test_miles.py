@@ -149,3 +149,31 @@ def test_pickles_are_never_run(tmp_path):
     with pytest.raises(InputError, match="refusing to unpickle posix.system"):
         load_dcp_metadata(tmp_path / ".metadata")
     assert not marker.exists()
+
+
+def test_real_megatron_lm_arguments_are_read(tmp_path):
+    """Megatron-LM namespaces hold dtypes and Megatron enums: rebuilt or kept inert, the
+    architecture still comes out (here a Qwen3-shaped one)."""
+    import argparse
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    from value_assets.gpu.convert.megatron_lm import backbone_from_args
+    from value_assets.gpu.convert.safe_pickle import Opaque, load_common
+
+    args = argparse.Namespace(
+        num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, kv_channels=32, vocab_size=None, padded_vocab_size=256, max_position_embeddings=128,
+        rotary_base=1000000, norm_epsilon=1e-6, normalization="RMSNorm", swiglu=True, add_qkv_bias=False,
+        qk_layernorm=True, position_embedding_type="rope", use_rope_scaling=False, num_experts=None,
+        params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto, transformer_impl="transformer_engine",
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0}, tmp_path / "common.pt")
+    read = vars(load_common(tmp_path / "common.pt")["args"])
+    assert read["params_dtype"] is torch.bfloat16 and isinstance(read["attention_backend"], Opaque)
+    cfg = backbone_from_args(read, "common.pt")
+    assert (cfg.family, cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size, cfg.rotary_base) == ("qwen3", 2, 32, 256, 1e6)
+    with pytest.raises(InputError, match="args.swiglu: is an object of megatron.core.transformer.enums.AttnBackend, not a plain value"):
+        backbone_from_args({**read, "swiglu": read["attention_backend"]}, "common.pt")
+    with pytest.raises(InputError, match="MoE backbones are not supported"):
+        backbone_from_args({**read, "num_experts": 8}, "common.pt")
