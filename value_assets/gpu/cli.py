@@ -31,7 +31,7 @@ def train_config(args):
                        micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
                        warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
                        data_roots=_data_roots(args), ray_address=args.ray_address,
-                       hf_config=getattr(args, "hf_config", None))
+                       hf_config=args.hf_config)
 
 
 def eval_config(args):
