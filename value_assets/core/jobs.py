@@ -193,6 +193,7 @@ class TrainJob(_JobConfig):
     manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
+    hf_config: Path | None = setting(None, doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder without saved arguments.")
     timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
 
     def _validate(self) -> None:

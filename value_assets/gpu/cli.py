@@ -78,8 +78,16 @@ def cmd_evaluate(args) -> int:
 def cmd_export_hf(args) -> int:
     from value_assets.gpu.convert.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out))
-    print(json.dumps({"out": str(out)}))
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), args.format)
+    print(json.dumps({"out": str(out), "format": args.format}))
+    return 0
+
+
+def cmd_export_miles(args) -> int:
+    from value_assets.gpu.convert.export import export_miles
+
+    out, sha = export_miles(Path(args.checkpoint), Path(args.out), args.model_identity, args.layer_spec)
+    print(json.dumps({"out": str(out), "contract_sha256": sha, "layer_spec": args.layer_spec}))
     return 0
 
 
@@ -102,6 +110,7 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "manifest_sha256")
     _data_root_flag(t)
     _flag(t, TrainJob, "ray_address")
+    _flag(t, TrainJob, "hf_config")
     t.add_argument("--json", action="store_true", help="print per-step metrics too")
     t.set_defaults(func=cmd_train)
 
@@ -117,7 +126,16 @@ def add_commands(sub) -> None:
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
+    x.add_argument("--format", choices=("token-classification", "scalar", "openrlhf"), default="token-classification",
+                   help="scalar: mse critics as num_labels=1 (verl reads logits[..., 0]); openrlhf: OpenRLHF's critic layout")
     x.set_defaults(func=cmd_export_hf)
+
+    m = sub.add_parser("export-miles", help="export a critic checkpoint for Miles' --critic-load (SPEC 10); prints the contract sha")
+    m.add_argument("--checkpoint", required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--model-identity", required=True)
+    m.add_argument("--layer-spec", choices=("te", "local"), default="te")
+    m.set_defaults(func=cmd_export_miles)
 
     add_import_command(sub)
 

@@ -9,7 +9,10 @@ Sources:
   and tests;
 * a Hugging Face folder (``config.json`` + safetensors; Llama, Qwen2, Qwen3);
 * a Megatron distributed checkpoint folder saved by this project (``backbone.json`` beside the
-  torch_dist files), e.g. a critic's checkpoint reused as another critic's actor.
+  torch_dist files), e.g. a critic's checkpoint reused as another critic's actor;
+* a Megatron-LM / Miles checkpoint folder (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/``
+  in torch_dist, Transformer-Engine or local-spec names; see `megatron_lm.py`). Its architecture
+  comes from the checkpoint's saved arguments, else from ``--hf-config`` (a ``config.json``).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ def _folder_digest(folder: Path, patterns: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
-def resolve_backbone(spec: str, *, seed: int = 0):
-    """(BackboneConfig, worker source, identity for the contract) for `spec` ("tiny" or a folder)."""
+def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None = None):
+    """(BackboneConfig, worker source, identity for the contract) for `spec` ("tiny" or a folder).
+    `hf_config`: a Hugging Face config.json (or its folder) for a Megatron-LM checkpoint whose
+    saved arguments are absent (ignored for other sources)."""
     from value_assets.gpu.model.critic import BackboneConfig
 
     if spec == "tiny":
@@ -58,7 +63,15 @@ def resolve_backbone(spec: str, *, seed: int = 0):
             raise InputError(str(folder / BACKBONE_JSON), f"not a backbone config: {exc}") from None
         ident = {"kind": "megatron", "path": str(folder.resolve()), "sha256": _folder_digest(folder, ("*",))}
         return cfg, {"kind": "megatron", "path": str(folder.resolve())}, ident
-    raise InputError("--backbone", f"{spec!r} holds neither a Hugging Face checkpoint (config.json) nor a Megatron one ({BACKBONE_JSON})")
+    from value_assets.gpu.convert import megatron_lm
+
+    if megatron_lm.is_megatron_lm_folder(folder):
+        cfg, step_dir, it, layer_spec = megatron_lm.resolve(folder, Path(hf_config) if hf_config else None)
+        ident = {"kind": "megatron-lm", "path": str(folder.resolve()), "iteration": it, "layer_spec": layer_spec,
+                 "sha256": _folder_digest(step_dir, ("*",))}  # pathlib globs dotfiles too
+        return cfg, {"kind": "megatron_lm", "path": str(step_dir.resolve()), "backbone": cfg.to_json()}, ident
+    raise InputError("--backbone", f"{spec!r} holds neither a Hugging Face checkpoint (config.json), a Megatron one "
+                     f"({BACKBONE_JSON}) nor a Megatron-LM one ({megatron_lm.TRACKER})")
 
 
 def write_backbone_json(folder: Path, cfg) -> None:
@@ -73,14 +86,22 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
 
         init_layout_invariant(module, int(source["seed"]))
         return {"loaded": 0}
-    if kind == "hf":
+    if kind in ("hf", "megatron_lm"):
         from megatron.core import parallel_state as ps
 
-        from value_assets.gpu.convert.hf import load_hf_backbone_state
-        from value_assets.gpu.model.critic import stage_state
+        from value_assets.gpu.model.critic import BackboneConfig, stage_state
 
+        rank = ps.get_tensor_model_parallel_rank()
+        if kind == "hf":
+            from value_assets.gpu.convert.hf import load_hf_backbone_state
+
+            whole = load_hf_backbone_state(source["path"], tp_rank=rank, tp_size=tp)
+        else:
+            from value_assets.gpu.convert.megatron_lm import load_backbone_state
+
+            whole = load_backbone_state(source["path"], BackboneConfig.from_json(source["backbone"]), tp_rank=rank, tp_size=tp)
         # Whole-model names, sliced for this TP rank; then only this pipeline stage's layers.
-        state = stage_state(module, load_hf_backbone_state(source["path"], tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp))
+        state = stage_state(module, whole)
         own = module.state_dict()
         state = {k: v.to(dtype=own[k].dtype) if k in own else v for k, v in state.items()}
         result = module.load_state_dict(state, strict=False)

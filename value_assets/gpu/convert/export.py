@@ -1,29 +1,63 @@
-"""Export a contracted critic checkpoint to Hugging Face format (one process, any saved TP size)."""
+"""Export a contracted critic checkpoint: Hugging Face (`export-hf`) or Miles (`export-miles`).
+
+Both run in one process (gloo on CPU), for any saved TP size: the checkpoint is re-sharded to TP=1
+on load. Both refuse a checkpoint whose contract does not verify.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
+HF_FORMATS = ("token-classification", "scalar", "openrlhf")
 
-def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    from value_assets.gpu.convert.hf import export_critic_to_hf
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
-    from value_assets.gpu.runtime.checkpoint import load_model_weights
 
-    step_dir = checkpoint
-    if not (step_dir / CONTRACT_NAME).is_file():
+def contracted_step(checkpoint: Path) -> tuple[Path, dict[str, Any], str]:
+    """(step folder, contract, contract sha) of a contracted `iter_*` folder or a critic folder
+    (its `latest`). The sha `latest` recorded is pinned whenever `latest` names the step."""
+    step_dir, pinned = checkpoint, None
+    if (step_dir / CONTRACT_NAME).is_file():
+        latest = read_latest(step_dir.parent)
+        if latest is not None and latest[0].resolve() == step_dir.resolve():
+            pinned = latest[1]
+    else:
         latest = read_latest(checkpoint) if checkpoint.is_dir() else None
         if latest is None:
             raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")
-        step_dir = latest[0]
-    contract, _ = load_contract(step_dir)
+        step_dir, pinned = latest
+    contract, sha = load_contract(step_dir, pinned)
+    verify_checkpoint_files(step_dir, contract)
+    return step_dir, contract, sha
+
+
+def verify_checkpoint_files(step_dir: Path, contract: dict[str, Any]) -> None:
+    """SPEC 6: every file of the step folder against the contract, before anything is read.
+
+    Placeholder: core's `verify_checkpoint(step_dir, contract)` (file hashes in the contract) is
+    being added in parallel; this is the one call site to switch to it. Until then only the
+    contract itself is verified (sha-pinned through `latest`, canonical, complete)."""
+    try:
+        from value_assets.core.contract import verify_checkpoint  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    verify_checkpoint(step_dir, contract)
+
+
+def _empty_out(out: Path) -> None:
     if out.exists() and any(out.iterdir()):
         raise InputError(str(out), "output folder exists and is not empty")
+
+
+def _load_full_state(step_dir: Path, contract: dict[str, Any]):
+    """(backbone, objective, whole-model TP=1 state dict on CPU float32) of a contracted step."""
+    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.runtime.checkpoint import load_model_weights
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+
     backbone = BackboneConfig.from_json(contract["backbone_config"])
     objective = Objective.from_json(contract["objective"])
     init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
@@ -31,10 +65,63 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
         model = build_critic(backbone, objective, bf16=False)
         load_model_weights(step_dir, model)
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if hasattr(v, "detach")}
-        export_critic_to_hf(state, backbone, objective.head_size, out, objective=objective)
     finally:
         destroy()
+    return backbone, objective, state
+
+
+def export_checkpoint(checkpoint: Path, out: Path, fmt: str = "token-classification") -> Path:
+    """`export-hf`. `fmt`: `token-classification` (K outputs, `score` with bias), `scalar` (mse
+    critics only: the same model with num_labels=1; verl's HF critic reads `logits[..., 0]`),
+    `openrlhf` (mse only: OpenRLHF's critic layout, `score` [1, hidden] without bias, the bias
+    carried as `mean` = -bias, `std` = 1 with `normalize_reward`)."""
+    from value_assets.gpu.convert.hf import export_critic_to_hf, export_critic_to_openrlhf
+
+    if fmt not in HF_FORMATS:
+        raise InputError("--format", f"must be one of {HF_FORMATS}, got {fmt!r}")
+    step_dir, contract, _ = contracted_step(checkpoint)
+    objective = Objective.from_json(contract["objective"])
+    if fmt != "token-classification" and objective.loss_type != "mse":
+        raise InputError("--format", f"{fmt!r} needs an mse critic; this one is a {objective.num_bins}-bin classification "
+                         "critic, whose value softmax(logits) . support is not linear in the hidden state, so no "
+                         "single linear scalar head reproduces it. Export it with --format token-classification.")
+    _empty_out(out)
+    backbone, objective, state = _load_full_state(step_dir, contract)
+    if fmt == "openrlhf":
+        export_critic_to_openrlhf(state, backbone, out, objective=objective)
+    else:
+        export_critic_to_hf(state, backbone, objective.head_size, out, objective=objective)
     return out
+
+
+def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: str = "te") -> tuple[Path, str]:
+    """`export-miles`: SPEC 10's `OUT/latest_checkpointed_iteration.txt`, `OUT/iter_{N:07d}/` and
+    `OUT/value_pretrain_contract.json` (written last: it is what publishes the hand-off).
+    Returns (OUT, the Miles contract's sha)."""
+    from value_assets.core.miles import (MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract,
+                                         miles_contract_bytes, miles_iter_dirname)
+    from value_assets.core.publish import atomic_write
+    from value_assets.gpu.convert.megatron_lm import SPECS, write_critic
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+
+    if layer_spec not in SPECS:
+        raise InputError("--layer-spec", f"must be one of {SPECS}, got {layer_spec!r}")
+    step_dir, contract, _ = contracted_step(checkpoint)
+    miles = build_miles_contract(contract, model_identity)
+    data = miles_contract_bytes(miles)
+    _empty_out(out)
+    backbone, _, state = _load_full_state(step_dir, contract)
+    n = miles["completed_steps"]
+    target = out / miles_iter_dirname(n)
+    target.mkdir(parents=True)
+    init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
+    try:
+        write_critic(target, state, backbone, layer_spec, n)
+    finally:
+        destroy()
+    atomic_write(out / MILES_TRACKER_NAME, f"{n}\n".encode())
+    sha = atomic_write(out / MILES_CONTRACT_NAME, data)
+    return out, sha
 
 
 def _cuda() -> bool:

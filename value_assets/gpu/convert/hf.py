@@ -23,6 +23,9 @@ Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
   keeps the strictness SPEC 4 demands (no silent partial loads). Other families or MoE: add a
   family in `convert/hf_config.py` and a mapping here, or revisit a bridge when TE is available.
 
+Both directions walk the one name table `names.HF_TABLE` (local name <- HF names, how the pieces
+fuse, which dim TP slices): no name is spelled twice.
+
 Megatron layout facts used here (megatron-core 0.16.1 local spec, checked by instantiating it;
 the 0.19.2 wheel's local spec and fused-qkv split read the same):
 - `self_attention.linear_qkv.weight` is [ng * (np/ng + 2) * hn, h], interleaved per query group g
@@ -49,11 +52,13 @@ from safetensors.torch import save_file
 
 from value_assets.core.errors import InputError, show
 from value_assets.gpu.convert.hf_config import read_hf_config
+from value_assets.gpu.convert.names import GATE_UP, QKV, Dims, Rule, dims_of, rows
 
 __all__ = [
     "read_hf_config",
     "load_hf_backbone_state",
     "export_critic_to_hf",
+    "export_critic_to_openrlhf",
     "load_hf_value_head",
     "backbone_config_kwargs",
     "megatron_backbone_names",
@@ -166,46 +171,12 @@ def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def megatron_backbone_names(cfg: Any) -> list[str]:
-    """Megatron GPTModel (local spec) parameter names of the backbone, final norm included.
+    """Megatron GPTModel (local spec) parameter names of the backbone, final norm included, in
+    Megatron's order: the local-name column of `names.HF_TABLE`.
 
     `cfg` is a `read_hf_config` dict (or an object with those attributes).
     """
-    names = ["embedding.word_embeddings.weight"]
-    for i in range(_field(cfg, "num_layers")):
-        p = f"decoder.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
-        if _field(cfg, "qkv_bias"):
-            names.append(p + "self_attention.linear_qkv.bias")
-        if _field(cfg, "qk_layernorm"):
-            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names += [
-            p + "self_attention.linear_proj.weight",
-            p + "pre_mlp_layernorm.weight",
-            p + "mlp.linear_fc1.weight",
-            p + "mlp.linear_fc2.weight",
-        ]
-    names.append("decoder.final_layernorm.weight")
-    return names
-
-
-def _hf_layer_names(cfg: Mapping[str, Any], prefix: str, i: int) -> dict[str, str]:
-    p = f"{prefix}layers.{i}."
-    names = {
-        "ln1": p + "input_layernorm.weight",
-        "q": p + "self_attn.q_proj.weight",
-        "k": p + "self_attn.k_proj.weight",
-        "v": p + "self_attn.v_proj.weight",
-        "o": p + "self_attn.o_proj.weight",
-        "ln2": p + "post_attention_layernorm.weight",
-        "gate": p + "mlp.gate_proj.weight",
-        "up": p + "mlp.up_proj.weight",
-        "down": p + "mlp.down_proj.weight",
-    }
-    if cfg["qkv_bias"]:
-        names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias", vb=p + "self_attn.v_proj.bias")
-    if cfg["qk_layernorm"]:
-        names.update(qn=p + "self_attn.q_norm.weight", kn=p + "self_attn.k_norm.weight")
-    return names
+    return [local for local, _, _, _ in rows(dims_of(_field, cfg))]
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
@@ -238,6 +209,34 @@ def _split_qkv(qkv: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor,
 def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(want):
         raise InputError(name, f"has shape {tuple(t.shape)}, expected {tuple(want)} from config.json")
+
+
+def _to_local(rule: Rule, pieces: list[torch.Tensor], d: Dims) -> torch.Tensor:
+    """HF piece(s) of one table row -> the local-spec tensor (whole model, TP=1)."""
+    if rule.kind == QKV:
+        return _fuse_qkv(*pieces, d.groups)
+    if rule.kind == GATE_UP:
+        return torch.cat(pieces, dim=0)
+    return pieces[0]
+
+
+def _to_hf(rule: Rule, t: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, ...]:
+    """The local-spec tensor of one table row -> its HF piece(s); the inverse of `_to_local`."""
+    if rule.kind == QKV:
+        return _split_qkv(t, cfg)
+    if rule.kind == GATE_UP:
+        return tuple(t.chunk(2, dim=0))
+    return (t,)
+
+
+def shard_for_tp(rule: Rule, t: torch.Tensor, tp_rank: int, tp_size: int, name: str) -> torch.Tensor:
+    """This TP rank's slice of the whole-model tensor of one table row (gate and up sliced apart)."""
+    if rule.tp_dim is None:
+        return t
+    if rule.kind == GATE_UP:
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([_shard(gate, 0, tp_rank, tp_size, name), _shard(up, 0, tp_rank, tp_size, name)], dim=0)
+    return _shard(t, rule.tp_dim, tp_rank, tp_size, name)
 
 
 # ----------------------------------------------------------------------------- HF -> Megatron
@@ -273,8 +272,8 @@ def load_hf_backbone_state(
     else:
         raise InputError(str(folder), "has no 'model.embed_tokens.weight' (nor 'embed_tokens.weight')")
 
-    h, ffn, hd = cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["kv_channels"]
-    heads, groups, vocab = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["vocab_size"]
+    d = dims_of(_field, cfg)
+    h, vocab = d.h, d.vocab
     consumed: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -286,32 +285,13 @@ def load_hf_backbone_state(
         return t if dtype is None else t.to(dtype)
 
     out: dict[str, torch.Tensor] = {}
-    emb = take(prefix + "embed_tokens.weight", (vocab, h))
-    if padded_vocab_size is not None:
-        if padded_vocab_size < vocab:
-            raise InputError("padded_vocab_size", f"{padded_vocab_size} is smaller than vocab_size {vocab}")
-        emb = torch.cat([emb, emb.new_zeros(padded_vocab_size - vocab, h)])
-    out["embedding.word_embeddings.weight"] = _shard(emb, 0, tp_rank, tp_size, "embedding.word_embeddings.weight")
-
-    for i in range(cfg["num_layers"]):
-        n = _hf_layer_names(cfg, prefix, i)
-        p = f"decoder.layers.{i}."
-        out[p + "input_layernorm.weight"] = take(n["ln1"], (h,))
-        qkv = _fuse_qkv(take(n["q"], (heads * hd, h)), take(n["k"], (groups * hd, h)), take(n["v"], (groups * hd, h)), groups)
-        out[p + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tp_rank, tp_size, p + "self_attention.linear_qkv.weight")
-        if cfg["qkv_bias"]:
-            qkv_b = _fuse_qkv(take(n["qb"], (heads * hd,)), take(n["kb"], (groups * hd,)), take(n["vb"], (groups * hd,)), groups)
-            out[p + "self_attention.linear_qkv.bias"] = _shard(qkv_b, 0, tp_rank, tp_size, p + "self_attention.linear_qkv.bias")
-        if cfg["qk_layernorm"]:
-            out[p + "self_attention.q_layernorm.weight"] = take(n["qn"], (hd,))
-            out[p + "self_attention.k_layernorm.weight"] = take(n["kn"], (hd,))
-        out[p + "self_attention.linear_proj.weight"] = _shard(take(n["o"], (h, heads * hd)), 1, tp_rank, tp_size, p + "self_attention.linear_proj.weight")
-        out[p + "pre_mlp_layernorm.weight"] = take(n["ln2"], (h,))
-        gate = _shard(take(n["gate"], (ffn, h)), 0, tp_rank, tp_size, n["gate"])
-        up = _shard(take(n["up"], (ffn, h)), 0, tp_rank, tp_size, n["up"])
-        out[p + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[p + "mlp.linear_fc2.weight"] = _shard(take(n["down"], (h, ffn)), 1, tp_rank, tp_size, p + "mlp.linear_fc2.weight")
-    out["decoder.final_layernorm.weight"] = take(prefix + "norm.weight", (h,))
+    for local, hf_names, rule, _ in rows(d):
+        t = _to_local(rule, [take(prefix + n, s) for n, s in zip(hf_names, rule.hf_shapes(d))], d)
+        if local == "embedding.word_embeddings.weight" and padded_vocab_size is not None:
+            if padded_vocab_size < vocab:
+                raise InputError("padded_vocab_size", f"{padded_vocab_size} is smaller than vocab_size {vocab}")
+            t = torch.cat([t, t.new_zeros(padded_vocab_size - vocab, h)])
+        out[local] = shard_for_tp(rule, t, tp_rank, tp_size, local)
 
     # Heads are not backbone: the LM head (actor) or the value head `score.*` (an exported critic)
     # is read past on purpose; the critic adds its own head. Everything else must be consumed.
@@ -447,26 +427,13 @@ def export_critic_to_hf(
     emb = get("embedding.word_embeddings.weight")
     if emb.shape[0] < vocab or emb.shape[1] != h:
         raise InputError("embedding.word_embeddings.weight", f"shape {tuple(emb.shape)} does not cover vocab {vocab} x hidden {h}")
-    ffn = _field(backbone_config, "ffn_hidden_size")
-    hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb[:vocab]}
-    for i in range(_field(backbone_config, "num_layers")):
-        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
-        hf[q + "input_layernorm.weight"] = get(p + "input_layernorm.weight")
-        qw, kw, vw = _split_qkv(get(p + "self_attention.linear_qkv.weight"), backbone_config)
-        hf.update({q + "self_attn.q_proj.weight": qw, q + "self_attn.k_proj.weight": kw, q + "self_attn.v_proj.weight": vw})
-        if _field(backbone_config, "qkv_bias"):
-            qb, kb, vb = _split_qkv(get(p + "self_attention.linear_qkv.bias"), backbone_config)
-            hf.update({q + "self_attn.q_proj.bias": qb, q + "self_attn.k_proj.bias": kb, q + "self_attn.v_proj.bias": vb})
-        if _field(backbone_config, "qk_layernorm"):
-            hf[q + "self_attn.q_norm.weight"] = get(p + "self_attention.q_layernorm.weight")
-            hf[q + "self_attn.k_norm.weight"] = get(p + "self_attention.k_layernorm.weight")
-        hf[q + "self_attn.o_proj.weight"] = get(p + "self_attention.linear_proj.weight")
-        hf[q + "post_attention_layernorm.weight"] = get(p + "pre_mlp_layernorm.weight")
-        fc1 = get(p + "mlp.linear_fc1.weight")
-        _check_shape(p + "mlp.linear_fc1.weight", fc1, (2 * ffn, h))
-        hf[q + "mlp.gate_proj.weight"], hf[q + "mlp.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
-        hf[q + "mlp.down_proj.weight"] = get(p + "mlp.linear_fc2.weight")
-    hf["model.norm.weight"] = get("decoder.final_layernorm.weight")
+    state["embedding.word_embeddings.weight"] = emb[:vocab]  # TP padding rows dropped
+    d = dims_of(_field, backbone_config)
+    hf: dict[str, torch.Tensor] = {}
+    for local, hf_names, rule, _ in rows(d):
+        t = get(local)
+        _check_shape(local, t, rule.shape(d))
+        hf.update(zip(("model." + n for n in hf_names), _to_hf(rule, t, backbone_config)))
     hf["score.weight"] = get(head_names[0])
     hf["score.bias"] = get(head_names[1])
 
@@ -488,4 +455,37 @@ def export_critic_to_hf(
         head_info["support"] = [low, high, k] if objective.loss_type == "classification" else None
     head_info["read_position"] = "value of response token j at absolute position prompt_len + j - 1"
     (out_folder / "value_head.json").write_text(json.dumps(head_info, indent=2, sort_keys=True) + "\n")
+    return out_folder
+
+
+def export_critic_to_openrlhf(
+    megatron_state: Mapping[str, torch.Tensor],
+    backbone_config: Any,
+    out_folder: str | Path,
+    *,
+    head_prefix: str = "output_layer",
+    objective: Any = None,
+    dtype: torch.float32 = torch.float32,
+) -> Path:
+    """An mse critic in OpenRLHF's critic layout (openrlhf/models/model.py `_get_critic_model`):
+    the base model under `model.*`, the head `score.weight` [1, hidden] with no bias (OpenRLHF
+    builds `nn.Linear(hidden, 1, bias=False)` under `value_head_prefix`, default "score"), and
+    `normalize_reward: true`, `mean`, `std` in config.json, which its critic applies as
+    `(values - mean) / std`. Our head's bias b is carried as mean = -b, std = 1, so OpenRLHF's
+    values equal the engine's. transformers' `<Family>ForTokenClassification` still loads the
+    folder (its `score.bias` is then freshly initialised: use the `scalar` format for verl)."""
+    if objective is not None and objective.head_size != 1:
+        raise InputError("objective", "OpenRLHF critics are scalar: export an mse critic")
+    out_folder = export_critic_to_hf(megatron_state, backbone_config, 1, out_folder, head_prefix=head_prefix,
+                                     objective=objective, dtype=dtype)
+    files = _SafetensorsFolder(out_folder)
+    tensors = {n: files.get(n).clone() for n in files.names()}  # clones: the file is rewritten below
+    bias = tensors.pop("score.bias")
+    save_file(tensors, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out_folder / "config.json").read_text())
+    cfg.update(normalize_reward=True, mean=-float(bias[0]), std=1.0, value_head_prefix="score")
+    (out_folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    info = json.loads((out_folder / "value_head.json").read_text())
+    info.update(layout="openrlhf", prediction="V = (hidden . score.weight - mean) / std")
+    (out_folder / "value_head.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out_folder

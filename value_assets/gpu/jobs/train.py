@@ -81,7 +81,7 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
     from value_assets.gpu.convert.bootstrap import resolve_backbone
 
     manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
-    backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed)
+    backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed, hf_config=cfg.hf_config)
     train = validate_dataset(manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len)
     log(f"train data ok: {len(train)} rows, {train.stats.tokens} tokens, {train.stats.active_targets} active targets")
     plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)

@@ -1,0 +1,182 @@
+"""`export-miles` and `export-hf --format scalar|openrlhf` from a contracted critic checkpoint.
+
+The Miles contract is checked with a reader built from Miles' published rules (`core.miles`), the
+key set against the layer spec's names, and the round trip export -> bootstrap reader -> values
+identical to the engine's. HF scalar/OpenRLHF values: float32, max abs diff < 1e-4 (as test_hf_export).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from value_assets.core.errors import InputError
+from value_assets.core.objective import Objective
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+ATOL = 1e-4
+STEPS = 2
+
+
+def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = None):
+    """A critic folder with one contracted step (as the train job publishes it); returns the
+    engine's values for `ids` and its whole state."""
+    from value_assets.core.contract import build_contract, iter_dirname, write_contract
+    from value_assets.core.plan import build_plan
+    from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward, init_layout_invariant
+    from value_assets.gpu.runtime.checkpoint import save_critic
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+
+    cfg = BackboneConfig.tiny(family="qwen2", vocab_size=256, max_seq_len=64)
+    step = root / iter_dirname(STEPS)
+    step.mkdir(parents=True)
+    init_distributed(0, 1, "127.0.0.1", free_port())
+    try:
+        model = build_critic(cfg, objective, bf16=False).eval()
+        init_layout_invariant(model, 0)
+        with torch.no_grad():
+            model.output_layer.bias.copy_(torch.linspace(-0.3, 0.4, objective.head_size))  # a dropped bias would show
+        values = None
+        if ids is not None:
+            with torch.no_grad():
+                values = critic_forward(model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32), ids.numel())
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        save_critic(step, model, iteration=STEPS)
+    finally:
+        destroy()
+    contract = build_contract(manifest_sha256="a" * 64, train_sha256="b" * 64, objective=objective.canonical(),
+                              plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random", "seed": 0},
+                              backbone_config=cfg.to_json(), checkpoint=str(step))
+    write_contract(root, contract)
+    return cfg, values, state
+
+
+@pytest.fixture(scope="module")
+def mse_critic(tmp_path_factory):
+    root = tmp_path_factory.mktemp("critic")
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2))
+    cfg, values, state = _contracted(root, Objective(loss_type="mse", reward_range=(-1.0, 1.0)), ids)
+    return root, cfg, ids, values, state
+
+
+@pytest.mark.parametrize("spec", ["te", "local"])
+def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys):
+    from value_assets.core.miles import MILES_KEYS, read_miles_contract
+    from value_assets.core.strict_json import canonical_bytes
+    from value_assets.gpu.cli import cmd_export_miles
+    from value_assets.gpu.convert import megatron_lm
+
+    root, cfg, ids, values, state = mse_critic
+    out = tmp_path / "miles"
+    assert cmd_export_miles(SimpleNamespace(checkpoint=str(root), out=str(out), model_identity="tiny-critic@test",
+                                            layer_spec=spec)) == 0
+    printed = json.loads(capsys.readouterr().out)
+    contract, sha = read_miles_contract(out, printed["contract_sha256"])  # Miles' rules, sha pinned
+    raw = (out / "value_pretrain_contract.json").read_bytes()
+    assert raw == canonical_bytes(contract) and sorted(contract) == sorted(MILES_KEYS)
+    assert contract == {
+        "schema": "miles.value-pretrain-checkpoint.v1", "source_manifest_sha256": "a" * 64,
+        "train_dataset_sha256": "b" * 64,
+        "objective": {"loss_type": "mse", "num_bins": 51, "reward_range": [-1.0, 1.0], "target_type": "hl_gauss",
+                      "hl_gauss_sigma_ratio": 0.75},
+        "batch_plan": {"seed": 0, "global_batch_size": 4, "drop_incomplete_batch": True},
+        "completed_steps": STEPS, "model_identity": "tiny-critic@test"}
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+    step = out / f"iter_{STEPS:07d}"
+    assert set(megatron_lm.tensor_shapes(step)) == set(megatron_lm.checkpoint_names(cfg)) | set(megatron_lm.HEAD)
+    assert megatron_lm.tensor_shapes(step)["output_layer.weight"] == (1, cfg.hidden_size)
+    assert megatron_lm.tensor_shapes(step)["embedding.word_embeddings.weight"][0] % 128 == 0
+    common = megatron_lm.saved_args(step)
+    assert common["tensor_model_parallel_size"] == 1 and common["no_save_optim"] and common["untie_embeddings_and_output_weights"]
+    # Round trip: the bootstrap reader gives back every tensor exactly.
+    got_cfg, got_step, it, got_spec = megatron_lm.resolve(out)
+    assert (got_cfg, got_step, it, got_spec) == (cfg, step, STEPS, spec)
+    back = megatron_lm.load_backbone_state(step, got_cfg)
+    back.update(megatron_lm.load_head(step))
+    assert back.keys() == state.keys()
+    for k in state:
+        assert torch.equal(back[k], state[k].float()), k
+    # ... and a critic bootstrapped from the export (head copied in) gives the engine's values.
+    from value_assets.gpu.convert.bootstrap import load_backbone_into, resolve_backbone
+    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+
+    boot_cfg, source, ident = resolve_backbone(str(out))
+    assert boot_cfg == cfg and ident["layer_spec"] == spec
+    init_distributed(0, 1, "127.0.0.1", free_port())
+    try:
+        model = build_critic(boot_cfg, Objective(loss_type="mse"), bf16=False).eval()
+        load_backbone_into(model, source, tp=1)
+        model.load_state_dict(megatron_lm.load_head(step), strict=False)
+        with torch.no_grad():
+            got = critic_forward(model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32), ids.numel())
+    finally:
+        destroy()
+    assert torch.equal(got, values)
+
+
+def test_export_miles_refuses_a_contract_that_does_not_verify(tmp_path, mse_critic):
+    from value_assets.gpu.convert.export import export_miles
+
+    root = tmp_path / "critic"
+    shutil.copytree(mse_critic[0], root)
+    p = root / f"iter_{STEPS:07d}" / "value_pretrain_contract.json"
+    p.write_bytes(p.read_bytes().replace(b'"seed":0', b'"seed":1'))
+    with pytest.raises(InputError, match="was pinned"):
+        export_miles(root, tmp_path / "out", "x")
+    assert not (tmp_path / "out").exists()
+
+
+def test_scalar_export_loads_in_transformers(tmp_path, mse_critic):
+    from transformers import AutoModelForTokenClassification
+
+    from value_assets.gpu.convert.export import export_checkpoint
+
+    root, _, ids, values, _ = mse_critic
+    out = export_checkpoint(root, tmp_path / "scalar", "scalar")
+    hf = AutoModelForTokenClassification.from_pretrained(str(out)).eval()
+    assert hf.config.num_labels == 1
+    with torch.no_grad():
+        got = hf(input_ids=ids[None]).logits[0, :, 0]
+    assert (got - values[:, 0]).abs().max().item() < ATOL
+
+
+def test_openrlhf_export_reproduces_values(tmp_path, mse_critic):
+    """OpenRLHF's critic: base model + `score` Linear(hidden, 1, bias=False), then (v - mean) / std."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModel
+
+    from value_assets.gpu.convert.export import export_checkpoint
+
+    root, _, ids, values, _ = mse_critic
+    out = export_checkpoint(root, tmp_path / "orlhf", "openrlhf")
+    config = AutoConfig.from_pretrained(str(out))
+    weights = load_file(str(out / "model.safetensors"))
+    assert "score.bias" not in weights and tuple(weights["score.weight"].shape) == (1, config.hidden_size)
+    base = AutoModel.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        v = base(input_ids=ids[None]).last_hidden_state[0] @ weights["score.weight"][0]
+    assert config.normalize_reward
+    got = (v - config.mean) / config.std
+    assert (got - values[:, 0]).abs().max().item() < ATOL
+
+
+def test_scalar_export_refuses_a_classification_critic(tmp_path):
+    from value_assets.core.contract import build_contract, iter_dirname, write_contract
+    from value_assets.core.plan import build_plan
+    from value_assets.gpu.convert.export import export_checkpoint
+    from value_assets.gpu.model.critic import BackboneConfig
+
+    (tmp_path / iter_dirname(STEPS)).mkdir()
+    write_contract(tmp_path, build_contract(
+        manifest_sha256="a" * 64, train_sha256="b" * 64, objective=Objective(num_bins=51).canonical(),
+        plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random"},
+        backbone_config=BackboneConfig.tiny().to_json(), checkpoint="x"))
+    for fmt in ("scalar", "openrlhf"):
+        with pytest.raises(InputError, match="not linear in the hidden state"):
+            export_checkpoint(tmp_path, tmp_path / "out", fmt)

@@ -1,0 +1,377 @@
+"""Megatron-LM / Miles checkpoints (torch_dist), either layer spec: read an actor, write a critic.
+
+Layout (Megatron-LM `save_checkpoint`, `--ckpt-format torch_dist`): `DIR/latest_checkpointed_iteration.txt`
+holds N (or `release`); `DIR/iter_{N:07d}/` holds `.metadata` + `__*.distcp` (torch.distributed
+.checkpoint: the sharded tensors, each under its *global* name), `common.pt` (the non-sharded
+entries: `args`, an `argparse.Namespace`; `iteration`; `checkpoint_version`) and `metadata.json`.
+
+Tensor names: megatron-core's `TransformerBlock.sharded_state_dict` stacks homogeneous layers, so a
+layer parameter is one tensor `decoder.layers.<name>` of shape [num_layers, ...] (older or
+heterogeneous checkpoints number them, `decoder.layers.<i>.<name>`; both are read). Global tensors
+are the TP=1 tensors whatever TP they were saved with: TP slices are contiguous (the fused QKV
+included) and SwiGLU's fc1 is stored as [all gate; all up] (`apply_swiglu_sharded_factory`). The
+norms carry TE's fused names (`names.TE_RENAMES`) in *both* megatron-core specs: the local spec
+maps its separate norms onto them when it saves. The specs differ in the `_extra_state` objects
+(no weights) their modules save (`names.EXTRA_STATE`). Unfused norm names are read too.
+
+Reading (`bootstrap`): the tensors are read with torch.distributed.checkpoint without a process
+group, its index through `safe_pickle` (SPEC 9); only backbone tensors are taken, strictly: a
+missing or unexpected name is an error that lists them; the LM head (`output_layer.weight`) and a
+critic head are read past (the critic adds its own), `_extra_state` objects and optimizer / RNG
+state are ignored. The architecture comes from the saved `args` where present, else from a
+Hugging Face `config.json` (`--hf-config`).
+
+Writing (`export-miles`): megatron-core's `dist_checkpointing.save` (so the index, the object
+encoding and `metadata.json` are megatron's own) of the critic at TP=1 under the checkpoint names (fused norm names), untied embeddings (padded to a multiple of 128 rows as Megatron-LM pads at TP=1), the head
+as `output_layer.weight` [K, hidden] / `output_layer.bias` [K], and one `_extra_state`
+placeholder per module and layer that the spec's model requests (`names.EXTRA_STATE`; None for the
+local spec as megatron's own linears save it, for TE the byte tensor of `pickle.dumps(None)`, which
+Transformer Engine 1.x and 2.x both read as "no FP8 state").
+`common.pt` carries `args` with the architecture, TP = PP = 1 and `no_save_optim`/`no_save_rng`
+(there is no optimizer or RNG state: the RL run starts its own), `iteration` = N and
+`checkpoint_version` 3.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from value_assets.core.errors import InputError, show
+from value_assets.gpu.convert import names
+from value_assets.gpu.convert.safe_pickle import Opaque, load_common, load_dcp_metadata
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SPECS = ("te", "local")
+HEAD = ("output_layer.weight", "output_layer.bias")
+_LAYER = "decoder.layers."
+_IGNORED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state")
+VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+
+
+def is_megatron_lm_folder(folder: Path) -> bool:
+    return (folder / TRACKER).is_file()
+
+
+def read_tracker(folder: Path) -> tuple[int, Path]:
+    """(iteration, iter folder) that `latest_checkpointed_iteration.txt` names (`release`: 0)."""
+    text = (folder / TRACKER).read_text().strip()
+    if text == "release":
+        step_dir = folder / "release"
+        it = 0
+    elif re.fullmatch(r"\d+", text):
+        it = int(text)
+        step_dir = folder / f"iter_{it:07d}"
+    else:
+        raise InputError(str(folder / TRACKER), f"holds {text!r}, neither an iteration number nor 'release'")
+    if not step_dir.is_dir():
+        raise InputError(str(step_dir), f"missing: {TRACKER} names it")
+    return it, step_dir
+
+
+# ----------------------------------------------------------------------------- architecture
+
+# Megatron-LM argument -> our BackboneConfig field.
+_ARG_FIELDS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "max_position_embeddings": "max_seq_len",
+    "rotary_base": "rotary_base",
+    "norm_epsilon": "norm_epsilon",
+}
+
+
+def saved_args(step_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint's saved Megatron-LM arguments as a dict, or None when it has none."""
+    common = step_dir / "common.pt"
+    if not common.is_file():
+        return None
+    obj = load_common(common)
+    args = obj.get("args") if isinstance(obj, dict) else None
+    if args is None:
+        return None
+    if not isinstance(args, argparse.Namespace):
+        raise InputError(f"{common}: args", f"is {args!r}, not an argparse.Namespace")
+    return dict(vars(args))
+
+
+def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None = None):
+    """`BackboneConfig` from Megatron-LM's saved arguments (dense Llama / Qwen2 / Qwen3 shapes)."""
+    from value_assets.gpu.model.critic import BackboneConfig
+
+    def get(key: str, default: Any = None) -> Any:
+        v = args.get(key, default)
+        if isinstance(v, Opaque):
+            raise InputError(f"{where}: args.{key}", f"is an object of {v.qualname}, not a plain value")
+        return v
+
+    for key, want in (("normalization", "RMSNorm"), ("swiglu", True), ("position_embedding_type", "rope")):
+        if get(key, want) != want:
+            raise InputError(f"{where}: args.{key}", f"is {show(get(key))}; the critic supports {want!r} only")
+    if get("num_experts"):
+        raise InputError(f"{where}: args.num_experts", f"is {get('num_experts')}; MoE backbones are not supported")
+    kw = {field: get(key) for key, field in _ARG_FIELDS.items()}
+    missing = sorted(k for k, v in kw.items() if v is None)
+    if missing:
+        raise InputError(f"{where}: args", f"lack {missing}; pass --hf-config with the actor's config.json")
+    heads = kw["num_attention_heads"]
+    kw["num_query_groups"] = get("num_query_groups") if get("group_query_attention") else heads
+    kw["num_query_groups"] = kw["num_query_groups"] or heads
+    kv = get("kv_channels")
+    kw["kv_channels"] = None if kv in (None, kw["hidden_size"] // heads) else kv
+    kw["qkv_bias"] = bool(get("add_qkv_bias", False))
+    kw["qk_layernorm"] = bool(get("qk_layernorm", False))
+    kw["family"] = "qwen3" if kw["qk_layernorm"] else "qwen2" if kw["qkv_bias"] else "llama"
+    kw["vocab_size"] = hf_vocab or get("vocab_size") or get("padded_vocab_size")
+    if get("use_rope_scaling", False):
+        kw["rope_scaling_factor"] = float(get("rope_scaling_factor", 8.0))
+    kw["rotary_base"] = float(kw["rotary_base"])
+    try:
+        return BackboneConfig(**kw)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{where}: args", f"do not describe a supported backbone: {exc}") from None
+
+
+def resolve(folder: Path, hf_config: Path | None = None):
+    """(BackboneConfig, step folder, iteration, layer spec named by the saved arguments or None)
+    of a Megatron-LM checkpoint folder."""
+    from value_assets.gpu.model.critic import BackboneConfig
+
+    it, step_dir = read_tracker(folder)
+    args = saved_args(step_dir)
+    hf_cfg = None
+    if hf_config is not None:
+        from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
+
+        p = Path(hf_config)
+        hf_cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(p if p.is_dir() else p.parent)))
+    if args is not None:
+        cfg = backbone_from_args(args, str(step_dir / "common.pt"), hf_vocab=hf_cfg.vocab_size if hf_cfg else None)
+    elif hf_cfg is not None:
+        cfg = hf_cfg
+    else:
+        raise InputError(str(step_dir), "has no saved arguments (common.pt 'args'); pass --hf-config with the actor's config.json")
+    has_fused_norms(tensor_shapes(step_dir), str(step_dir))  # a mixed index is refused before any launch
+    return cfg, step_dir, it, layer_spec_of(args)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def _dims(cfg: Any) -> names.Dims:
+    from value_assets.gpu.convert.hf import _field
+
+    return names.dims_of(_field, cfg)
+
+
+def checkpoint_names(cfg: Any, fused_norms: bool = True) -> dict[str, tuple[str, int | None]]:
+    """{stacked checkpoint name: (local name, None for a global tensor / 0 for a layer tensor)}
+    of the backbone of `cfg`: the names a strict reader expects. `fused_norms`: the norms under
+    TE's names, as both megatron-core specs save them (False: another writer's unfused names)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for local, _, rule, layer in names.rows(_dims(cfg)):
+        if layer is None:
+            out[local] = (local, None)
+        elif layer == 0:
+            out[_LAYER + (names.to_te(rule.local) if fused_norms else rule.local)] = (rule.local, 0)
+    return out
+
+
+def has_fused_norms(shapes: Mapping[str, tuple[int, ...]], where: str) -> bool:
+    fused = any(k.endswith(".layer_norm_weight") for k in shapes)
+    unfused = any(k.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight")) for k in shapes)
+    if fused and unfused:
+        raise InputError(where, "mixes fused norm names (layer_norm_weight) with separate input/pre-MLP norms")
+    return not unfused
+
+
+def layer_spec_of(args: Mapping[str, Any] | None) -> str | None:
+    """The layer spec the saved arguments name (`--transformer-impl`), None when unknown."""
+    impl = (args or {}).get("transformer_impl")
+    return {"transformer_engine": "te", "local": "local"}.get(impl) if isinstance(impl, str) else None
+
+
+def tensor_shapes(step_dir: Path) -> dict[str, tuple[int, ...]]:
+    """{name: global shape} of every tensor in the torch_dist folder (objects left out)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = load_dcp_metadata(step_dir / ".metadata")
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _model_tensor(name: str) -> bool:
+    return not name.startswith(_IGNORED_PREFIXES) and "_extra_state" not in name
+
+
+def _read(step_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read the named whole tensors (no process group; the index through `safe_pickle`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    md = load_dcp_metadata(step_dir / ".metadata")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *a: Any, **k: Any):  # never torch's plain pickle.load
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    out = {}
+    for k in wanted:
+        meta = md.state_dict_metadata[k]
+        out[k] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    dcp.load(out, storage_reader=_Reader(str(step_dir)), no_dist=True)
+    return out
+
+
+def load_backbone_state(step_dir: str | Path, cfg: Any, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """Backbone tensors of a Megatron-LM torch_dist folder, under the local spec's whole-model names
+    (exactly `hf.megatron_backbone_names(cfg)`), sliced for TP rank `tp_rank`. Strict: every
+    backbone tensor of the checkpoint is taken and every expected one found, else an `InputError`
+    lists the unexpected and the missing names. The embedding keeps its rows up to `vocab_size`."""
+    from value_assets.gpu.convert.hf import _check_shape, shard_for_tp
+
+    step_dir = Path(step_dir)
+    shapes = tensor_shapes(step_dir)
+    fused = has_fused_norms(shapes, str(step_dir))
+    d = _dims(cfg)
+    want = checkpoint_names(cfg, fused)
+    model = {k for k in shapes if _model_tensor(k)}
+    numbered = {k for k in model if re.match(r"decoder\.layers\.\d+\.", k)}
+    available: dict[str, str] = {}  # stacked-form name -> how it is stored
+    for k in model - numbered:
+        available[k] = k
+    for k in numbered:
+        rest = k[len(_LAYER):].split(".", 1)[1]
+        available.setdefault(_LAYER + rest, "numbered")
+    unexpected = sorted(set(available) - set(want) - set(HEAD))
+    missing = sorted(set(want) - set(available))
+    missing += sorted(f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available.get(k) == "numbered"
+                      for i in range(d.layers) if f"{_LAYER}{i}.{k[len(_LAYER):]}" not in numbered)
+    if unexpected or missing:
+        raise InputError(str(step_dir), f"is not a checkpoint of this {cfg.family} backbone: "
+                         f"unexpected {unexpected}, missing {missing}")
+    stacked = [k for k in want if available[k] != "numbered"]
+    per_layer = [f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available[k] == "numbered" for i in range(d.layers)]
+    tensors = _read(step_dir, stacked + per_layer)
+    rules = {rule.local: rule for _, rule in names.HF_TABLE}
+    out: dict[str, torch.Tensor] = {}
+    for ck, (local, layer) in want.items():
+        rule = rules[local]
+        if layer is None:
+            t = tensors[ck]
+            if local == "embedding.word_embeddings.weight":
+                if t.shape[0] < d.vocab:
+                    raise InputError(f"{step_dir}: {ck}", f"has {t.shape[0]} rows, fewer than vocab_size {d.vocab}")
+                t = t[: d.vocab]
+            _check_shape(f"{step_dir}: {ck}", t, rule.shape(d))
+            out[local] = shard_for_tp(rule, t, tp_rank, tp_size, local)
+            continue
+        if available[ck] == "numbered":
+            layers = [tensors[f"{_LAYER}{i}.{ck[len(_LAYER):]}"] for i in range(d.layers)]
+        else:
+            t = tensors[ck]
+            if t.shape[0] != d.layers:
+                raise InputError(f"{step_dir}: {ck}", f"stacks {t.shape[0]} layers, the config has {d.layers}")
+            layers = list(t.unbind(0))
+        for i, t in enumerate(layers):
+            name = f"decoder.layers.{i}.{local}"
+            _check_shape(f"{step_dir}: {ck}[{i}]", t, rule.shape(d))
+            out[name] = shard_for_tp(rule, t.contiguous(), tp_rank, tp_size, name)
+    from value_assets.gpu.convert.hf import megatron_backbone_names
+
+    order = megatron_backbone_names(cfg)
+    return {k: out[k] for k in order}
+
+
+def load_head(step_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The critic head `output_layer.weight` [K, hidden] / `.bias` [K] of a written critic."""
+    step_dir = Path(step_dir)
+    shapes = tensor_shapes(step_dir)
+    missing = [k for k in HEAD if k not in shapes]
+    if missing:
+        raise InputError(str(step_dir), f"has no critic head: missing {missing}")
+    return _read(step_dir, HEAD)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def megatron_lm_args(cfg: Any, padded_vocab: int, spec: str) -> argparse.Namespace:
+    """The saved-arguments namespace of a written critic: what Megatron-LM's loader reads
+    (TP / PP sizes, `no_save_optim`, `no_save_rng`) and the architecture `backbone_from_args` reads."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, group_query_attention=cfg.num_query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups, kv_channels=cfg.head_dim, vocab_size=cfg.vocab_size,
+        padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=VOCAB_DIVISOR,
+        max_position_embeddings=cfg.max_seq_len, rotary_base=cfg.rotary_base, norm_epsilon=cfg.norm_epsilon,
+        normalization="RMSNorm", swiglu=True, add_qkv_bias=cfg.qkv_bias, add_bias_linear=False,
+        qk_layernorm=cfg.qk_layernorm, position_embedding_type="rope", use_rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0, untie_embeddings_and_output_weights=True,
+        transformer_impl="transformer_engine" if spec == "te" else "local", ckpt_format="torch_dist",
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, no_save_optim=True, no_save_rng=True,
+    )
+
+
+def sharded_critic_state(state: Mapping[str, torch.Tensor], cfg: Any, spec: str,
+                         fused_norms: bool = True) -> dict[str, Any]:
+    """megatron-core ShardedTensors / ShardedObjects of a whole (TP=1) local-spec critic `state`
+    under the checkpoint names, layers stacked as `TransformerBlock` saves them, with the
+    `_extra_state` objects `spec`'s model requests. `fused_norms=False` writes another writer's
+    unfused norm names (tests of the reader only)."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    if spec not in SPECS:
+        raise InputError("--layer-spec", f"must be one of {SPECS}, got {show(spec)}")
+    d = _dims(cfg)
+    want = checkpoint_names(cfg, fused_norms)
+    sd: dict[str, Any] = {}
+    for ck, (local, layer) in want.items():
+        if layer is None:
+            t = state[local]
+            if local == "embedding.word_embeddings.weight":
+                padded = -(-d.vocab // VOCAB_DIVISOR) * VOCAB_DIVISOR
+                t = torch.cat([t[: d.vocab], t.new_zeros(padded - d.vocab, d.h)])
+            sd[ck] = ShardedTensor.from_rank_offsets(ck, t.contiguous(), replica_id=0)
+            continue
+        for i in range(d.layers):
+            t = state[f"decoder.layers.{i}.{local}"].contiguous()
+            sd[f"{ck}#{i}"] = ShardedTensor.from_rank_offsets(ck, t, (0, i, d.layers), replica_id=0, prepend_axis_num=1)
+    for k in HEAD:
+        sd[k] = ShardedTensor.from_rank_offsets(k, state[k].detach().float().contiguous(), replica_id=0)
+    for module in names.EXTRA_STATE[spec]:
+        key = f"{_LAYER}{module}._extra_state"
+        for i in range(d.layers):
+            sd[f"{key}#{i}"] = ShardedObject(key, _extra_state_placeholder(spec), (d.layers,), (i,), replica_id=0)
+    return sd
+
+
+def _extra_state_placeholder(spec: str) -> Any:
+    """What a module without FP8 state saves: None for megatron's local linears; for TE the byte
+    tensor of `pickle.dumps(None)`, which TE 1.x unpickles to None and TE 2.x (which writes an
+    empty tensor itself) also unpickles to None: both then skip it."""
+    if spec == "local":
+        return None
+    return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8).clone()
+
+
+def write_critic(step_dir: Path, state: Mapping[str, torch.Tensor], cfg: Any, spec: str, iteration: int,
+                 *, fused_norms: bool = True) -> None:
+    """Save the critic into the existing empty `step_dir` (collective over the current process
+    group; one process at TP=1 is enough)."""
+    from megatron.core import dist_checkpointing
+
+    padded = -(-cfg.vocab_size // VOCAB_DIVISOR) * VOCAB_DIVISOR
+    dist_checkpointing.save({"model": sharded_critic_state(state, cfg, spec, fused_norms),
+                             "args": megatron_lm_args(cfg, padded, spec),
+                             "iteration": int(iteration), "checkpoint_version": 3.0}, str(step_dir))
