@@ -34,12 +34,14 @@ ASSETS = {"value_manifest", "train_dataset", "heldout_dataset", "batch_plan", "c
           "training_contract", "ev_report", "promoted_critic"}
 
 
-def wait_for(what: str, predicate, deadline_s: float, poll_s: float = 0.5, on_timeout=lambda: ""):
+def wait_for(what: str, predicate, deadline_s: float, poll_s: float = 0.5, on_timeout=lambda: "", process=None):
     deadline = time.monotonic() + deadline_s
     while True:
         value = predicate()
         if value:
             return value
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the daemon exited ({process.returncode}) while waiting for {what}{on_timeout()}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {deadline_s:.0f}s waiting for {what}{on_timeout()}")
         time.sleep(poll_s)
@@ -142,7 +144,7 @@ def test_daemon_sensor_and_gpu_pool_on_postgres(tmp_path, postgres_url, write_ma
 
         # The sensor (running by default) registers both manifests and requests two full runs.
         runs = wait_for("two runs requested by the manifest sensor",
-                        lambda: len(instance.get_runs()) == 2 and instance.get_runs(), 90, on_timeout=daemon_log)
+                        lambda: len(instance.get_runs()) == 2 and instance.get_runs(), 90, on_timeout=daemon_log, process=daemon)
         assert {r.job_name for r in runs} == {"full"}
         keys = sorted(r.tags["dagster/partition"] for r in runs)
         assert [k.split("-")[0] for k in keys] == ["alpha", "beta"]
@@ -157,7 +159,7 @@ def test_daemon_sensor_and_gpu_pool_on_postgres(tmp_path, postgres_url, write_ma
             return None
 
         info = wait_for("one run holding the gpu slot while the other waits", one_holds_other_waits, 120,
-                        on_timeout=daemon_log)
+                        on_timeout=daemon_log, process=daemon)
         holder = info.claimed_slots[0]
         assert info.slot_count == 1 and holder.step_key == "critic_training"
         (waiting,) = info.pending_run_ids
@@ -172,10 +174,19 @@ def test_daemon_sensor_and_gpu_pool_on_postgres(tmp_path, postgres_url, write_ma
         (gate / "release").write_text("go")
         done = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
         finished = wait_for("both runs finished", lambda: (lambda rs: len(rs) == 2 and rs)(
-            instance.get_runs(filters=RunsFilter(statuses=list(done)))), 240, on_timeout=daemon_log)
+            instance.get_runs(filters=RunsFilter(statuses=list(done)))), 240, on_timeout=daemon_log, process=daemon)
         assert {r.status for r in finished} == {DagsterRunStatus.SUCCESS}, daemon_log()
         # Four GPU steps in all (train + evaluate per run), one at a time.
         assert len(list(gate.glob("started-*"))) == 4
+        spans = []
+        for run in finished:
+            for step in ("critic_training", "ev_report"):
+                times = {e.dagster_event.event_type: e.timestamp for e in instance.all_logs(
+                    run.run_id, of_type={DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS})
+                    if e.step_key == step}
+                spans.append((times[DagsterEventType.STEP_START], times[DagsterEventType.STEP_SUCCESS]))
+        spans.sort()
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
 
         for run in finished:
             key = run.tags["dagster/partition"]
