@@ -8,6 +8,7 @@ the traceback only with VALUE_ASSETS_TRACEBACK=1).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -169,6 +170,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(prog="value-assets", description="Offline critic pretraining with an explained-variance promotion gate.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('value-assets')}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
     def manifest_args(sp):
