@@ -212,10 +212,14 @@ def rendered_pods():
                               env={"VALUE_ASSETS_ARTIFACTS": env["VALUE_ASSETS_ARTIFACTS"]},
                               node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"})
     bootstrap = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
-    argv = {"train": ["/data/m.json", "--output", "/artifacts/p/critic", "--gpus", "8"],
-            "evaluate": ["--checkpoint", "/artifacts/p/critic", "--gpus", "1"], "canary": ["/data/m.json"]}
-    for task, args in argv.items():
-        pod = launcher.render_pod(f"dagster-run-abc-{task}", task, args, bootstrap)
+    from value_assets.core.jobs import EvaluateJob, TrainJob
+
+    configs = {"train": TrainJob(manifest="/data/m.json", output="/artifacts/p/critic", gpus=8),
+               "evaluate": EvaluateJob(checkpoint="/artifacts/p/critic", manifest="/data/m.json", contract_sha256="0" * 64,
+                                       report="/artifacts/p/reports/ev.json"),
+               "canary": TrainJob(manifest="/data/m.json", output="/artifacts/p/canary", canary=True)}
+    for task, config in configs.items():
+        pod = launcher.render_pod(f"dagster-run-abc-{task}", task, config.to_json(), bootstrap)
         body = ApiClient().sanitize_for_serialization(pod)
         yield task, {"apiVersion": "v1", "kind": "Pod", **body}
 
