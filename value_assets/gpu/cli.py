@@ -30,7 +30,15 @@ def train_config(args):
                        gpus=args.gpus, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                        micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
                        warmup_steps=args.warmup_steps, canary=args.canary, manifest_sha256=args.manifest_sha256,
-                       data_roots=_data_roots(args), ray_address=args.ray_address)
+                       data_roots=_data_roots(args), ray_address=args.ray_address, memory=memory_config(args))
+
+
+def memory_config(args):
+    """The MemoryConfig from the --recompute / --distributed-optimizer / --sequence-parallel flags."""
+    from value_assets.core.memory import MemoryConfig
+
+    return MemoryConfig(recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
+                        sequence_parallel=args.sequence_parallel)
 
 
 def eval_config(args):
@@ -82,6 +90,10 @@ def _positive(text: str) -> int:
     return p(text)
 
 
+def _tokens_or_auto(text: str):
+    return "auto" if text == "auto" else _positive(text)
+
+
 def add_commands(sub) -> None:
     t = sub.add_parser("train", help="train a critic on the train split (GPU job; CPU without CUDA)")
     t.add_argument("manifest")
@@ -94,7 +106,13 @@ def add_commands(sub) -> None:
     t.add_argument("--gpus", type=_positive, default=1, help="worker slots: GPUs, or CPU processes without CUDA")
     t.add_argument("--tensor-parallel", type=_positive, default=1)
     t.add_argument("--pipeline-parallel", type=_positive, default=1, help="pipeline stages (must divide the backbone's layers)")
-    t.add_argument("--micro-batch-tokens", type=_positive, default=4096)
+    t.add_argument("--micro-batch-tokens", type=_tokens_or_auto, default=4096,
+                   help="packed micro-batch token budget, or 'auto': the largest that fits the GPU's free memory")
+    t.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recompute (megatron's): selective = core attention, full = every layer")
+    t.add_argument("--distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam state over data-parallel ranks (megatron's)")
+    t.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (needs --tensor-parallel > 1)")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--warmup-steps", type=int, default=0)
     t.add_argument("--canary", action="store_true", help="run the first planned step only; write a non-promotable receipt")
