@@ -170,7 +170,7 @@ def _auto_micro_batch_tokens(cfg: TrainConfig, backbone_cfg, manifest: Manifest,
     import torch
 
     if torch.cuda.is_available():
-        free, bf16 = torch.cuda.mem_get_info(0)[0], True
+        free, bf16 = _free_gpu_bytes(), True
     else:
         import psutil
 
@@ -180,6 +180,23 @@ def _auto_micro_batch_tokens(cfg: TrainConfig, backbone_cfg, manifest: Manifest,
         ModelShape.of(backbone_cfg, head_size=manifest.objective.head_size),
         Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp), cfg.memory,
         free_bytes=int(free), longest_row=longest, longest_row_where=where, bf16=bf16)
+
+
+def _free_gpu_bytes() -> int:
+    """Free memory of the first GPU, read without a CUDA context in this process (a driver's
+    context would hold ~0.5 GiB of the GPU its worker then runs on): nvidia-smi, else a
+    short-lived child process."""
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.split()[0]) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        return int(out.split()[-1])
 
 
 def execution_facts(cfg: TrainConfig, dp: int, micro_batch_tokens: int) -> dict[str, Any]:

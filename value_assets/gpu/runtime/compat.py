@@ -1,8 +1,8 @@
 """CPU compatibility layer for megatron-core 0.16.1 (tests, CI and the CPU demo only).
 
 megatron-core assumes CUDA everywhere. On a machine without CUDA, `apply_cpu_compat()` redirects
-the few spots that the critic's code paths hit (local layer spec, Megatron DDP, the non-distributed
-optimizer, the no-pipelining schedule, dist_checkpointing), and nothing else:
+the few spots that the critic's code paths hit (local layer spec, Megatron DDP, the plain and the distributed
+optimizer, activation recompute, the pipeline schedules, dist_checkpointing), and nothing else:
 
 1. `torch.cuda.current_device()` -> `torch.device("cpu")`: the global memory buffer, the DDP
    grad buffers, rotary `inv_freq` and attention scratch tensors allocate on "the current device".
