@@ -20,6 +20,19 @@ denominator is 790 TFLOP/s, the bf16 matmul rate measured on this workplace's H2
     python bench/train_throughput.py                      # both shapes, all modes (H200)
     python bench/train_throughput.py --profile            # + torch.profiler of ours-train, 1.5B
     python bench/train_throughput.py --smoke              # tiny model on CPU, 2 steps
+
+Long-row and bigger-critic rows (`--rows long`; `--rows all` = today's rows, then these):
+
+  1.5b@8k / @16k / @32k  ours train on rows of exactly 8k / 16k / 32k tokens (prompt 1024, the rest
+               response), micro-batches of max(--micro-batch-tokens, row) tokens, --long-global-batch
+               rows per step; activation recompute: the least that the memory model
+               (value_assets/core/memory.py) predicts to fit 85 % of the GPU (--long-recompute overrides)
+  3b           a Qwen2.5-3B-shaped critic (hidden 2048, 36 layers, 16 heads, 2 KV groups, ffn 11008)
+               on today's 4k length mix, ours eval / fwd / train; micro-batch: the largest the memory
+               model fits (`--micro-batch-tokens auto`), at most --micro-batch-tokens
+
+Every ours row also prints the memory model's predicted peak beside the measured one. A row that
+runs out of memory prints OOM and the next row runs.
 """
 
 from __future__ import annotations
@@ -37,6 +50,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+
+from value_assets.core.memory import GIB, RECOMPUTE, Layout, MemoryConfig, ModelShape, auto_micro_batch_tokens, predict_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -73,6 +88,16 @@ def make_batches(num_batches: int, batch_rows: int, vocab: int, seed: int, smoke
     for i, (p, r) in enumerate(lens):
         rows.append(Row(row_id=i, tokens=rng.integers(0, vocab, p + r, dtype=np.int64),
                         response_length=r, returns=rng.random(r)))
+    return [rows[i * batch_rows:(i + 1) * batch_rows] for i in range(num_batches)]
+
+
+def fixed_length_batches(num_batches: int, batch_rows: int, vocab: int, seed: int, length: int, prompt: int):
+    """Rows of exactly `length` tokens: `prompt` prompt tokens, the rest response."""
+    from value_assets.gpu.model.packing import Row
+
+    rng = np.random.default_rng(seed + 2)
+    rows = [Row(row_id=i, tokens=rng.integers(0, vocab, length, dtype=np.int64), response_length=length - prompt,
+                returns=rng.random(length - prompt)) for i in range(num_batches * batch_rows)]
     return [rows[i * batch_rows:(i + 1) * batch_rows] for i in range(num_batches)]
 
 
@@ -174,22 +199,31 @@ class Results:
         return None
 
     def table(self) -> str:
-        hdr = f"{'model':<6} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'step s':>8}  notes"
+        hdr = (f"{'model':<9} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+               f"{'pred GiB':>9} {'step s':>8}  notes")
         lines = [hdr, "-" * len(hdr)]
         for r in self.rows:
             if r.get("error"):
-                lines.append(f"{r['model']:<6} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {'-':>9} {'-':>8}  {r['error']}")
+                pred = "-" if r.get("pred_gib") is None else f"{r['pred_gib']:.1f}"
+                lines.append(f"{r['model']:<9} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {'-':>9} "
+                             f"{pred:>9} {'-':>8}  {r['error']}  {r.get('notes', '')}")
                 continue
             pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
+            pred = "-" if r.get("pred_gib") is None else f"{r['pred_gib']:.1f}"
             lines.append(
-                f"{r['model']:<6} {r['system']:<6} {r['mode']:<6} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.1f} "
-                f"{100 * r['mfu']:>5.1f}% {pk:>9} {r['step_time_s']:>8.3f}  {r.get('notes', '')}")
+                f"{r['model']:<9} {r['system']:<6} {r['mode']:<6} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.1f} "
+                f"{100 * r['mfu']:>5.1f}% {pk:>9} {pred:>9} {r['step_time_s']:>8.3f}  {r.get('notes', '')}")
         return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------- ours
 
-def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool) -> None:
+def predicted_gib(bb, obj, memory: MemoryConfig, tokens: int, train: bool) -> float:
+    return predict_peak(ModelShape.of(bb, obj.head_size), Layout(), memory, tokens, train=train, bf16=CUDA) / GIB
+
+
+def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
+             memory: MemoryConfig = MemoryConfig(), modes: tuple[str, ...] = ("eval", "fwd", "train")) -> None:
     from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.critic import build_critic, critic_forward
     from value_assets.gpu.model.packing import pack_rows
@@ -205,19 +239,23 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool) -> 
     emb = [pack_rows(b, args.eval_micro_batch_tokens) for b in batches]
     n_mb = np.mean([len(m) for m in mbs[args.warmup:]])
     train_note = f"{n_mb:.1f} packed mb/step of <= {args.micro_batch_tokens} tok"
+    if memory.recompute != "none":
+        train_note += f", recompute {memory.recompute}"
     eval_note = f"packed mb <= {args.eval_micro_batch_tokens} tok"
+    pred_train = predicted_gib(bb, obj, memory, args.micro_batch_tokens, True)
+    pred_eval = predicted_gib(bb, obj, memory, args.eval_micro_batch_tokens, False)
 
     model = ddp = opt = None
     try:
         t0 = time.perf_counter()
-        model = build_critic(bb, obj)
+        model = build_critic(bb, obj, memory=memory)
         print(f"  built ours {name} in {time.perf_counter() - t0:.1f}s", flush=True)
         n_model = sum(p.numel() for n_, p in model.named_parameters() if "embedding" not in n_)
         print(f"  ours non-embedding params {n_model / 1e6:.1f}M (FLOP count uses matmul "
               f"weights {matmul_params(bb, obj.head_size) / 1e6:.1f}M)", flush=True)
 
         # -- forward-only: evaluate_rows (engine API) and the raw packed forward
-        for mode in ("eval", "fwd"):
+        for mode in [m for m in ("eval", "fwd") if m in modes]:
             reset_peak()
             try:
                 if mode == "eval":
@@ -239,38 +277,42 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool) -> 
                 model.eval()
                 dt = timed(lambda: go(src[:args.warmup]), lambda: go(src[args.warmup:]))
                 model.train()
-                res.add(name, "ours", mode, seconds=dt, tokens=real, flops_tok=f_fwd,
+                res.add(name, "ours", mode, seconds=dt, tokens=real, flops_tok=f_fwd, pred_gib=pred_eval,
                         steps=len(timed_b), notes=eval_note + (" (evaluate_rows)" if mode == "eval" else " (raw)"))
             except Exception as exc:  # noqa: BLE001
                 if not is_oom(exc):
                     traceback.print_exc()
-                res.add(name, "ours", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
+                res.add(name, "ours", mode, error=("OOM" if is_oom(exc) else type(exc).__name__),
+                        pred_gib=pred_eval, notes=eval_note)
             finally:
                 src = emb_run = dev_mbs = None  # noqa: F841
                 free_memory()
 
         # -- training
+        if "train" not in modes:
+            return
         reset_peak()
         try:
-            ddp, opt = wrap_for_training(model, lr=1e-6)
+            ddp, opt = wrap_for_training(model, lr=1e-6, distributed_optimizer=memory.distributed_optimizer)
 
             def steps(bs):
                 for m in bs:
                     optimizer_step(ddp, opt, m, G, obj)
 
             dt = timed(lambda: steps(mbs[:args.warmup]), lambda: steps(mbs[args.warmup:]))
-            res.add(name, "ours", "train", seconds=dt, tokens=real, flops_tok=f_train,
+            res.add(name, "ours", "train", seconds=dt, tokens=real, flops_tok=f_train, pred_gib=pred_train,
                     steps=len(timed_b), notes=train_note)
             if profile:
                 profile_steps(lambda: steps(mbs[args.warmup:args.warmup + 2]), f"ours train {name}")
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 traceback.print_exc()
-            res.add(name, "ours", "train", error=("OOM" if is_oom(exc) else type(exc).__name__))
+            res.add(name, "ours", "train", error=("OOM" if is_oom(exc) else type(exc).__name__),
+                    pred_gib=pred_train, notes=train_note)
     except Exception as exc:  # noqa: BLE001  (build failed)
         if not is_oom(exc):
             traceback.print_exc()
-        for mode in ("eval", "fwd", "train"):
+        for mode in modes:
             if not any((r["model"], r["system"], r["mode"]) == (name, "ours", mode) for r in res.rows):
                 res.add(name, "ours", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
     finally:
@@ -454,6 +496,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over 2 steps of ours-train on the 1.5B shape (or the last model)")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--rows", choices=("default", "long", "all"), default="default",
+                    help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows and a 3b "
+                         "critic on 4k rows (ours); all: both")
+    ap.add_argument("--long-steps", type=int, default=2, help="timed steps of the long-row rows")
+    ap.add_argument("--long-global-batch", type=int, default=16, help="rows per step of the long-row rows")
+    ap.add_argument("--long-recompute", choices=("auto",) + RECOMPUTE, default="auto",
+                    help="recompute of the long-row rows (auto: the least the memory model fits)")
     args = ap.parse_args(argv)
 
     from value_assets.core.objective import Objective
@@ -471,6 +520,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.eval_micro_batch_tokens = 2 * args.micro_batch_tokens
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     presets = {"0.5b": BackboneConfig.qwen2_5_0_5b, "1.5b": BackboneConfig.qwen2_5_1_5b,
+               "3b": lambda: BackboneConfig(family="qwen2", num_layers=36, hidden_size=2048, ffn_hidden_size=11008,
+                                            num_attention_heads=16, num_query_groups=2, vocab_size=151936,
+                                            max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True),
                "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096)}
     for n in names:
         if n not in presets:
@@ -487,7 +539,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     res = Results()
     data_lines = []
     try:
-        for name in names:
+        for name in (names if args.rows in ("default", "all") else []):
             bb = presets[name]()
             batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size,
                                    args.seed, args.smoke)
@@ -504,6 +556,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 run_ours(name, bb, obj, batches, args, res, want_profile)
             if "hf" in systems:
                 run_hf(name, bb, obj, batches, args, res)
+        if args.rows in ("long", "all"):
+            data_lines += run_long_rows(args, presets, obj, res)
     finally:
         destroy()
 
@@ -517,7 +571,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"tokens/s = real (non-pad) tokens / s; MFU = achieved useful TFLOP/s / {PEAK_TFLOPS:.0f} TFLOP/s "
           "(measured bf16 matmul rate on this H200); step s = time per global batch")
     print(FORMULA)
-    for name in names:
+    for name in (names if args.rows != "long" else []):
         ot, oe, of_ = res.get(name, "ours", "train"), res.get(name, "ours", "eval"), res.get(name, "ours", "fwd")
         ht, hf_ = res.get(name, "hf", "train"), res.get(name, "hf", "fwd")
         mfu = next((r["mfu"] for r in res.rows if (r["model"], r["system"], r["mode"]) == (name, "ours", "train")
@@ -541,6 +595,65 @@ def main(argv: Optional[list[str]] = None) -> int:
             {"device": dev_name, "peak_tflops": PEAK_TFLOPS, "formula": FORMULA, "args": vars(args),
              "data": data_lines, "results": res.rows}, indent=2))
     return 0
+
+
+def pick_recompute(bb, obj, tokens: int, args, index: int) -> MemoryConfig:
+    """The least recompute the memory model fits in 85 % of this GPU (--long-recompute overrides;
+    on CPU (smoke) the three settings in turn, so each path runs)."""
+    if args.long_recompute != "auto":
+        return MemoryConfig(recompute=args.long_recompute)
+    if not CUDA:
+        return MemoryConfig(recompute=RECOMPUTE[index % len(RECOMPUTE)])
+    total = torch.cuda.get_device_properties(0).total_memory
+    for rc in RECOMPUTE:
+        mem = MemoryConfig(recompute=rc)
+        if predict_peak(ModelShape.of(bb, obj.head_size), Layout(), mem, tokens) <= 0.85 * total:
+            return mem
+    return MemoryConfig(recompute="full")  # predicted not to fit: run it anyway and report OOM
+
+
+def run_long_rows(args, presets, obj, res: Results) -> list[str]:
+    """1.5b on rows of 8k / 16k / 32k tokens (train) and the 3b critic on the 4k mix (all modes)."""
+    lines = []
+    steps, warm = (2, 1) if args.smoke else (args.long_steps, 1)
+    lengths, prompt, big = ((96, 160, 224), 32, "tiny") if args.smoke else ((8192, 16384, 32768), 1024, "3b")
+    bb = presets["tiny" if args.smoke else "1.5b"]()
+    for i, length in enumerate(lengths):
+        label = f"{'tiny' if args.smoke else '1.5b'}@{length // 1024 or length}{'k' if length >= 1024 else ''}"
+        run_args = argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm,
+                                         "global_batch": args.long_global_batch if not args.smoke else 4,
+                                         "micro_batch_tokens": max(args.micro_batch_tokens, length - 1)})
+        run_args.eval_micro_batch_tokens = run_args.micro_batch_tokens
+        mem = pick_recompute(bb, obj, run_args.micro_batch_tokens, args, i)
+        batches = fixed_length_batches(warm + steps, run_args.global_batch, bb.vocab_size, args.seed, length, prompt)
+        lens = [n for b in batches[warm:] for n in model_lens(b)]
+        line = (f"{label}: {len(lens)} timed rows of {length} tokens, {sum(lens) / steps:,.0f} tokens/step, "
+                f"s_eff {s_eff(lens):.0f}, train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} "
+                f"GFLOP/tok (recompute not counted), recompute {mem.recompute}")
+        lines.append(line)
+        print(f"== {line}", flush=True)
+        run_ours(label, bb, obj, batches, run_args, res, False, memory=mem, modes=("train",))
+    bb = presets[big]()
+    batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
+    longest = max(n for b in batches for n in model_lens(b))
+    mbt = args.micro_batch_tokens
+    if CUDA:
+        free = torch.cuda.mem_get_info()[0]
+        try:
+            mbt = min(mbt, auto_micro_batch_tokens(ModelShape.of(bb, obj.head_size), Layout(), MemoryConfig(),
+                                                   free_bytes=free, longest_row=longest))
+        except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
+            print(f"  memory model: {exc}", flush=True)
+    run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})
+    lens = [n for b in batches[args.warmup:] for n in model_lens(b)]
+    label = "3b" if not args.smoke else "tiny-3b"
+    line = (f"{label}: {len(lens)} timed rows (mean {np.mean(lens):.0f}, max {max(lens)}), micro-batch {mbt} tokens "
+            f"(auto), N {matmul_params(bb, obj.head_size) / 1e9:.3f}B, "
+            f"train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok")
+    lines.append(line)
+    print(f"== {line}", flush=True)
+    run_ours(label, bb, obj, batches, run_args, res, False)
+    return lines
 
 
 def _varlen_available() -> bool:

@@ -58,7 +58,10 @@ class TrainRunConfig(Config):
     save_interval: int | None = job_setting(TrainJob, "save_interval")
     lr: float | None = job_setting(TrainJob, "lr")
     warmup_steps: int | None = job_setting(TrainJob, "warmup_steps")
-    micro_batch_tokens: int | None = job_setting(TrainJob, "micro_batch_tokens")
+    micro_batch_tokens: int | None = job_setting(TrainJob, "micro_batch_tokens")  # "auto" is command-line only (Dagster config has no int-or-string type)
+    recompute: str | None = job_setting(TrainJob, "recompute")
+    distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
+    sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
 
 
 def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,

@@ -29,8 +29,10 @@ def iter_dirname(step: int) -> str:
 
 def build_contract(*, manifest_sha256: str, train_sha256: str, objective: Mapping[str, Any], plan: BatchPlan,
                    completed_steps: int, model: Mapping[str, Any], backbone_config: Mapping[str, Any],
-                   checkpoint: str) -> dict[str, Any]:
-    return {
+                   checkpoint: str, execution: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`execution`: optional execution facts (parallel layout, memory features, micro-batch
+    budget): how the steps were run, none of which changes the result; stored as given."""
+    contract = {
         "schema": SCHEMA,
         "source_manifest_sha256": manifest_sha256,
         "train_dataset_sha256": train_sha256,
@@ -43,6 +45,9 @@ def build_contract(*, manifest_sha256: str, train_sha256: str, objective: Mappin
         "backbone_config": dict(backbone_config),
         "checkpoint": checkpoint,
     }
+    if execution is not None:
+        contract["execution"] = dict(execution)
+    return contract
 
 
 def write_contract(critic_dir: str | Path, contract: Mapping[str, Any]) -> str:

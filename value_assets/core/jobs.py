@@ -36,6 +36,7 @@ TINY_BACKBONE = "tiny"
 TINY_LR = 2e-3
 PRETRAINED_LR = 1e-5
 SPLITS = ("heldout", "train")
+AUTO = "auto"
 
 _MISSING = dataclasses.MISSING
 J = TypeVar("J", bound="_JobConfig")
@@ -88,6 +89,11 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if optional:
             return None
         raise InputError(name, "is required, got None")
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and set(typing.get_args(hint)) == {int, str}:
+        # a token budget or the literal 'auto' (micro_batch_tokens of training)
+        if (isinstance(value, int) and not isinstance(value, bool)) or value == AUTO:
+            return value
+        raise InputError(name, f"must be an integer or {AUTO!r}, got {show(value)}")
     if hint is Path:
         if isinstance(value, (str, os.PathLike)) and str(value):
             return Path(value)
@@ -163,8 +169,10 @@ class _JobConfig:
 
 
 def _common_checks(cfg: Any) -> None:
-    for name in ("gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens"):
+    for name in ("gpus", "tensor_parallel", "pipeline_parallel"):
         require_int(getattr(cfg, name), name)
+    if cfg.micro_batch_tokens != AUTO:
+        require_int(cfg.micro_batch_tokens, "micro_batch_tokens")
     _positive_number(cfg.timeout_s, "timeout_s")
 
 
@@ -183,7 +191,10 @@ class TrainJob(_JobConfig):
     gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
     tensor_parallel: int = setting(1, doc="Tensor-parallel size (divides gpus and the backbone's heads).")
     pipeline_parallel: int = setting(1, doc="Pipeline stages (divides gpus and the backbone's layers).")
-    micro_batch_tokens: int = setting(4096, doc="Tokens packed per micro-batch; at least the longest row.")
+    micro_batch_tokens: int | str = setting(4096, doc="Tokens packed per micro-batch, at least the longest row; 'auto': the largest that fits the GPU's free memory (core/memory.py's model).")
+    recompute: str = setting("none", doc="Activation recompute (megatron's): 'none', 'selective' (core attention) or 'full' (every layer).")
+    distributed_optimizer: bool = setting(False, doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).")
+    sequence_parallel: bool = setting(False, doc="Megatron sequence parallelism (needs tensor_parallel > 1).")
     lr: float | None = setting(None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other.")
     warmup_steps: int = setting(0, doc="Linear warmup from 0 to lr over this many steps; 0: none.")
     weight_decay: float = setting(0.0, doc="AdamW weight decay.")
@@ -211,6 +222,15 @@ class TrainJob(_JobConfig):
             require_int(self.stop_after, "stop_after")
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
+        self.memory.check_layout(tensor_parallel=self.tensor_parallel)
+
+    @property
+    def memory(self):
+        """The memory settings as core/memory.py's `MemoryConfig` (validated there)."""
+        from .memory import MemoryConfig
+
+        return MemoryConfig(recompute=self.recompute, distributed_optimizer=self.distributed_optimizer,
+                            sequence_parallel=self.sequence_parallel)
 
     @property
     def learning_rate(self) -> float:

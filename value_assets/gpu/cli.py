@@ -96,14 +96,25 @@ def _data_root_flag(parser: argparse.ArgumentParser) -> None:
                         help=field_doc(TrainJob, "data_roots") + f" Repeatable; also ${DATA_ROOTS_ENV} ({os.pathsep}-separated).")
 
 
+def _int_or_auto(text: str) -> int | str:
+    """A token budget or 'auto'; anything else stays a string for the config to refuse with its message."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def add_commands(sub) -> None:
     t = sub.add_parser("train", help="train a critic on the train split (GPU job; CPU without CUDA)")
     t.add_argument("manifest", help=field_doc(TrainJob, "manifest"))
     _flag(t, TrainJob, "output")
     _flag(t, TrainJob, "backbone")
-    for name in ("global_batch_size", "epochs", "seed", "save_interval", "gpus", "tensor_parallel", "pipeline_parallel",
-                 "micro_batch_tokens"):
+    for name in ("global_batch_size", "epochs", "seed", "save_interval", "gpus", "tensor_parallel", "pipeline_parallel"):
         _flag(t, TrainJob, name, int)
+    _flag(t, TrainJob, "micro_batch_tokens", _int_or_auto)
+    _flag(t, TrainJob, "recompute", choices=("none", "selective", "full"))
+    _flag(t, TrainJob, "distributed_optimizer", bool)
+    _flag(t, TrainJob, "sequence_parallel", bool)
     _flag(t, TrainJob, "lr", float)
     _flag(t, TrainJob, "warmup_steps", int)
     _flag(t, TrainJob, "canary", bool)

@@ -22,6 +22,7 @@ from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.jobs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
+from value_assets.core.memory import Layout, MemoryConfig, ModelShape, auto_micro_batch_tokens
 from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
 from value_assets.core.publish import publish_once
 from value_assets.core.strict_json import canonical_bytes
@@ -68,6 +69,7 @@ class _Prepared:
     resume_contract: dict[str, Any] | None
     resume_dir: Path | None
     start_step: int
+    micro_batch_tokens: int  # resolved (an int also when the config said "auto")
 
 
 def _existing_iterations(critic_dir: Path) -> list[int]:
@@ -88,8 +90,13 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
     dp = check_topology(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
                         global_batch_size=cfg.global_batch_size)
     check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
+    cfg.memory.check_layout(tensor_parallel=cfg.tensor_parallel)
     longest = int(train.lengths.max()) - 1
-    if cfg.micro_batch_tokens < longest:
+    micro_batch_tokens = cfg.micro_batch_tokens
+    if micro_batch_tokens == "auto":
+        micro_batch_tokens = _auto_micro_batch_tokens(cfg, backbone_cfg, manifest, train, dp, longest)
+        log(f"--micro-batch-tokens auto: {micro_batch_tokens}")
+    elif cfg.micro_batch_tokens < longest:
         raise InputError("micro_batch_tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
     critic_dir = cfg.output
     latest = read_latest(critic_dir) if critic_dir.is_dir() else None
@@ -105,13 +112,76 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
         contract, _ = load_contract(step_dir, pinned_sha256=sha)
         start = check_resume(contract, where=str(step_dir), manifest_sha256=manifest.sha256, train_sha256=train.sha256,
                              objective=manifest.objective.canonical(), plan=plan, loaded_iterations=[contract["completed_steps"]])
+        check_resume_execution(contract, cfg, where=str(step_dir))
         resume_dir = step_dir
         log(f"resuming after step {start} from {step_dir}")
     else:
         its = _existing_iterations(critic_dir)
         if its:
             refuse_uncontracted(max(its), str(critic_dir / iter_dirname(max(its))))
-    return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start)
+    return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start,
+                     micro_batch_tokens)
+
+
+def _auto_micro_batch_tokens(cfg: TrainJob, backbone_cfg, manifest: Manifest, train: Dataset, dp: int, longest: int) -> int:
+    """`--micro-batch-tokens auto` from the memory model and this machine's free memory (the
+    first GPU's; without CUDA, the host's available memory shared by the CPU workers). Runs in
+    `prepare`, before anything is reserved; refuses a row that cannot fit at all."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, bf16 = _free_gpu_bytes(), True
+    else:
+        import psutil
+
+        free, bf16 = psutil.virtual_memory().available // cfg.gpus, False
+    where = f"the longest row ({train.location(int(train.lengths.argmax()))})"
+    return auto_micro_batch_tokens(
+        ModelShape.of(backbone_cfg, head_size=manifest.objective.head_size),
+        Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp), cfg.memory,
+        free_bytes=int(free), longest_row=longest, longest_row_where=where, bf16=bf16)
+
+
+def _free_gpu_bytes() -> int:
+    """Free memory of the first GPU, read without a CUDA context in this process (a driver's
+    context would hold ~0.5 GiB of the GPU its worker then runs on): nvidia-smi, else a
+    short-lived child process."""
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.split()[0]) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        return int(out.split()[-1])
+
+
+def execution_facts(cfg: TrainJob, dp: int, micro_batch_tokens: int) -> dict[str, Any]:
+    """How the steps were run (recorded in the contract); none of it changes the result."""
+    return {"tensor_parallel": cfg.tensor_parallel, "pipeline_parallel": cfg.pipeline_parallel,
+            "data_parallel": dp, "micro_batch_tokens": micro_batch_tokens, "memory": cfg.memory.to_json()}
+
+
+def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: str) -> None:
+    """A resume loads the optimizer state, whose layout follows the distributed-optimizer
+    setting (and, with the distributed optimizer, tp and pp): refuse a mismatch before anything
+    is reserved. Contracts without execution facts were written by the plain optimizer."""
+    facts = contract.get("execution") or {}
+    saved = bool((facts.get("memory") or {}).get("distributed_optimizer", False))
+    if saved != cfg.memory.distributed_optimizer:
+        raise InputError("distributed_optimizer", (
+            f"{where} was saved {'with' if saved else 'without'} the distributed optimizer; resuming needs the same "
+            f"optimizer state layout: run {'with' if saved else 'without'} --distributed-optimizer (evaluation loads "
+            "the weights at any setting)"))
+    if saved:
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            if key in facts and facts[key] != getattr(cfg, key):
+                raise InputError(key, (
+                    f"{where} holds distributed-optimizer state for {key.replace('_', ' ')} {facts[key]}, got "
+                    f"{getattr(cfg, key)}; its optimizer state re-shards over data parallel only"))
 
 
 def check_model_split(backbone, tp: int, pp: int) -> None:
@@ -170,7 +240,7 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
     objective_json = manifest.objective.canonical()
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
                        objective=objective_json, train=True, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
+                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json()) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
             loaded = cluster.call_all("load", str(prep.resume_dir), True)
@@ -186,7 +256,7 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                 per_dp = assign_to_ranks(batch, prep.dp)
                 payload = {d: [row_payload(train_ds, i) for i in rows] for d, rows in enumerate(per_dp)}
                 lr = _lr_at(cfg, step)
-                metrics = cluster.call_each("train_step", [((payload[d], plan.global_batch_size, cfg.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
+                metrics = cluster.call_each("train_step", [((payload[d], plan.global_batch_size, prep.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
                 metrics["step"] = step
                 result.losses.append(float(metrics["loss"]))
                 result.metrics.append(metrics)
@@ -213,7 +283,8 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                         contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
                                                   objective=objective_json, plan=plan, completed_steps=step,
                                                   model=prep.backbone_identity, backbone_config=prep.backbone_cfg.to_json(),
-                                                  checkpoint=step_dir.name)
+                                                  checkpoint=step_dir.name,
+                                                  execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens))
                         result.contract_sha256 = write_contract(critic_dir, contract)
                         log(f"saved {step_dir} with contract {result.contract_sha256}")
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise

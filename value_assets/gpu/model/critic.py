@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from value_assets.core.memory import MemoryConfig
 from value_assets.core.objective import Objective
 
 from value_assets.gpu.model.attention import PackedCoreAttention
@@ -114,11 +115,29 @@ class BackboneConfig:
                    max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
 
 
+def recompute_settings(recompute: str) -> dict[str, Any]:
+    """megatron's own activation recompute for `MemoryConfig.recompute`: 'selective' checkpoints
+    core attention (`PackedCoreAttention` goes through megatron's `_checkpointed_attention_forward`
+    like its own class, RoPE included: our RoPE is applied inside core attention); 'full'
+    checkpoints every layer (uniform, one layer per checkpoint)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+
+
 def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
-                       bf16: Optional[bool] = None) -> Any:
-    """megatron `TransformerConfig` for the backbone. bf16 defaults to "CUDA available"."""
+                       bf16: Optional[bool] = None, memory: Optional[MemoryConfig] = None) -> Any:
+    """megatron `TransformerConfig` for the backbone. bf16 defaults to "CUDA available";
+    `memory` (default: none of the features) sets recompute and sequence parallelism."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    memory = memory or MemoryConfig()
+    if memory.sequence_parallel and tp < 2:
+        raise ValueError(f"sequence parallelism needs tensor parallel > 1, got tp {tp}")
     if bf16 is None:
         bf16 = torch.cuda.is_available()
     cuda = torch.cuda.is_available()
@@ -141,7 +160,8 @@ def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
         init_method_std=0.02,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
+        sequence_parallel=memory.sequence_parallel,
+        **recompute_settings(memory.recompute),
         # Full weights are initialised on CPU and split, so a model is the same for any TP size.
         use_cpu_initialization=True,
         perform_initialization=True,
@@ -169,8 +189,12 @@ class ValueHead(torch.nn.Module):
     because megatron's `LanguageModule.sharded_state_dict` looks up `output_layer.weight`.
     Replicated (not tensor-parallel) on every TP rank."""
 
-    def __init__(self, hidden_size: int, head_size: int, seed: int = 0):
+    def __init__(self, hidden_size: int, head_size: int, seed: int = 0, sequence_parallel: bool = False):
         super().__init__()
+        # With sequence parallelism the final norm's output is split over the tensor-parallel
+        # ranks along the tokens; the head gathers it, and since every rank then computes the same
+        # loss on all tokens, the backward keeps this rank's slice of the gradient (no reduction).
+        self.sequence_parallel = sequence_parallel
         # A dedicated generator: identical on every TP rank and independent of backbone init.
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.weight = torch.nn.Parameter(torch.randn(head_size, hidden_size, generator=gen) * 0.02)
@@ -178,23 +202,50 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None,
                 runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
+class SequenceParallelRMSNorm:
+    """`torch.nn.RMSNorm` for megatron's local spec under sequence parallelism (its
+    `WrappedTorchNorm` refuses SP): each tensor-parallel rank normalises its slice of the tokens,
+    so the weight is marked `sequence_parallel` and megatron's `finalize_model_grads` sums its
+    gradient over the tensor-parallel group."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
 def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1, pp: int = 1,
-                 bf16: Optional[bool] = None, head_seed: int = 0) -> torch.nn.Module:
+                 bf16: Optional[bool] = None, head_seed: int = 0,
+                 memory: Optional[MemoryConfig] = None) -> torch.nn.Module:
     """Build this rank's critic module (megatron parallel state must be initialised).
 
     Returns a `GPTModel` whose `output_layer` is a `ValueHead` on the last pipeline stage.
     Parameters are on the current CUDA device (CPU without CUDA); the head stays float32.
+    `memory` selects recompute and sequence parallelism (the distributed optimizer is
+    `wrap_for_training`'s).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    cfg = transformer_config(backbone, tp=tp, pp=pp, bf16=bf16)
+    cfg = transformer_config(backbone, tp=tp, pp=pp, bf16=bf16, memory=memory)
     spec = get_gpt_layer_local_spec(qk_layernorm=backbone.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    if cfg.sequence_parallel:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg),
+                                          layer_norm=SequenceParallelRMSNorm)
     pre = ps.is_pipeline_first_stage()
     post = ps.is_pipeline_last_stage()
     model = GPTModel(
@@ -216,7 +267,8 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
     install(model)
     if post:
         # The vocab projection is dropped before it ever reaches a device or an optimizer.
-        model.output_layer = ValueHead(backbone.hidden_size, objective.head_size, seed=head_seed)
+        model.output_layer = ValueHead(backbone.hidden_size, objective.head_size, seed=head_seed,
+                                       sequence_parallel=cfg.sequence_parallel)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if cfg.bf16:
@@ -269,12 +321,29 @@ def critic_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     (on the model's device), cu_seqlens_host: optional CPU copy of cu_seqlens (saves the one
     device->host read-back per micro-batch when cu_seqlens lives on the GPU).
     Returns float32 [t, K] on the last pipeline stage (hidden states [t, 1, h] elsewhere).
+
+    With sequence parallelism the packed tokens must split evenly over the tensor-parallel
+    ranks: the micro-batch is padded to a multiple of tp with one extra pseudo-sequence (token 0,
+    positions from 0), which attends only to itself, is never attended to, and is cut off the
+    head's output, so it cannot reach a loss or a metric. Other stages then pass on
+    [t_padded / tp, 1, h].
     """
+    t = tokens.numel()
+    cfg = _unwrap(model).config
+    multiple = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    pad = (-t) % multiple
+    if pad:
+        host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
+        tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+        position_ids = torch.cat([position_ids, torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)])
+        cu_seqlens_host = torch.cat([host, host.new_tensor([t + pad])])
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([t + pad])])
+        max_seqlen = max(max_seqlen, pad)
     params = packed_seq_params(cu_seqlens, max_seqlen, position_ids=position_ids, model=model,
                                cu_seqlens_host=cu_seqlens_host)
     out = model(tokens.unsqueeze(0), position_ids.unsqueeze(0), None, packed_seq_params=params)
     if _unwrap(model).post_process:  # GPTModel returns [b=1, t, K] on the last stage
-        return out[0]
+        return out[0, :t] if pad else out[0]
     return out  # hidden states [t, 1, h] for the next pipeline stage
 
 

@@ -32,11 +32,19 @@ def _model_sharded_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     return sd
 
 
+# The distributed optimizer's sharded format: each rank writes its own shard of the fp32 master
+# weights and Adam moments, with no gather ('fully_reshardable' would gather the whole optimizer
+# state on one rank; megatron 0.16's default format is refused by its own checkpointing). It
+# re-shards over data-parallel sizes only, so a resume keeps tp and pp. Ignored by the plain
+# optimizer.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _state(model: torch.nn.Module, optimizer: Any, iteration: int) -> dict[str, Any]:
     model_sd = _model_sharded_state_dict(model)
     state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(iteration, dtype=torch.int64)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIMIZER_METADATA)
     return state
 
 
@@ -67,16 +75,37 @@ def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
     model_sd = _model_sharded_state_dict(m)
     state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(0, dtype=torch.int64)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(
         state, str(path),
         strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED,
     )
     m.load_state_dict(loaded["model"], strict=strict)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _own_adam_steps(optimizer)
     it = loaded.get("iteration")
     return int(it) if it is not None else 0
+
+
+def _own_adam_steps(optimizer: Any) -> None:
+    """Restore torch Adam's per-parameter step count under megatron's distributed optimizer
+    (without Transformer Engine / Apex). megatron keeps the step in the checkpoint's param groups
+    and writes it into the parameter states as ONE shared tensor, which its 'dp_reshardable'
+    parameter-state copy then overwrites with the fresh optimizer's count; torch's Adam also
+    increments each state's step in place, so a shared tensor would advance once per parameter.
+    Every parameter gets its own tensor holding its group's saved step."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> int:

@@ -1,8 +1,8 @@
 """CPU compatibility layer for megatron-core 0.16.1 (tests, CI and the CPU demo only).
 
 megatron-core assumes CUDA everywhere. On a machine without CUDA, `apply_cpu_compat()` redirects
-the few spots that the critic's code paths hit (local layer spec, Megatron DDP, the non-distributed
-optimizer, the no-pipelining schedule, dist_checkpointing), and nothing else:
+the few spots that the critic's code paths hit (local layer spec, Megatron DDP, the plain and the distributed
+optimizer, activation recompute, the pipeline schedules, dist_checkpointing), and nothing else:
 
 1. `torch.cuda.current_device()` -> `torch.device("cpu")`: the global memory buffer, the DDP
    grad buffers, rotary `inv_freq` and attention scratch tensors allocate on "the current device".
@@ -18,6 +18,12 @@ optimizer, the no-pipelining schedule, dist_checkpointing), and nothing else:
    seed + 1024 + 100 * ep_rank + etp_rank).
 5. `clip_grad_by_total_norm_fp32` asserts `grad.type() == 'torch.cuda.FloatTensor'`; a CPU version
    with the same arithmetic replaces it in the optimizer module.
+6. Activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA generator's
+   state around the recomputed forward; on CPU there is none, so those two helpers do nothing
+   (the CPU generator and the tracker's states are still saved and restored).
+7. The distributed optimizer sorts parameters by `param.type()` against CUDA type names
+   ('torch.cuda.FloatTensor', ...) while it builds its shards; during its constructor only, a CPU
+   tensor's `type()` answers with the CUDA name of the same dtype.
 
 The function is idempotent and does nothing when `torch.cuda.is_available()`.
 """
@@ -132,6 +138,34 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """`Tensor.type()` (no arguments) answers 'torch.cuda.<Kind>Tensor' for CPU tensors."""
+    orig = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and not self.is_cuda:
+            return orig(self).replace("torch.", "torch.cuda.", 1)
+        return orig(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = orig  # type: ignore[method-assign]
+
+
+def _patch_distributed_optimizer(distrib_optimizer: Any) -> None:
+    cls = distrib_optimizer.DistributedOptimizer
+    init = cls.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with _cuda_type_names():
+            init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
 def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -182,6 +216,7 @@ def apply_cpu_compat() -> bool:
     torch.cuda.default_stream = lambda *a, **k: _stream  # type: ignore[assignment]
 
     import megatron.core.distributed.param_and_grad_buffer as pgb
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.schedules as schedules
@@ -195,6 +230,10 @@ def apply_cpu_compat() -> bool:
     tp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     tp_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # a forced re-initialisation stays on CPU
+
+    _patch_distributed_optimizer(distrib_optimizer)
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
 
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu

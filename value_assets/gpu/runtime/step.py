@@ -1,7 +1,7 @@
 """One optimizer step per planned batch, and forward-only evaluation, for one rank.
 
-`wrap_for_training` puts the critic in megatron DDP and builds megatron's Adam (non-distributed
-optimizer; fp32 grads); `optimizer_step` runs megatron's forward-backward schedule over this rank's
+`wrap_for_training` puts the critic in megatron DDP and builds megatron's Adam (fp32 grads;
+optionally megatron's distributed optimizer); `optimizer_step` runs megatron's forward-backward schedule over this rank's
 packed micro-batches and steps (1F1B across pipeline stages); `evaluate_rows` returns per-row
 predicted values aligned with the returns (on the last pipeline stage).
 
@@ -40,8 +40,13 @@ def wrap_for_training(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     clip_grad: float = 1.0,
+    distributed_optimizer: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
-    """Wrap the critic in megatron DDP and build the Adam optimizer. Returns (ddp_model, optimizer)."""
+    """Wrap the critic in megatron DDP and build the Adam optimizer. Returns (ddp_model, optimizer).
+
+    `distributed_optimizer`: megatron's distributed optimizer (fp32 master weights and Adam
+    moments sharded over the data-parallel ranks; gradients reduce-scattered, updated weights
+    all-gathered). The same steps as the plain optimizer up to summation order."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -50,7 +55,7 @@ def wrap_for_training(
     ddp = DistributedDataParallel(
         config=cfg,
         ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer,
             check_for_nan_in_grad=True, bucket_size=None,
         ),
         module=model,
@@ -59,13 +64,31 @@ def wrap_for_training(
         OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, clip_grad=clip_grad, bf16=cfg.bf16,
-            params_dtype=cfg.params_dtype, use_distributed_optimizer=False,
+            params_dtype=cfg.params_dtype, use_distributed_optimizer=distributed_optimizer,
         ),
         [ddp],
     )
+    if distributed_optimizer:
+        _init_adam_state(opt)
     cfg.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None, **kw)
     cfg.grad_scale_func = opt.scale_loss
     return ddp, opt
+
+
+def _init_adam_state(optimizer: Any) -> None:
+    """Give torch's Adam inside megatron's distributed optimizer its state (step 0, zero moments)
+    up front, as its first step would. megatron reads the step count from that state to save or
+    load the optimizer (without Transformer Engine or Apex), so a fresh optimizer could not load
+    a checkpoint before its first step otherwise. The first step computes the same either way."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue  # Transformer Engine / Apex FusedAdam keep their step elsewhere
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                          exp_avg_sq=torch.zeros_like(p))
 
 
 def set_lr(optimizer: Any, lr: float) -> None:

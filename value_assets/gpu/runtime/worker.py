@@ -29,7 +29,7 @@ class CriticWorker:
     """Methods are called by the driver through Ray; every collective method is called on all ranks."""
 
     def __init__(self, *, rank: int, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any],
-                 objective: dict[str, Any], threads: int | None = None):
+                 objective: dict[str, Any], threads: int | None = None, memory: dict[str, Any] | None = None):
         self.rank = rank
         self.world_size = world_size
         self.tp = tp
@@ -37,6 +37,7 @@ class CriticWorker:
         self.seed = seed
         self.backbone_json = backbone
         self.objective = Objective.from_json(objective)
+        self.memory_json = memory or {}
         self.model = None
         self.optimizer = None
         if threads:
@@ -54,6 +55,7 @@ class CriticWorker:
               clip_grad: float, timeout_s: float) -> dict[str, int]:
         import torch
 
+        from value_assets.core.memory import MemoryConfig
         from value_assets.gpu.model.critic import BackboneConfig, build_critic
         from value_assets.gpu.runtime.parallel import init_distributed
 
@@ -62,12 +64,14 @@ class CriticWorker:
         from megatron.core import parallel_state as ps
 
         torch.manual_seed(self.seed)
+        memory = MemoryConfig.from_json(self.memory_json)
         model = build_critic(BackboneConfig.from_json(self.backbone_json), self.objective, tp=self.tp, pp=self.pp,
-                             head_seed=self.seed)
+                             head_seed=self.seed, memory=memory)
         if train:
             from value_assets.gpu.runtime.step import wrap_for_training
 
-            self.model, self.optimizer = wrap_for_training(model, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad)
+            self.model, self.optimizer = wrap_for_training(model, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                                                           distributed_optimizer=memory.distributed_optimizer)
         else:
             self.model = model
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),

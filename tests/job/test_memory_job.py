@@ -1,0 +1,80 @@
+"""Memory settings through the driver (CPU, local Ray, two workers, the tiny backbone): refused
+before anything is reserved when the layout cannot run them, passed to the workers, recorded in
+the contract's execution facts, and a resume with another optimizer layout is refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from value_assets.core.contract import load_contract, read_latest
+from value_assets.core.demo_data import make_demo_data
+from value_assets.core.errors import InputError
+from value_assets.core.memory import MemoryConfig
+from value_assets.core.jobs import TrainJob
+from value_assets.gpu.jobs.train import check_resume_execution, prepare, train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return make_demo_data(tmp_path_factory.mktemp("data"), rows=256, heldout_rows=32, seed=0)
+
+
+def mem(config: MemoryConfig) -> dict:
+    """TrainJob keyword arguments of a MemoryConfig (the job config holds the knobs flat)."""
+    return config.to_json()
+
+
+def cfg(manifest, output, **kw) -> TrainJob:
+    base = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, gpus=2, lr=2e-3, stop_after=1)
+    return TrainJob(manifest=manifest, output=output, **(base | kw))
+
+
+def test_sequence_parallel_without_tensor_parallel_is_refused_by_the_config(manifest, tmp_path):
+    with pytest.raises(InputError, match=r"sequence_parallel.*tensor_parallel 1"):
+        cfg(manifest, tmp_path / "c", **mem(MemoryConfig(sequence_parallel=True)))
+    assert not (tmp_path / "c").exists()
+
+
+def test_auto_micro_batch_tokens_resolves_before_reserving(manifest, tmp_path):
+    prep = prepare(cfg(manifest, tmp_path / "c", micro_batch_tokens="auto"), log=quiet)
+    assert isinstance(prep.micro_batch_tokens, int)
+    assert prep.micro_batch_tokens >= int(prep.train.lengths.max()) - 1
+    assert not (tmp_path / "c").exists()  # prepare writes nothing
+
+
+def test_resume_execution_check():
+    dist = {"execution": {"tensor_parallel": 2, "pipeline_parallel": 1, "memory": {"distributed_optimizer": True}}}
+    base = dict(manifest="m", output="o", gpus=4, tensor_parallel=2)
+    check_resume_execution(dist, TrainJob(**base, **mem(MemoryConfig(distributed_optimizer=True))), where="ck")
+    check_resume_execution({}, TrainJob(**base), where="ck")  # no facts: the plain optimizer
+    with pytest.raises(InputError, match="distributed_optimizer"):
+        check_resume_execution(dist, TrainJob(**base), where="ck")
+    with pytest.raises(InputError, match="distributed_optimizer"):
+        check_resume_execution({}, TrainJob(**base, **mem(MemoryConfig(distributed_optimizer=True))), where="ck")
+    with pytest.raises(InputError, match="tensor_parallel"):
+        check_resume_execution(dist, TrainJob(**{**base, "tensor_parallel": 1},
+                                              **mem(MemoryConfig(distributed_optimizer=True))), where="ck")
+
+
+def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
+    """One step with full recompute and the distributed optimizer on two workers gives the plain
+    run's loss; the contract records the execution facts; resuming without the distributed
+    optimizer is refused in `prepare`."""
+    memory = MemoryConfig(recompute="full", distributed_optimizer=True)
+    plain = train(cfg(manifest, tmp_path / "plain"), log=quiet)
+    run = cfg(manifest, tmp_path / "mem", **mem(memory))
+    feat = train(run, log=quiet)
+    assert feat.losses == pytest.approx(plain.losses, rel=1e-5)
+    contract, _ = load_contract(*read_latest(tmp_path / "mem"))
+    assert contract["execution"] == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
+                                     "micro_batch_tokens": 4096, "memory": memory.to_json()}
+    with pytest.raises(InputError, match="distributed_optimizer"):
+        prepare(replace(run, distributed_optimizer=False, recompute="none", stop_after=None), log=quiet)

@@ -1,0 +1,274 @@
+"""Memory settings of a training job and a memory model to plan them (no torch).
+
+`MemoryConfig` holds the three knobs Megatron users expect (activation recompute, the distributed
+optimizer, sequence parallelism); none of them changes what is computed, only where memory goes.
+
+`predict_peak` estimates the peak allocated bytes per GPU of one critic training (or forward-only
+evaluation) rank; `auto_micro_batch_tokens` picks the largest packed micro-batch that fits a free
+memory budget and refuses a row that cannot fit at all, naming what would make it fit.
+
+The model, per GPU of the first pipeline stage (it holds the embedding and, under 1F1B, the
+activations of `pp` micro-batches of L/pp layers: as many as one micro-batch through all L layers):
+
+    P_stage   parameters = embedding V*h (first stage) + L/pp * layer + head h*K (last stage);
+              matrices split by tp (embedding, qkv, o, fc1, fc2), norms and the head replicated
+    static    training, bf16:  2 P (bf16 weights) + 4 P (fp32 grad buffer)
+                               + 12 P / d (fp32 master + Adam m, v; d = dp with the distributed
+                               optimizer, else 1)
+              training, fp32 (CPU): 4 P + 4 P + 8 P / d (no master copy)
+              evaluation:      w P (w = 2 bytes bf16, 4 fp32)
+    act/token/layer, elements saved for backward (q = heads*d_head, kv = groups*d_head, f = ffn,
+    each split by tp; the h-sized ones split by tp too with sequence parallelism):
+              none       4h + 3q + 3kv + 4f   (norm in x2, qkv in, qkv out [v keeps it alive],
+                                               roped q k, attention out, fc1 out 2f, silu out,
+                                               gated product)
+              selective  4h + 2q + 2kv + 4f   (core attention recomputed: the roped q, k are not
+                                               kept; with flash attention that is all it saves)
+              full       h per layer kept (its input), plus one layer's `none` set live while
+                         that layer is recomputed in backward
+    activations  = c_act * w * tokens * (sum over the layers above) + tokens * (4h + 16K) bytes
+              (the head's float32 input and logits / loss temporaries)
+    evaluation   = c_eval * w * tokens * (3h + 4f/tp) (one layer's live set, nothing kept)
+    peak         = static + activations + workspace
+
+`c_act` and `c_eval` (allocator rounding, temporaries the count above misses) and the fixed
+workspace are calibrated on the H200 measurements of bench/results/h200-train-throughput.json
+(`MEASURED`): Qwen2.5-0.5B / 1.5B shapes, one GPU, bf16, plain Adam, no recompute, packed
+micro-batches of <= 16384 tokens (training) and <= 32768 tokens (evaluation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+from value_assets.core.errors import InputError
+
+RECOMPUTE = ("none", "selective", "full")
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Memory features of a training job. None of them changes the result (losses, parameters),
+    only the memory / time trade-off; each is recorded in the contract's execution facts."""
+
+    recompute: str = "none"
+    """Activation recompute: 'none'; 'selective' (Megatron's: core attention recomputed in
+    backward); 'full' (Megatron's uniform recompute of every layer, one layer per checkpoint)."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: fp32 master weights and Adam moments sharded over the
+    data-parallel ranks. Resuming needs the same setting; loading weights for evaluation does not."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tensor parallel > 1): norms, residuals and dropout
+    split the token dimension over the tensor-parallel ranks; packed micro-batches are padded
+    to a multiple of tp with masked tokens."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise InputError("recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        for name in ("distributed_optimizer", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(name, f"must be true or false, got {getattr(self, name)!r}")
+
+    def check_layout(self, *, tensor_parallel: int) -> None:
+        """Refuse settings the parallel layout cannot run."""
+        if self.sequence_parallel and tensor_parallel < 2:
+            raise InputError("sequence_parallel",
+                             f"needs tensor_parallel > 1, got tensor_parallel {tensor_parallel}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "MemoryConfig":
+        return cls(**dict(obj))
+
+
+# ---- the memory model -------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The critic's shape as the memory model needs it (duck-types `BackboneConfig`)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    head_dim: int
+    head_size: int = 51  # value head outputs K (the default objective: 51 bins)
+
+    @classmethod
+    def of(cls, backbone: Any, head_size: int = 51) -> "ModelShape":
+        """From a `BackboneConfig` (or anything with its attribute names)."""
+        return cls(num_layers=backbone.num_layers, hidden_size=backbone.hidden_size,
+                   ffn_hidden_size=backbone.ffn_hidden_size, num_attention_heads=backbone.num_attention_heads,
+                   num_query_groups=backbone.num_query_groups, vocab_size=backbone.vocab_size,
+                   head_dim=backbone.head_dim, head_size=head_size)
+
+    @property
+    def q(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.num_query_groups * self.head_dim
+
+    def layer_params(self) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        qkv = h * (self.q + 2 * self.kv) + (self.q + 2 * self.kv)  # weights + bias (Qwen2 has it)
+        return qkv + self.q * h + 3 * h * f + 2 * h
+
+    def num_params(self) -> int:
+        h = self.hidden_size
+        return self.vocab_size * h + self.num_layers * self.layer_params() + h + h * self.head_size + self.head_size
+
+
+def _shape(name: str, L: int, h: int, f: int, heads: int, groups: int, vocab: int) -> ModelShape:
+    return ModelShape(num_layers=L, hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
+                      num_query_groups=groups, vocab_size=vocab, head_dim=h // heads)
+
+
+QWEN2_5 = {
+    "0.5b": _shape("0.5b", 24, 896, 4864, 14, 2, 151936),
+    "1.5b": _shape("1.5b", 28, 1536, 8960, 12, 2, 151936),
+    "3b": _shape("3b", 36, 2048, 11008, 16, 2, 151936),
+    "7b": _shape("7b", 28, 3584, 18944, 28, 4, 152064),
+    "14b": _shape("14b", 48, 5120, 13824, 40, 8, 152064),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+
+# Calibration (see the module docstring). Fitted to MEASURED below; the unit tests hold the
+# predictions of those points within 15 %.
+C_ACT = 1.2
+C_EVAL = 0.95
+WORKSPACE_BYTES = int(0.5 * GIB)
+
+# H200, bf16, 1 GPU, plain Adam, no recompute (bench/results/h200-train-throughput.json).
+MEASURED = (
+    {"model": "0.5b", "mode": "train", "micro_batch_tokens": 16384, "peak_gib": 31.8},
+    {"model": "1.5b", "mode": "train", "micro_batch_tokens": 16384, "peak_gib": 75.3},
+    {"model": "0.5b", "mode": "eval", "micro_batch_tokens": 32768, "peak_gib": 2.7},
+    {"model": "1.5b", "mode": "eval", "micro_batch_tokens": 32768, "peak_gib": 6.1},
+)
+
+
+def stage_params(shape: ModelShape, layout: Layout) -> int:
+    """Parameters held by one GPU of the first pipeline stage (the largest one: the embedding)."""
+    h, tp = shape.hidden_size, layout.tp
+    layers = math.ceil(shape.num_layers / layout.pp)
+    per_layer = (shape.layer_params() - 2 * h) / tp + 2 * h
+    n = shape.vocab_size * h / tp + layers * per_layer
+    if layout.pp == 1:
+        n += h + h * shape.head_size + shape.head_size
+    return int(n)
+
+
+def static_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, *, train: bool = True,
+                 bf16: bool = True) -> int:
+    """Weights (+ grads + optimizer state when training) on one GPU."""
+    p = stage_params(shape, layout)
+    if not train:
+        return p * (2 if bf16 else 4)
+    shard = layout.dp if memory.distributed_optimizer else 1
+    if bf16:
+        return int(2 * p + 4 * p + 12 * p / shard)
+    return int(4 * p + 4 * p + 8 * p / shard)
+
+
+def saved_elements_per_token_layer(shape: ModelShape, layout: Layout, memory: MemoryConfig,
+                                   recompute: Optional[str] = None) -> float:
+    """Elements kept for backward per token and layer (no recompute factor for 'full')."""
+    tp = layout.tp
+    h = shape.hidden_size / (tp if memory.sequence_parallel else 1)
+    q, kv, f = shape.q / tp, shape.kv / tp, shape.ffn_hidden_size / tp
+    mode = recompute or memory.recompute
+    if mode == "selective":
+        return 4 * h + 2 * q + 2 * kv + 4 * f
+    return 4 * h + 3 * q + 3 * kv + 4 * f
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
+                     train: bool = True, bf16: bool = True) -> int:
+    """Activation memory of one packed micro-batch of `tokens` tokens (see the module docstring)."""
+    w = 2 if bf16 else 4
+    h, f, tp = shape.hidden_size, shape.ffn_hidden_size, layout.tp
+    if not train:
+        return int(C_EVAL * w * tokens * (3 * h + 4 * f / tp) + tokens * (4 * h + 16 * shape.head_size))
+    # 1F1B: the first stage holds min(pp, micro-batches) in flight; with L/pp layers each that is
+    # the activations of the whole model for one micro-batch.
+    layers = shape.num_layers
+    if memory.recompute == "full":
+        hs = h / (tp if memory.sequence_parallel else 1)
+        per_token = layers * hs + saved_elements_per_token_layer(shape, layout, memory, "none")
+    else:
+        per_token = layers * saved_elements_per_token_layer(shape, layout, memory)
+    head = 4 * h + 16 * shape.head_size
+    return int(C_ACT * w * tokens * per_token + tokens * head)
+
+
+def predict_peak(shape: ModelShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
+                 train: bool = True, bf16: bool = True) -> int:
+    """Predicted peak allocated bytes per GPU for packed micro-batches of `tokens` tokens."""
+    return (static_bytes(shape, layout, memory, train=train, bf16=bf16)
+            + activation_bytes(shape, layout, memory, tokens, train=train, bf16=bf16) + WORKSPACE_BYTES)
+
+
+def max_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, budget_bytes: int, *,
+               train: bool = True, bf16: bool = True) -> int:
+    """The largest micro-batch token count whose predicted peak fits `budget_bytes` (0 if none)."""
+    room = budget_bytes - static_bytes(shape, layout, memory, train=train, bf16=bf16) - WORKSPACE_BYTES
+    if room <= 0:
+        return 0
+    per_token = activation_bytes(shape, layout, memory, 1_000_000, train=train, bf16=bf16) / 1_000_000
+    return max(0, int(room / per_token))
+
+
+def auto_micro_batch_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, *,
+                            free_bytes: int, longest_row: int, longest_row_where: str = "the longest row",
+                            multiple: int = 256, safety: float = 0.9, bf16: bool = True) -> int:
+    """`--micro-batch-tokens auto`: the largest packed micro-batch (a multiple of `multiple`
+    tokens) that fits `safety * free_bytes`. Refuses, with what would make it fit, when the
+    longest row (model tokens) does not fit on its own."""
+    budget = int(free_bytes * safety)
+    t = max_tokens(shape, layout, memory, budget, bf16=bf16)
+    t = (t // multiple) * multiple
+    if t >= longest_row:
+        return t
+    need = predict_peak(shape, layout, memory, longest_row, bf16=bf16) / safety
+    hints = []
+    for rc in RECOMPUTE[RECOMPUTE.index(memory.recompute) + 1:]:
+        alt = MemoryConfig(recompute=rc, distributed_optimizer=memory.distributed_optimizer,
+                           sequence_parallel=memory.sequence_parallel)
+        if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
+            hints.append(f"--recompute {rc}")
+            break
+    if not memory.distributed_optimizer and layout.dp > 1:
+        alt = MemoryConfig(recompute=memory.recompute, distributed_optimizer=True,
+                           sequence_parallel=memory.sequence_parallel)
+        if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
+            hints.append("--distributed-optimizer")
+    for tp in (2, 4, 8):
+        if tp <= layout.tp or shape.num_query_groups % tp:
+            continue
+        alt_layout = Layout(tp=tp, pp=layout.pp, dp=layout.dp)
+        alt = MemoryConfig(recompute="full", distributed_optimizer=memory.distributed_optimizer, sequence_parallel=True)
+        if max_tokens(shape, alt_layout, alt, budget, bf16=bf16) >= longest_row:
+            hints.append(f"--tensor-parallel {tp} --sequence-parallel --recompute full (x{tp} the GPUs)")
+            break
+    hints.append(f"a GPU with {need / GIB:.1f} GiB free, or dropping rows longer than {t} tokens")
+    raise InputError("micro_batch_tokens", (
+        f"auto: {longest_row_where} has {longest_row} model tokens but at most {t} fit in "
+        f"{free_bytes / GIB:.1f} GiB free (x{safety} safety) with tp {layout.tp}, pp {layout.pp}, dp {layout.dp}, "
+        f"recompute {memory.recompute}, distributed optimizer {memory.distributed_optimizer}; "
+        f"it would fit with: {'; or '.join(hints)}"))
