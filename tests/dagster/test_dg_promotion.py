@@ -5,6 +5,7 @@ import os
 import pytest
 
 from value_assets.assets.lineage import PromotionRefused, canonical_json, resolve_latest_contract, verify_promotion
+from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import build_contract, iter_dirname, write_contract
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
@@ -20,11 +21,13 @@ def published(tmp_path):
     """A contracted save (written by the core) and a passing report naming it."""
     critic = tmp_path / "critic"
     plan = build_plan(8, 4, 1, 0)
-    (critic / iter_dirname(plan.num_steps)).mkdir(parents=True)
+    save = critic / iter_dirname(plan.num_steps)
+    save.mkdir(parents=True)
+    (save / "common.pt").write_bytes(b"stand-in")
     write_contract(critic, build_contract(
         manifest_sha256=MANIFEST_SHA, train_sha256="b" * 64, objective=Objective().canonical(), plan=plan,
         completed_steps=plan.num_steps, model={"backbone": "tiny"}, backbone_config={},
-        checkpoint=str(critic / iter_dirname(plan.num_steps))))
+        checkpoint=str(save), checkpoint_files=describe_folder(save)))
     contract = resolve_latest_contract(critic)
     report = tmp_path / "reports" / f"ev-{contract.sha256[:12]}.json"
     write_report(report, {"passed": True, "split": "heldout", "contract_sha256": contract.sha256,

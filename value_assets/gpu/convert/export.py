@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
+from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
@@ -15,13 +15,9 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
     from value_assets.gpu.runtime.checkpoint import load_model_weights
 
-    step_dir = checkpoint
-    if not (step_dir / CONTRACT_NAME).is_file():
-        latest = read_latest(checkpoint) if checkpoint.is_dir() else None
-        if latest is None:
-            raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")
-        step_dir = latest[0]
-    contract, _ = load_contract(step_dir)
+    step_dir, pinned = resolve_step_dir(checkpoint)
+    # Every file checked against the contract before any is deserialized (SPEC 6).
+    contract, _ = load_verified(step_dir, pinned_sha256=pinned)
     if out.exists() and any(out.iterdir()):
         raise InputError(str(out), "output folder exists and is not empty")
     backbone = BackboneConfig.from_json(contract["backbone_config"])
