@@ -9,14 +9,13 @@ gate and publishes the report write-once, with its two plots. A failing gate sti
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-
-import os
-import uuid
 
 from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract import load_verified, resolve_step_dir

@@ -191,21 +191,23 @@ def _save(cluster, critic_dir: Path, step: int, backbone_cfg) -> Path:
         if not _disk_full(exc, step_dir):
             raise
         shutil.rmtree(step_dir, ignore_errors=True)  # never published: free what it took
+        last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
         raise InputError(str(step_dir), f"no space left on device (ENOSPC) while saving the checkpoint; nothing was published "
-                                        f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})") from None
+                                        f"(the save failed with: {last})") from None
     return step_dir
 
 
 def _disk_full(exc: BaseException, folder: Path) -> bool:
-    """ENOSPC anywhere in the chain, or a failed write (torch reports a short write as 'unexpected
-    pos') on a file system that is now (nearly) full."""
-    seen = exc
+    """ENOSPC anywhere in the chain, or a failed save on a file system that is now full: the
+    writers lose the errno (torch reports a short write as 'unexpected pos', torch_dist as a
+    CheckpointException without failures), so the free space decides."""
+    seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or "No space left on device" in str(seen):
             return True
         seen = seen.__cause__ or seen.__context__
     try:
-        return shutil.disk_usage(folder).free < (64 << 20) and ("unexpected pos" in str(exc) or isinstance(exc, OSError))
+        return shutil.disk_usage(folder).free < (16 << 20)
     except OSError:
         return False
 
