@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import random
 import re
 import subprocess

@@ -159,6 +159,30 @@ def cmd_make_demo_data(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    """Check every file of a save against its contract (the same core code evaluation, export and
+    promotion use). Exit 0 when they match, 2 otherwise. Reads and hashes; deserializes nothing."""
+    from .core.checkpoint_files import checkpoint_differences
+    from .core.contract import load_contract, resolve_step_dir
+
+    step_dir, latest_pin = resolve_step_dir(args.checkpoint)
+    pin = args.contract_sha256 or latest_pin
+    contract, sha = load_contract(step_dir, pinned_sha256=pin)
+    diffs = checkpoint_differences(step_dir, contract)
+    files = contract.get("checkpoint_files") or []
+    if args.json:
+        print(json.dumps({"checkpoint": str(step_dir), "contract_sha256": sha, "files": len(files), "matches": not diffs,
+                          "differences": diffs}, sort_keys=True))
+    if diffs:
+        for d in diffs:
+            print(f"value-assets: {step_dir}: {d}", file=sys.stderr)
+        print(f"value-assets: error: {step_dir}: {len(diffs)} difference(s) from contract {sha}", file=sys.stderr)
+        return EXIT_INVALID
+    if not args.json:
+        print(f"ok {step_dir}: {len(files)} files match contract {sha}")
+    return 0
+
+
 def _positive(text: str) -> int:
     """argparse type of the count flags of validate and plan (core's `require_int` rule)."""
     try:
@@ -208,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
     d.add_argument("--name", help="manifest stem (default: demo, or demo-shuffled with --shuffle-labels)")
     d.set_defaults(func=cmd_make_demo_data)
+
+    vf = sub.add_parser("verify", help="check every file of a saved checkpoint against its contract (exit 0: match, 2: differs)")
+    vf.add_argument("checkpoint", help="an iter_* folder, or a critic folder (its latest)")
+    vf.add_argument("--contract-sha256", help="pin the contract's sha256 (checked before parsing)")
+    vf.add_argument("--json", action="store_true")
+    vf.set_defaults(func=cmd_verify)
 
     _add_engine_commands(sub)
     return p

@@ -26,7 +26,7 @@ def contract(steps=2, plan=None, **over):
     plan = plan or build_plan(10, 2, 1, 3)
     c = build_contract(manifest_sha256=M, train_sha256=T, objective=OBJ, plan=plan, completed_steps=steps,
                        model={"name": "tiny", "path": "/ckpt/actor"}, backbone_config={"layers": 2, "hidden": 8},
-                       checkpoint=f"/critic/{iter_dirname(steps)}")
+                       checkpoint=iter_dirname(steps), checkpoint_files=[{"path": "common.pt", "size": 1, "sha256": "3" * 64}])
     c.update(over)
     return c
 
@@ -115,7 +115,8 @@ def test_load_contract_refuses_non_canonical_and_incomplete(tmp_path):
 
 
 def _resume(c, **over):
-    args = dict(where="ckpt", manifest_sha256=M, train_sha256=T, objective=OBJ, plan=build_plan(10, 2, 1, 3), loaded_iterations=[2, 2])
+    args = dict(where="ckpt", manifest_sha256=M, train_sha256=T, objective=OBJ, plan=build_plan(10, 2, 1, 3),
+                model={"name": "tiny", "path": "/ckpt/actor"}, loaded_iterations=[2, 2])
     args.update(over)
     return check_resume(c, **args)
 
@@ -142,6 +143,7 @@ def test_check_resume_refusals_each_distinct():
         (dict(objective=other_obj), "objective"),
         (dict(plan=build_plan(10, 2, 1, 4)), "batch plan"),
         (dict(plan=build_plan(10, 5, 1, 3)), "batch plan"),
+        (dict(model={"name": "other", "path": "/ckpt/actor2"}), "bootstrap model"),
         (dict(loaded_iterations=[2, 3]), "ranks"),
         (dict(loaded_iterations=[3, 3]), "iteration 3"),
     ]

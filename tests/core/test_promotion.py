@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import build_contract, iter_dirname, write_contract
 from value_assets.core.contract_lookup import resolve_latest_contract
 from value_assets.core.errors import InputError
@@ -140,11 +141,13 @@ def published(tmp_path):
     """A contracted save (written by the core), its passing report, and the lineage's records of both."""
     critic = tmp_path / "critic"
     plan = build_plan(8, 4, 1, 0)
-    (critic / iter_dirname(plan.num_steps)).mkdir(parents=True)
+    save = critic / iter_dirname(plan.num_steps)
+    save.mkdir(parents=True)
+    (save / "common.pt").write_bytes(b"stand-in")
     write_contract(critic, build_contract(
         manifest_sha256=MANIFEST_SHA, train_sha256="b" * 64, objective=Objective().canonical(), plan=plan,
         completed_steps=plan.num_steps, model={"backbone": "tiny"}, backbone_config={},
-        checkpoint=str(critic / iter_dirname(plan.num_steps))))
+        checkpoint=str(save), checkpoint_files=describe_folder(save)))
     contract = resolve_latest_contract(critic)
     report = tmp_path / "reports" / f"ev-{contract.sha256[:12]}.json"
     sha = write_report(report, ev_report(contract_sha=contract.sha256))
@@ -283,3 +286,23 @@ def test_latest_pointer_must_name_the_recorded_contract(published):
 def test_no_contracted_save_is_refused(tmp_path):
     with pytest.raises(InputError, match="no contracted save"):
         resolve_latest_contract(tmp_path / "critic")
+
+
+@pytest.mark.parametrize("tamper", ["modify", "add", "remove"])
+def test_promotion_refuses_a_save_whose_files_differ_from_its_contract(published, tamper):
+    """The real `verify_checkpoint` (the one `promoted_critic` passes): a modified, extra or
+    missing file of the save refuses promotion, naming the file."""
+    from value_assets.core.checkpoint_files import verify_checkpoint
+    from value_assets.core.promotion import PromotionRefused
+
+    contract, report, sha = published
+    save = contract.checkpoint_dir
+    promote(contract, report, sha, verify_checkpoint=verify_checkpoint)  # untouched: promoted
+    if tamper == "modify":
+        (save / "common.pt").write_bytes(b"stand-iN")
+    elif tamper == "add":
+        (save / "extra.distcp").write_bytes(b"x")
+    else:
+        (save / "common.pt").unlink()
+    with pytest.raises(PromotionRefused, match="common.pt|extra.distcp"):
+        promote(contract, report, sha, verify_checkpoint=verify_checkpoint)

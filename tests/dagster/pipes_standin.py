@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dagster_pipes import open_dagster_pipes
 
+from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.jobs import EvaluateJob, TrainJob
@@ -74,7 +75,7 @@ def train(pipes, config, canary: bool):
     contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256,
                               objective=manifest.objective.canonical(), plan=plan, completed_steps=steps,
                               model={"backbone": a.backbone}, backbone_config={"name": "stand-in"},
-                              checkpoint=str(save))
+                              checkpoint=str(save), checkpoint_files=describe_folder(save))
     sha = write_contract(out, contract)
     pipes.report_asset_materialization(
         asset_key="critic_checkpoint", data_version=sha,

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from value_assets.core.checkpoint_files import describe_folder
 import torch
 
 from value_assets.core.errors import InputError
@@ -51,7 +53,7 @@ def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = Non
         destroy()
     contract = build_contract(manifest_sha256="a" * 64, train_sha256="b" * 64, objective=objective.canonical(),
                               plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random", "seed": 0},
-                              backbone_config=cfg.to_json(), checkpoint=str(step))
+                              backbone_config=cfg.to_json(), checkpoint=str(step), checkpoint_files=describe_folder(step))
     write_contract(root, contract)
     return cfg, values, state
 
@@ -173,7 +175,7 @@ def test_scalar_export_refuses_a_classification_critic(tmp_path):
     from value_assets.gpu.model.critic import BackboneConfig
 
     (tmp_path / iter_dirname(STEPS)).mkdir()
-    write_contract(tmp_path, build_contract(
+    write_contract(tmp_path, build_contract(checkpoint_files=[],
         manifest_sha256="a" * 64, train_sha256="b" * 64, objective=Objective(num_bins=51).canonical(),
         plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random"},
         backbone_config=BackboneConfig.tiny().to_json(), checkpoint="x"))

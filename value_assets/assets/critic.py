@@ -33,6 +33,7 @@ from value_assets.assets.common import (
     to_metadata_value,
 )
 from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
+from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.jobs import EvaluateJob, TrainJob
@@ -267,9 +268,8 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
             recorded_report_sha256=lineage_report_sha(ev_report_records(context.instance, key),
                                                       contract_sha256=ref.sha256, report_path=report_path),
             gate=latest_gate_record(context.instance, key),
-            # Hook: pass core's `verify_checkpoint(step_dir, contract)` here once checkpoint-file
-            # binding lands (SPEC 6); until then the contract's own sha is what is verified.
-            verify_checkpoint=None,
+            # Every file of the promoted save against its contract (docs/rules.md#checkpoint-binding).
+            verify_checkpoint=verify_checkpoint,
         )
     registry_path = artifacts.registry_path(key)
     atomic_write(registry_path, canonical_bytes(record))

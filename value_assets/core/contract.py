@@ -6,9 +6,11 @@ plan it was trained with. It is canonical JSON; its sha is the sha of those byte
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .checkpoint_files import CONTRACT_NAME, verify_checkpoint
 from .errors import InputError, show
 from .hashing import require_sha, sha256_bytes
 from .plan import BatchPlan
@@ -16,21 +18,33 @@ from .publish import atomic_write
 from .strict_json import canonical_bytes, is_int, loads
 
 SCHEMA = "value-assets.training-contract.v1"
-CONTRACT_NAME = "value_pretrain_contract.json"
 LATEST_NAME = "latest"
 RECEIPT_SCHEMA = "value-assets.canary-receipt.v1"
 REQUIRED = ("schema", "source_manifest_sha256", "train_dataset_sha256", "objective", "batch_plan",
-            "batch_plan_sha256", "completed_steps", "model", "backbone_config", "checkpoint")
+            "batch_plan_sha256", "completed_steps", "model", "backbone_config", "checkpoint", "checkpoint_files")
+
+
+_ITER_RE = re.compile(r"iter_(\d{7})")
 
 
 def iter_dirname(step: int) -> str:
     return f"iter_{step:07d}"
 
 
+def existing_iterations(critic_dir: str | Path) -> list[int]:
+    """The iterations of the `iter_*` folders in a critic folder, ascending."""
+    root = Path(critic_dir)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _ITER_RE.fullmatch(p.name)) and p.is_dir() and not p.is_symlink())
+
+
 def build_contract(*, manifest_sha256: str, train_sha256: str, objective: Mapping[str, Any], plan: BatchPlan,
                    completed_steps: int, model: Mapping[str, Any], backbone_config: Mapping[str, Any],
-                   checkpoint: str, execution: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`execution`: optional execution facts (parallel layout, memory features, micro-batch
+                   checkpoint: str, checkpoint_files: Sequence[Mapping[str, Any]],
+                   execution: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`checkpoint_files` is `checkpoint_files.describe_folder(step_dir)`, taken once the save is
+    complete. `execution`: optional execution facts (parallel layout, memory features, micro-batch
     budget): how the steps were run, none of which changes the result; stored as given."""
     contract = {
         "schema": SCHEMA,
@@ -44,6 +58,7 @@ def build_contract(*, manifest_sha256: str, train_sha256: str, objective: Mappin
         "model": dict(model),
         "backbone_config": dict(backbone_config),
         "checkpoint": checkpoint,
+        "checkpoint_files": [dict(f) for f in checkpoint_files],
     }
     if execution is not None:
         contract["execution"] = dict(execution)
@@ -61,8 +76,12 @@ def write_contract(critic_dir: str | Path, contract: Mapping[str, Any]) -> str:
         raise InputError(str(step_dir), "no checkpoint folder to bind a contract to")
     data = canonical_bytes(dict(contract))
     sha = atomic_write(step_dir / CONTRACT_NAME, data)
-    atomic_write(root / LATEST_NAME, canonical_bytes({"iteration": step_dir.name, "contract_sha256": sha}))
+    point_latest(root, step_dir, sha)
     return sha
+
+
+def point_latest(critic_dir: str | Path, step_dir: Path, sha: str) -> None:
+    atomic_write(Path(critic_dir) / LATEST_NAME, canonical_bytes({"iteration": step_dir.name, "contract_sha256": sha}))
 
 
 def load_contract(path: str | Path, pinned_sha256: str | None = None) -> tuple[dict[str, Any], str]:
@@ -102,8 +121,70 @@ def read_latest(critic_dir: str | Path) -> tuple[Path, str] | None:
     return root / obj["iteration"], require_sha(obj.get("contract_sha256"), f"{p}: contract_sha256")
 
 
+def resolve_step_dir(path: str | Path) -> tuple[Path, str | None]:
+    """A contracted `iter_*` folder as is; a critic folder -> the step folder its `latest` names,
+    with the contract sha that `latest` pins (None for a step folder given directly)."""
+    p = Path(path)
+    if (p / CONTRACT_NAME).is_file():
+        return p, None
+    latest = read_latest(p) if p.is_dir() else None
+    if latest is None:
+        found = existing_iterations(p)
+        hint = f" (it holds {', '.join(iter_dirname(i) for i in found)}: name one of them)" if found else ""
+        raise InputError(str(p), f"is neither a contracted checkpoint folder nor a critic folder with a '{LATEST_NAME}' pointer{hint}")
+    return latest
+
+
+def load_verified(step_dir: str | Path, pinned_sha256: str | None = None) -> tuple[dict[str, Any], str]:
+    """Load a step folder's contract (pin checked before parsing) and verify every checkpoint file
+    against it, before anything in the folder is deserialized. Refuses on any difference."""
+    contract, sha = load_contract(step_dir, pinned_sha256=pinned_sha256)
+    verify_checkpoint(step_dir, contract)
+    return contract, sha
+
+
+def find_resume_point(critic_dir: str | Path, log=lambda _m: None) -> tuple[Path, dict[str, Any], str] | None:
+    """The save a run resumes from: the newest contracted `iter_*` folder, verified against its
+    contract (step folder, contract, contract sha); None when nothing was ever contracted.
+
+    `latest` is written after the contract, so a crash between the two leaves `latest` one save
+    behind (or absent): the newest contracted save still wins, when its files verify. A newer
+    contracted save that does not verify is refused rather than skipped (resuming from an older one
+    would train up to it and then refuse to overwrite it). Uncontracted folders are interrupted saves,
+    overwritten when the run reaches their step; without any contracted save they are ambiguous.
+    """
+    root = Path(critic_dir)
+    latest = read_latest(root) if root.is_dir() else None
+    its = existing_iterations(root)
+    contracted = [i for i in its if (root / iter_dirname(i) / CONTRACT_NAME).is_file()]
+    if not contracted:
+        if latest is not None:
+            raise InputError(str(root / LATEST_NAME), f"refusing to resume: '{LATEST_NAME}' names {latest[0].name}, which holds no contract")
+        if its:
+            refuse_uncontracted(its[-1], str(root / iter_dirname(its[-1])))
+        return None
+    step_dir = root / iter_dirname(contracted[-1])
+    pinned = None
+    if latest is not None:
+        named = _ITER_RE.fullmatch(latest[0].name)
+        if latest[0].parent != root or named is None:
+            raise InputError(str(root / LATEST_NAME), f"malformed latest pointer: names {latest[0].name!r}")
+        if int(named.group(1)) > contracted[-1]:
+            raise InputError(str(root / LATEST_NAME), f"refusing to resume: '{LATEST_NAME}' names {latest[0].name}, which holds no contract")
+        if latest[0] == step_dir:
+            pinned = latest[1]
+    # (Its completed_steps are checked against the iteration the workers load, by check_resume.)
+    contract, sha = load_verified(step_dir, pinned_sha256=pinned)
+    if latest is None:
+        log(f"'{LATEST_NAME}' is missing; {step_dir.name} holds the newest contract and its files verify: resuming from it")
+    elif pinned is None:
+        log(f"'{LATEST_NAME}' names {latest[0].name}, but {step_dir.name} holds a newer contract and its files verify "
+            f"(a crash between contract and pointer): resuming from {step_dir.name}")
+    return step_dir, contract, sha
+
+
 def check_resume(contract: Mapping[str, Any], *, where: str, manifest_sha256: str, train_sha256: str,
-                 objective: Mapping[str, Any], plan: BatchPlan, loaded_iterations: Sequence[int]) -> int:
+                 objective: Mapping[str, Any], plan: BatchPlan, model: Mapping[str, Any], loaded_iterations: Sequence[int]) -> int:
     """Return the number of completed steps to skip, or refuse (InputError) with one message per rule."""
     if contract["source_manifest_sha256"] != manifest_sha256:
         raise InputError(where, f"refusing to resume: the checkpoint was trained from manifest {contract['source_manifest_sha256']}, this run's manifest is {manifest_sha256}")
@@ -113,6 +194,8 @@ def check_resume(contract: Mapping[str, Any], *, where: str, manifest_sha256: st
         raise InputError(where, f"refusing to resume: objective differs: checkpoint {dict(contract['objective'])}, this run {dict(objective)}")
     if dict(contract["batch_plan"]) != plan.spec():
         raise InputError(where, f"refusing to resume: batch plan differs: checkpoint {dict(contract['batch_plan'])}, this run {plan.spec()}")
+    if _identity(contract["model"]) != _identity(model):
+        raise InputError(where, f"refusing to resume: the checkpoint descends from bootstrap model {dict(contract['model'])}, this run's --backbone is {dict(model)}")
     its = sorted(set(int(i) for i in loaded_iterations))
     if len(its) != 1:
         raise InputError(where, f"refusing to resume: ranks loaded different iterations {list(loaded_iterations)}")
@@ -124,6 +207,14 @@ def check_resume(contract: Mapping[str, Any], *, where: str, manifest_sha256: st
     if steps > plan.num_steps:
         raise InputError(where, f"refusing to resume: the contract has {steps} completed steps, beyond the plan's {plan.num_steps} (extend --epochs to train further)")
     return steps
+
+
+def _identity(model: Mapping[str, Any]) -> dict[str, Any]:
+    # A content digest identifies a backbone wherever its folder lives; the path alone does not.
+    m = dict(model)
+    if "sha256" in m:
+        m.pop("path", None)
+    return m
 
 
 def refuse_uncontracted(iteration: int, where: str) -> None:

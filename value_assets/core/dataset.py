@@ -97,7 +97,8 @@ class Dataset:
     """
 
     def __init__(self, *, path: Path, sha256: str, fmt: str, objective: Objective, split: str, lengths: np.ndarray,
-                 active: np.ndarray, labels: np.ndarray, offsets: np.ndarray | None = None, line_numbers: np.ndarray | None = None):
+                 active: np.ndarray, labels: np.ndarray, offsets: np.ndarray | None = None, line_numbers: np.ndarray | None = None,
+                 row_digests: np.ndarray | None = None):
         self.path = path
         self.sha256 = sha256
         self.format = fmt
@@ -108,6 +109,7 @@ class Dataset:
         self.labels = labels
         self._offsets = offsets
         self._line_numbers = line_numbers
+        self._row_digests = row_digests  # JSONL: a digest of each validated line, checked on every read
         self._pq: pq.ParquetFile | None = None
         self._rg_starts: np.ndarray | None = None
         self._rg_cache: tuple[int, list[dict]] | None = None
@@ -128,7 +130,10 @@ class Dataset:
         if self.format == "jsonl":
             with open(self.path, "rb") as f:
                 f.seek(int(self._offsets[index]))
-                return check_row(loads(f.readline(), where), where, self.objective)
+                line = f.readline()
+            if self._row_digests is not None and _row_digest(line) != self._row_digests[index]:
+                raise InputError(where, "row changed since the dataset was validated (the file was modified while in use); refusing to read it")
+            return check_row(loads(line, where), where, self.objective)
         return check_row(self._parquet_row(index), where, self.objective)
 
     def rows(self, indices) -> list[Row]:
@@ -353,6 +358,10 @@ def _fast_parse(line: bytes):
         return None
 
 
+def _row_digest(line: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(line, digest_size=8).digest(), "little")
+
+
 def _too_long(where: str, max_row_bytes: int, what: str) -> InputError:
     return InputError(where, f"{what} is longer than the maximum row size of {max_row_bytes} bytes ({max_row_bytes / 2**20:g} MiB); "
                              "raise the limit with max_row_bytes= (command line: --max-row-bytes) if such rows are intended")
@@ -361,6 +370,7 @@ def _too_long(where: str, max_row_bytes: int, what: str) -> InputError:
 def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress):
     acc = _Accumulator()
     offsets: list[int] = []
+    digests: list[int] = []
     line_numbers: list[int] = []
     size = os.path.getsize(path)
 
@@ -392,6 +402,7 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, m
             if line[:1] != b"{" and not line.strip(_JSON_WHITESPACE):
                 continue  # blank lines are skipped and not counted
             offsets.append(start)
+            digests.append(_row_digest(line))
             line_numbers.append(lineno)
             parsed = _fast_parse(line)
             if parsed is None:
@@ -418,7 +429,7 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, m
     flush(batch, raw)
     if progress:
         progress("validate", size, size)
-    return acc, np.asarray(offsets, dtype=np.int64), np.asarray(line_numbers, dtype=np.int64)
+    return acc, np.asarray(offsets, dtype=np.int64), np.asarray(line_numbers, dtype=np.int64), np.asarray(digests, dtype=np.uint64)
 
 
 class _Flat(bytes):
@@ -624,14 +635,14 @@ def _validate(ref: DatasetRef, objective: Objective, vocab_size, max_seq_len, ma
     if sha != ref.sha256:
         raise InputError(str(path), f"sha256 is {sha}, but the manifest pins {ref.sha256} for {ref.split}")
     fmt = sniff_format(path)
-    offsets = line_numbers = None
+    offsets = line_numbers = digests = None
     if fmt == "jsonl":
-        acc, offsets, line_numbers = _validate_jsonl(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
+        acc, offsets, line_numbers, digests = _validate_jsonl(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
     else:
         acc = _validate_parquet(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
     lengths, active, labels, hashes = acc.finish()
     ds = Dataset(path=path, sha256=sha, fmt=fmt, objective=objective, split=ref.split, lengths=lengths, active=active,
-                 labels=labels, offsets=offsets, line_numbers=line_numbers)
+                 labels=labels, offsets=offsets, line_numbers=line_numbers, row_digests=digests)
     _check_unique_ids(ds, hashes)
     if len(ds) != ref.num_samples:
         raise InputError(str(path), f"has {len(ds)} rows, but the manifest says num_samples = {ref.num_samples} for {ref.split}")

@@ -57,6 +57,10 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
                  "sha256": _folder_digest(folder, ("config.json", "*.safetensors", "*.safetensors.index.json"))}
         return cfg, {"kind": "hf", "path": str(folder.resolve())}, ident
     if (folder / BACKBONE_JSON).is_file():
+        from value_assets.core.contract import CONTRACT_NAME, load_verified
+
+        if (folder / CONTRACT_NAME).is_file():
+            load_verified(folder)  # a contracted save reused as a backbone: its files must match first
         try:
             cfg = BackboneConfig.from_json(json.loads((folder / BACKBONE_JSON).read_text()))
         except (ValueError, TypeError) as exc:
@@ -111,6 +115,9 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
+        from value_assets.gpu.runtime.checkpoint import safe_byte_entries
+
+        safe_byte_entries()
         sd = module.sharded_state_dict(prefix="")
         backbone_sd = {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
         loaded = dist_checkpointing.load({"model": backbone_sd}, source["path"], strict=StrictHandling.LOG_UNEXPECTED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
+from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
@@ -18,33 +18,11 @@ HF_FORMATS = ("token-classification", "scalar", "openrlhf")
 
 def contracted_step(checkpoint: Path) -> tuple[Path, dict[str, Any], str]:
     """(step folder, contract, contract sha) of a contracted `iter_*` folder or a critic folder
-    (its `latest`). The sha `latest` recorded is pinned whenever `latest` names the step."""
-    step_dir, pinned = checkpoint, None
-    if (step_dir / CONTRACT_NAME).is_file():
-        latest = read_latest(step_dir.parent)
-        if latest is not None and latest[0].resolve() == step_dir.resolve():
-            pinned = latest[1]
-    else:
-        latest = read_latest(checkpoint) if checkpoint.is_dir() else None
-        if latest is None:
-            raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")
-        step_dir, pinned = latest
-    contract, sha = load_contract(step_dir, pinned)
-    verify_checkpoint_files(step_dir, contract)
+    (its `latest`), every file of the step verified against the contract before any is
+    deserialized (docs/rules.md#checkpoint-binding)."""
+    step_dir, pinned = resolve_step_dir(checkpoint)
+    contract, sha = load_verified(step_dir, pinned_sha256=pinned)
     return step_dir, contract, sha
-
-
-def verify_checkpoint_files(step_dir: Path, contract: dict[str, Any]) -> None:
-    """SPEC 6: every file of the step folder against the contract, before anything is read.
-
-    Placeholder: core's `verify_checkpoint(step_dir, contract)` (file hashes in the contract) is
-    being added in parallel; this is the one call site to switch to it. Until then only the
-    contract itself is verified (sha-pinned through `latest`, canonical, complete)."""
-    try:
-        from value_assets.core.contract import verify_checkpoint  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    verify_checkpoint(step_dir, contract)
 
 
 def _empty_out(out: Path) -> None:

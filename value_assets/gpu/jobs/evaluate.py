@@ -10,13 +10,16 @@ Like training, `prepare` makes every CPU-side check before the cluster is reserv
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from value_assets.core.contract import CONTRACT_NAME, load_contract, read_latest
+from value_assets.core.checkpoint_files import verify_checkpoint
+from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.jobs import EvaluateJob
@@ -38,13 +41,18 @@ class EvalResult:
     plots: dict[str, str]
 
 
-def _step_dir(checkpoint: Path) -> Path:
-    if (checkpoint / CONTRACT_NAME).is_file():
-        return checkpoint
-    latest = read_latest(checkpoint) if checkpoint.is_dir() else None
-    if latest is None:
-        raise InputError(str(checkpoint), "is neither a contracted checkpoint folder nor a critic folder with a 'latest' pointer")
-    return latest[0]
+def _check_writable(report_path: Path) -> None:
+    """The report's folder must take a new file: found out here, not after the whole evaluation."""
+    folder = report_path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # publish_once creates the missing part below the nearest existing folder
+    probe = folder / f".{report_path.name}.{uuid.uuid4().hex}.probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(str(report_path), f"cannot write the report: folder {folder} is not writable ({exc.strerror})") from None
 
 
 @dataclass
@@ -68,8 +76,8 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     from value_assets.gpu.jobs.train import check_model_split
     from value_assets.gpu.model.critic import BackboneConfig
 
-    step_dir = _step_dir(cfg.checkpoint)
-    contract, contract_sha = load_contract(step_dir, pinned_sha256=cfg.contract_sha256)
+    step_dir, _ = resolve_step_dir(cfg.checkpoint)  # the caller's pin is the one that counts
+    contract, contract_sha = load_verified(step_dir, pinned_sha256=cfg.contract_sha256)
     manifest = load_manifest(cfg.manifest, data_roots=cfg.data_roots)
     if contract["source_manifest_sha256"] != manifest.sha256:
         raise InputError(str(cfg.manifest), f"manifest sha256 {manifest.sha256} is not the one the contract binds ({contract['source_manifest_sha256']})")
@@ -94,6 +102,7 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     # A report without its sidecar is an unfinished publication: the identical result completes it.
     if publication_state(report_path) not in ("absent", "unfinished"):
         raise InputError(str(report_path), "a report already exists here; reports are write-once")
+    _check_writable(report_path)
     longest = int(ds.lengths.max()) - 1
     log(f"{cfg.split} data ok: {len(ds)} rows; {len(batches)} batches of {g} rows, data-parallel size {dp}")
     return _Prepared(step_dir, contract, contract_sha, manifest, ds, dp, g, batches, max(cfg.micro_batch_tokens, longest))
@@ -113,6 +122,7 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
     rank_reports: list[list[RankReport]] = []
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=contract["backbone_config"],
                        objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
+        verify_checkpoint(step_dir, contract)  # again, right before the workers deserialize it
         loaded = cluster.call_all("load", str(step_dir), False)
         if sorted(set(loaded)) != [contract["completed_steps"]]:
             raise InputError(str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}")

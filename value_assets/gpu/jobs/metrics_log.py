@@ -11,8 +11,11 @@ SCALARS = ("loss", "value_accuracy", "entropy", "explained_variance", "grad_norm
 
 
 class MetricsLog:
-    def __init__(self, critic_dir: Path):
+    def __init__(self, critic_dir: Path, after_step: int = 0):
+        """`after_step`: the step the run resumes after. Lines of later steps (written after the
+        save it resumes from, by a run that was then killed) are dropped, so each step appears once."""
         self.path = critic_dir / "metrics.jsonl"
+        _truncate_after(self.path, after_step)
         self._file = open(self.path, "a", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -35,3 +38,20 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line if line.endswith(b"\n") else line + b"\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line of a killed run
+    data = b"".join(keep)
+    if data != path.read_bytes():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)

@@ -8,27 +8,28 @@ complete. Canary mode runs the first step only and writes a non-promotable recei
 
 from __future__ import annotations
 
-import re
+import errno
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from value_assets.core.checkpoint_files import describe_folder, verify_checkpoint
 from value_assets.core.contract import (
-    CONTRACT_NAME, build_contract, build_receipt, check_resume, iter_dirname, load_contract, read_latest,
-    refuse_uncontracted, write_contract,
+    CONTRACT_NAME, build_contract, build_receipt, check_resume, existing_iterations, find_resume_point, iter_dirname,
+    point_latest, read_latest, write_contract,
 )
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
+from value_assets.core.hashing import sha256_file
 from value_assets.core.jobs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
-from value_assets.core.memory import Layout, MemoryConfig, ModelShape, auto_micro_batch_tokens
+from value_assets.core.memory import Layout, ModelShape, auto_micro_batch_tokens
 from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
 from value_assets.core.publish import publish_once
 from value_assets.core.strict_json import canonical_bytes
 
 RECEIPT_NAME = "canary_receipt.json"
-_ITER_RE = re.compile(r"iter_(\d{7})")
 
 
 @dataclass
@@ -70,12 +71,7 @@ class _Prepared:
     resume_dir: Path | None
     start_step: int
     micro_batch_tokens: int  # resolved (an int also when the config said "auto")
-
-
-def _existing_iterations(critic_dir: Path) -> list[int]:
-    if not critic_dir.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in critic_dir.iterdir() if (m := _ITER_RE.fullmatch(p.name)) and p.is_dir())
+    resume_sha256: str | None = None
 
 
 def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
@@ -99,28 +95,24 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
     elif cfg.micro_batch_tokens < longest:
         raise InputError("micro_batch_tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
     critic_dir = cfg.output
-    latest = read_latest(critic_dir) if critic_dir.is_dir() else None
-    contract = resume_dir = None
+    contract = resume_dir = resume_sha = None
     start = 0
     if cfg.canary:
-        if latest is not None or any((critic_dir / iter_dirname(i) / CONTRACT_NAME).exists() for i in _existing_iterations(critic_dir)):
+        if read_latest(critic_dir) is not None or any((critic_dir / iter_dirname(i) / CONTRACT_NAME).exists() for i in existing_iterations(critic_dir)):
             raise InputError(str(critic_dir), "refusing a canary run: the output folder already holds a contracted checkpoint")
         if (critic_dir / RECEIPT_NAME).exists() or (critic_dir / RECEIPT_NAME).is_symlink():
             raise InputError(str(critic_dir / RECEIPT_NAME), "refusing a canary run: a receipt is already published here")
-    elif latest is not None:
-        step_dir, sha = latest
-        contract, _ = load_contract(step_dir, pinned_sha256=sha)
-        start = check_resume(contract, where=str(step_dir), manifest_sha256=manifest.sha256, train_sha256=train.sha256,
-                             objective=manifest.objective.canonical(), plan=plan, loaded_iterations=[contract["completed_steps"]])
-        check_resume_execution(contract, cfg, where=str(step_dir))
-        resume_dir = step_dir
-        log(f"resuming after step {start} from {step_dir}")
-    else:
-        its = _existing_iterations(critic_dir)
-        if its:
-            refuse_uncontracted(max(its), str(critic_dir / iter_dirname(max(its))))
+    elif (found := find_resume_point(critic_dir, log)) is not None:
+        # Verified file by file against its contract here, before anything is reserved, and again
+        # right before the workers deserialize it.
+        resume_dir, contract, resume_sha = found
+        start = check_resume(contract, where=str(resume_dir), manifest_sha256=manifest.sha256, train_sha256=train.sha256,
+                             objective=manifest.objective.canonical(), plan=plan, model=identity,
+                             loaded_iterations=[contract["completed_steps"]])
+        check_resume_execution(contract, cfg, where=str(resume_dir))
+        log(f"resuming after step {start} from {resume_dir}")
     return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start,
-                     micro_batch_tokens)
+                     micro_batch_tokens, resume_sha)
 
 
 def _auto_micro_batch_tokens(cfg: TrainJob, backbone_cfg, manifest: Manifest, train: Dataset, dp: int, longest: int) -> int:
@@ -206,7 +198,18 @@ def _lr_at(cfg: TrainJob, step: int) -> float:
     return cfg.learning_rate
 
 
-def _save(cluster, critic_dir: Path, step: int) -> Path:
+def _check_data_unchanged(ds: Dataset) -> None:
+    """A contract names only bytes that were trained on: re-hash the train file before each save.
+    (Rows are also checked one by one as they are read; this covers the bytes no step read yet.)"""
+    sha = sha256_file(ds.path)
+    if sha != ds.sha256:
+        raise InputError(str(ds.path), f"the train dataset changed while the run read it (sha256 now {sha}, validated {ds.sha256}); "
+                                       "stopping without publishing another contract")
+
+
+def _save(cluster, critic_dir: Path, step: int, backbone_cfg) -> Path:
+    from value_assets.gpu.convert.bootstrap import write_backbone_json
+
     step_dir = critic_dir / iter_dirname(step)
     if step_dir.exists():
         # A folder without a contract was never published (an interrupted save): start it afresh.
@@ -214,12 +217,35 @@ def _save(cluster, critic_dir: Path, step: int) -> Path:
             raise InputError(str(step_dir), "refusing to overwrite a contracted checkpoint")
         shutil.rmtree(step_dir)
     step_dir.mkdir(parents=True)
-    cluster.call_all("save", str(step_dir), step)
+    try:
+        cluster.call_all("save", str(step_dir), step)
+        write_backbone_json(step_dir, backbone_cfg)
+    except Exception as exc:
+        if not _disk_full(exc, step_dir):
+            raise
+        shutil.rmtree(step_dir, ignore_errors=True)  # never published: free what it took
+        last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
+        raise InputError(str(step_dir), f"no space left on device (ENOSPC) while saving the checkpoint; nothing was published "
+                                        f"(the save failed with: {last})") from None
     return step_dir
 
 
+def _disk_full(exc: BaseException, folder: Path) -> bool:
+    """ENOSPC anywhere in the chain, or a failed save on a file system that is now full: the
+    writers lose the errno (torch reports a short write as 'unexpected pos', torch_dist as a
+    CheckpointException without failures), so the free space decides."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(folder).free < (16 << 20)
+    except OSError:
+        return False
+
+
 def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    from value_assets.gpu.convert.bootstrap import write_backbone_json
     from value_assets.gpu.runtime.cluster import start_workers
     from value_assets.gpu.jobs.metrics_log import MetricsLog
 
@@ -232,9 +258,10 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
     result = TrainResult(critic_dir=str(critic_dir), checkpoint=None, contract_sha256=None, receipt=None,
                          completed_steps=prep.start_step, plan_steps=plan.num_steps, plan_sha256=plan.sha256,
                          manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256, resumed_from=prep.start_step)
+    if prep.resume_dir is not None and read_latest(critic_dir) != (prep.resume_dir, prep.resume_sha256):
+        point_latest(critic_dir, prep.resume_dir, prep.resume_sha256)  # recovered: the verified newest save
     if prep.start_step >= last_step:
-        step_dir, sha = read_latest(critic_dir)
-        result.checkpoint, result.contract_sha256 = str(step_dir), sha
+        result.checkpoint, result.contract_sha256 = str(prep.resume_dir), prep.resume_sha256
         log(f"nothing to do: {prep.start_step} of {plan.num_steps} planned steps are already done")
         return result
     objective_json = manifest.objective.canonical()
@@ -243,13 +270,14 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                        ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json()) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
+            verify_checkpoint(prep.resume_dir, prep.resume_contract)  # again: the files may have changed while workers started
             loaded = cluster.call_all("load", str(prep.resume_dir), True)
             check_resume(prep.resume_contract, where=str(prep.resume_dir), manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
-                         objective=objective_json, plan=plan, loaded_iterations=loaded)
+                         objective=objective_json, plan=plan, model=prep.backbone_identity, loaded_iterations=loaded)
         else:
             cluster.call_all("bootstrap", prep.backbone_source)
         critic_dir.mkdir(parents=True, exist_ok=True)
-        metrics_log = MetricsLog(critic_dir)
+        metrics_log = MetricsLog(critic_dir, after_step=prep.start_step)
         try:
             for step in range(prep.start_step + 1, last_step + 1):
                 batch = plan.batch(step)
@@ -268,8 +296,8 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                     on_step(step, metrics)
                 due = cfg.save_interval and step % cfg.save_interval == 0
                 if step == last_step or due:
-                    step_dir = _save(cluster, critic_dir, step)
-                    write_backbone_json(step_dir, prep.backbone_cfg)
+                    _check_data_unchanged(train_ds)
+                    step_dir = _save(cluster, critic_dir, step, prep.backbone_cfg)
                     result.checkpoint = str(step_dir)
                     result.completed_steps = step
                     if cfg.canary:
@@ -283,9 +311,14 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                         contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
                                                   objective=objective_json, plan=plan, completed_steps=step,
                                                   model=prep.backbone_identity, backbone_config=prep.backbone_cfg.to_json(),
-                                                  checkpoint=step_dir.name,
+                                                  checkpoint=step_dir.name, checkpoint_files=describe_folder(step_dir),
                                                   execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens))
-                        result.contract_sha256 = write_contract(critic_dir, contract)
+                        try:
+                            result.contract_sha256 = write_contract(critic_dir, contract)
+                        except OSError as exc:
+                            if not _disk_full(exc, step_dir):
+                                raise
+                            raise InputError(str(step_dir), f"no space left on device (ENOSPC) while publishing the contract; nothing was published ({exc})") from None
                         log(f"saved {step_dir} with contract {result.contract_sha256}")
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
             # fingerprint that resume tests compare.

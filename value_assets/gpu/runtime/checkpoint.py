@@ -6,7 +6,10 @@ folder must exist and be empty before saving (megatron refuses otherwise). psuti
 installed: without it `dist_checkpointing.save` hangs.
 
 All ranks call `save_critic` / `load_critic` collectively. Only tensors are stored (the iteration
-is a tensor too) so nothing but tensors is unpickled on load.
+is a tensor too). On load, torch's reader still unpickles `.metadata` (the format's index), and its
+planner loads byte entries (megatron's `_extra_state`) with `weights_only=False`; we load those with
+`weights_only=True` (`safe_byte_entries`), and the driver verifies every file against the contract
+before any worker reads one (core/checkpoint_files.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def _load_bytes_weights_only(self, read_item, value) -> None:
+    obj = torch.load(value, weights_only=True)
+    if self.flatten_state_dict:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_byte_entries() -> None:
+    """Make megatron's load planner read byte entries with `torch.load(weights_only=True)` (tensors,
+    containers and plain values only; never arbitrary objects). Idempotent; megatron's planner only."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+
+    MCoreLoadPlanner.load_bytes = _load_bytes_weights_only
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -71,6 +92,7 @@ def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    safe_byte_entries()
     m = _unwrap(model)
     model_sd = _model_sharded_state_dict(m)
     state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(0, dtype=torch.int64)}
@@ -114,6 +136,7 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    safe_byte_entries()
     m = _unwrap(model)
     state = {"model": _model_sharded_state_dict(m), "iteration": torch.tensor(0, dtype=torch.int64)}
     loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)

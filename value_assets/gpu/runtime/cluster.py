@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -50,6 +52,23 @@ class Cluster:
             raise ClusterError(f"workers did not answer within {timeout_s or self.timeout_s:.0f} s") from None
 
 
+def _start_reaper() -> subprocess.Popen | None:
+    """A watchdog that ends the local Ray this driver started if the driver dies without its
+    `finally` (SIGKILL); see reaper.py. Best effort: None where Ray's process list is unavailable."""
+    import ray
+
+    from value_assets.gpu.runtime import reaper
+
+    try:
+        node = ray._private.worker._global_node
+        pids = [str(info.process.pid) for infos in node.all_processes.values() for info in infos]
+    except AttributeError:
+        return None
+    # Its own session: a Ctrl-C to the driver's process group must not stop it before it acts.
+    return subprocess.Popen([sys.executable, reaper.__file__, *pids], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def _use_gpu() -> bool:
     import torch
 
@@ -68,6 +87,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
     from value_assets.gpu.runtime.worker import CriticWorker
 
     started_ray = False
+    reaper = None
     pg = None
     actors: list[Any] = []
     try:
@@ -80,6 +100,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
                 # Worker output stays in Ray's session logs; failures reach the driver as exceptions.
                 ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": {"VALUE_ASSETS_LOOPBACK": "1"}})
+                reaper = _start_reaper()
             started_ray = True
         # GPU bundles where the cluster has GPUs; CPU slots otherwise (laptop, CI).
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0 if ray_address else _use_gpu()
@@ -115,3 +136,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
                 remove_placement_group(pg)
         if started_ray:
             ray.shutdown()
+        if reaper is not None:
+            reaper.stdin.close()  # EOF: it ends whatever of this Ray is still running, then exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                reaper.wait(timeout=30)

@@ -1,0 +1,17 @@
+"""A job driver that starts its own local Ray and a worker, prints every process it started, then
+waits to be killed (for test_faults' SIGKILL test)."""
+
+import json
+import time
+
+import psutil
+
+from value_assets.core.objective import Objective
+from value_assets.gpu.model.critic import BackboneConfig
+from value_assets.gpu.runtime.cluster import start_workers
+
+with start_workers(world_size=1, tp=1, pp=1, seed=0, backbone=BackboneConfig.tiny().to_json(), objective=Objective().canonical(),
+                   train=False, log=lambda _m: None):
+    procs = psutil.Process().children(recursive=True)
+    print(json.dumps({p.pid: p.name() for p in procs}), flush=True)
+    time.sleep(600)
