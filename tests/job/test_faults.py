@@ -27,8 +27,9 @@ from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
-from value_assets.gpu.jobs.evaluate import EvalConfig, evaluate
-from value_assets.gpu.jobs.train import TrainConfig, prepare, train
+from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.gpu.jobs.evaluate import evaluate
+from value_assets.gpu.jobs.train import prepare, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -55,9 +56,9 @@ def manifest(tmp_path_factory):
     return make_demo_data(tmp_path_factory.mktemp("data"), rows=64, heldout_rows=32, seed=0)
 
 
-def cfg_for(manifest: Path, output: Path, **kw) -> TrainConfig:
+def cfg_for(manifest: Path, output: Path, **kw) -> TrainJob:
     settings = dict(backbone="tiny", global_batch_size=8, epochs=1, seed=0, save_interval=4, gpus=2, lr=2e-3)
-    return TrainConfig(manifest=manifest, output=output, **(settings | kw))
+    return TrainJob(manifest=manifest, output=output, **(settings | kw))
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +89,8 @@ def last_save(critic: Path) -> Path:
     return critic / iter_dirname(STEPS)
 
 
-def eval_cfg(critic: Path, manifest: Path, report: Path, sha: str | None = None) -> EvalConfig:
-    return EvalConfig(checkpoint=critic, manifest=manifest, report=report, gpus=2,
+def eval_cfg(critic: Path, manifest: Path, report: Path, sha: str | None = None) -> EvaluateJob:
+    return EvaluateJob(checkpoint=critic, manifest=manifest, report=report, gpus=2,
                       contract_sha256=sha or load_contract(last_save(critic))[1])
 
 
