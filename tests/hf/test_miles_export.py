@@ -174,8 +174,10 @@ def test_scalar_export_refuses_a_classification_critic(tmp_path):
     from value_assets.gpu.convert.export import export_checkpoint
     from value_assets.gpu.model.critic import BackboneConfig
 
-    (tmp_path / iter_dirname(STEPS)).mkdir()
-    write_contract(tmp_path, build_contract(checkpoint_files=[],
+    save = tmp_path / iter_dirname(STEPS)
+    save.mkdir()
+    (save / "common.pt").write_bytes(b"never read: the objective is refused first")
+    write_contract(tmp_path, build_contract(checkpoint_files=describe_folder(save),
         manifest_sha256="a" * 64, train_sha256="b" * 64, objective=Objective(num_bins=51).canonical(),
         plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random"},
         backbone_config=BackboneConfig.tiny().to_json(), checkpoint="x"))
