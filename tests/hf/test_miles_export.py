@@ -180,7 +180,7 @@ def test_scalar_export_refuses_a_classification_critic(tmp_path):
     write_contract(tmp_path, build_contract(checkpoint_files=describe_folder(save),
         manifest_sha256="a" * 64, train_sha256="b" * 64, objective=Objective(num_bins=51).canonical(),
         plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random"},
-        backbone_config=BackboneConfig.tiny().to_json(), checkpoint="x"))
+        backbone_config=BackboneConfig.tiny().to_json(), checkpoint=save.name))
     for fmt in ("scalar", "openrlhf"):
         with pytest.raises(InputError, match="not linear in the hidden state"):
             export_checkpoint(tmp_path, tmp_path / "out", fmt)
