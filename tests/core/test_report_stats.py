@@ -213,6 +213,14 @@ def test_decide_gate_recomputes_intervals_and_refuses_forged_ones():
     wrong = copy.deepcopy(miles)
     wrong["intervals"]["trajectory"]["high"] += 0.1
     assert [f for f in decide_gate(wrong).failures if "report's interval" in f]
+    # Last-bit differences (another machine's float64 sums) are tolerated, to 1e-9 relative; a
+    # changed count is not.
+    ulp = copy.deepcopy(miles)
+    ulp["intervals"]["token"]["low"] *= 1 + 1e-13
+    assert decide_gate(ulp).passed
+    recount = copy.deepcopy(miles)
+    recount["intervals"]["token"]["resamples"] = 200
+    assert not decide_gate(recount).passed
     # Per-row statistics that no longer sum to their batch's cannot back an interval.
     edited = copy.deepcopy(strict)
     del edited["passed"], edited["intervals"]

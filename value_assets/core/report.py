@@ -112,6 +112,22 @@ def interval_json(iv: Interval, seed: int) -> dict[str, Any]:
     return {**iv.to_json(), "seed": seed, "unit": INTERVAL_UNIT}
 
 
+def _same_interval(stated: Any, recomputed: dict[str, Any]) -> bool:
+    """Whether a stated interval is the recomputed one: the same keys, counts and seed exactly, the
+    bounds to 1e-9 relative (the bootstrap's float64 sums may differ in the last bits between the
+    machine that evaluated and the one that decides), None exactly where recomputed is None."""
+    if not isinstance(stated, dict) or set(stated) != set(recomputed):
+        return False
+    for key, want in recomputed.items():
+        got = stated[key]
+        if isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
+            if abs(got - want) > 1e-9 * max(1.0, abs(want)):
+                return False
+        elif type(got) is not type(want) or got != want:
+            return False
+    return True
+
+
 def decide_gate(report: dict[str, Any]) -> GateDecision:
     """Decide the SPEC 7 gate from a report's split, gate mode and per-batch sufficient statistics.
 
@@ -173,7 +189,7 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
     if stated_intervals is not None:
         for weighting, iv in intervals.items():
             stated = (stated_intervals if isinstance(stated_intervals, dict) else {}).get(weighting)
-            if stated != interval_json(iv, seed):
+            if not _same_interval(stated, interval_json(iv, seed)):
                 failures.append(f"{weighting}-weighted: report's interval {stated!r} != recomputed {interval_json(iv, seed)!r}")
     if "passed" in report and report["passed"] is not (not failures):
         failures.append(f"report says passed={report['passed']!r}, recomputation says {not failures}")
