@@ -24,7 +24,7 @@ from value_assets.core.contract_lookup import contract_disagreements, resolve_la
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.publish import read_published
-from value_assets.core.report import CRITERIA, decide_gate, ev_summary
+from value_assets.core.report import GATE_MODES, criteria, decide_gate, ev_summary
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
@@ -113,8 +113,9 @@ def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
     result, on the same sha, for the same partition.
     """
     decision = decide_gate(report)
-    metadata = {"report_sha256": report_sha, "criteria": CRITERIA,
-                "recomputed": {w: g.to_json() for w, g in decision.weightings.items()}, **ev_summary(report)}
+    metadata = {"report_sha256": report_sha, "criteria": criteria(decision.mode if decision.mode in GATE_MODES else "miles"),
+                "recomputed": {w: g.to_json() for w, g in decision.weightings.items()},
+                "recomputed_intervals": {w: iv.to_json() for w, iv in decision.intervals.items()}, **ev_summary(report)}
     if not decision.passed:
         return _failed("; ".join(decision.failures), failures=list(decision.failures), **metadata)
     return AssetCheckResult(passed=True, metadata={k: to_metadata_value(v) for k, v in metadata.items()})

@@ -41,7 +41,8 @@ def test_every_field_is_documented_and_frozen(cls):
                     data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60)),
     (TrainJob, {}),
     (EvaluateJob, dict(split="train", num_batches=4, global_batch_size=2, seed=9, gpus=4, tensor_parallel=2,
-                       pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5)),
+                       pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5,
+                       gate_mode="interval")),
     (EvaluateJob, {}),
 ])
 def test_json_round_trip(cls, settings):
@@ -91,6 +92,7 @@ def test_json_round_trip(cls, settings):
     (EvaluateJob, "gpus", 0, "must be an integer >= 1, got 0"),
     (EvaluateJob, "micro_batch_tokens", -1, "must be an integer >= 1, got -1"),
     (EvaluateJob, "seed", "0", "must be an integer, got '0'"),
+    (EvaluateJob, "gate_mode", "strict", "must be one of 'miles', 'interval', got 'strict'"),
 ])
 def test_each_rule_names_the_field_and_the_value(cls, name, value, needle):
     with pytest.raises(InputError) as err:

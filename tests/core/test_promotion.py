@@ -23,7 +23,7 @@ from value_assets.core.promotion import (
 )
 from value_assets.core.publish import publish_once
 from value_assets.core.report import build_report, decide_gate
-from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+from value_assets.core.stats import RankReport, SuffStats
 from value_assets.core.strict_json import canonical_bytes
 
 pytestmark = pytest.mark.unit
@@ -37,14 +37,8 @@ def ev_report(*, slope=0.5, split="heldout", contract_sha="c" * 64, manifest_sha
     plan = [list(range(k * g, (k + 1) * g)) for k in range(batches)]
     rank_reports, active = [], []
     for rows in plan:
-        tok, traj, values = [], [], []
-        for i in rows:
-            r = np.full(3, labels[i])
-            v = slope * r + (1 - slope) / 2
-            tok.append(token_stats(r, v, np.ones(3)))
-            traj.append(trajectory_stats(r, v, np.ones(3)))
-            values.append(float(v.mean()))
-        rank_reports.append([RankReport(0, rows, SuffStats.merge(tok), SuffStats.merge(traj), values)])
+        returns = [np.full(3, labels[i]) for i in rows]
+        rank_reports.append([RankReport.from_rows(0, [(i, r, slope * r + (1 - slope) / 2, np.ones(3)) for i, r in zip(rows, returns)])])
         active.append(3 * len(rows))
     return build_report(manifest_sha256=manifest_sha, dataset_sha256="d" * 64, split=split, checkpoint="ckpt",
                         contract_sha256=contract_sha, dp=1, seed=0, global_batch_size=g, batches=plan,

@@ -220,28 +220,37 @@ def test_gate_weighting_counts_positive_batches_and_sums():
 
 
 def _report(token_batches, traj_batches, split="heldout"):
-    """Build a report with one rank whose token stats / trajectory stats per batch are given."""
+    """Build a report with one rank whose token / trajectory statistics per batch are given as
+    (returns, values) of four one-token rows: row j's token statistics are token j of the token
+    spec, its trajectory statistics token j of the trajectory spec (so the two weightings can
+    differ), all in decile 0."""
     batches, rank_reports, active = [], [], []
     for k, (tok, traj) in enumerate(zip(token_batches, traj_batches)):
-        rows = [2 * k, 2 * k + 1]
+        rows = list(range(4 * k, 4 * k + 4))
         batches.append(rows)
-        rank_reports.append([RankReport(0, rows, tok, traj, [0.2, 0.8])])
-        active.append(int(tok.n))
-    labels = [0.0, 1.0] * len(token_batches)
+        row_tok = [[1.0, r, r * r, r - v, (r - v) ** 2] for r, v in zip(*tok)]
+        row_traj = [[1.0, r, r * r, r - v, (r - v) ** 2] for r, v in zip(*traj)]
+        row_dec = [[t] + [[0.0] * 5] * 9 for t in row_tok]
+        rank_reports.append([RankReport(0, rows, _batch_stats(*tok), _batch_stats(*traj), [0.2, 0.8, 0.2, 0.8],
+                                        row_tok, row_traj, row_dec)])
+        active.append(4)
+    labels = [0.0, 1.0] * (2 * len(token_batches))
     return build_report(manifest_sha256="a" * 64, dataset_sha256="b" * 64, split=split, checkpoint="/c", contract_sha256="c" * 64,
-                        dp=1, seed=0, global_batch_size=2, batches=batches, rank_reports=rank_reports, active_targets=active,
+                        dp=1, seed=0, global_batch_size=4, batches=batches, rank_reports=rank_reports, active_targets=active,
                         labels=labels)
 
 
-GOOD = _batch_stats([0, 1, 0, 1], [0.1, 0.9, 0.2, 0.8])
-BAD = _batch_stats([0, 1, 0, 1], [0.5, 0.4, 0.5, 0.4])  # EV < 0, mildly
+GOOD_RV = ([0.0, 1.0, 0.0, 1.0], [0.1, 0.9, 0.2, 0.8])
+BAD_RV = ([0.0, 1.0, 0.0, 1.0], [0.5, 0.4, 0.5, 0.4])  # EV < 0, mildly
+GOOD = _batch_stats(*GOOD_RV)
+BAD = _batch_stats(*BAD_RV)
 
 
 @pytest.mark.parametrize("tok, traj, passed", [
-    ([GOOD, GOOD, BAD], [GOOD, GOOD, GOOD], True),
-    ([GOOD, BAD, BAD], [GOOD, GOOD, GOOD], False),   # token weighting fails the majority rule
-    ([GOOD, GOOD, GOOD], [BAD, BAD, GOOD], False),   # trajectory weighting fails
-    ([GOOD, BAD], [GOOD, GOOD], False),              # 1 * 2 > 2 is false
+    ([GOOD_RV, GOOD_RV, BAD_RV], [GOOD_RV, GOOD_RV, GOOD_RV], True),
+    ([GOOD_RV, BAD_RV, BAD_RV], [GOOD_RV, GOOD_RV, GOOD_RV], False),   # token weighting fails the majority rule
+    ([GOOD_RV, GOOD_RV, GOOD_RV], [BAD_RV, BAD_RV, GOOD_RV], False),   # trajectory weighting fails
+    ([GOOD_RV, BAD_RV], [GOOD_RV, GOOD_RV], False),                    # 1 * 2 > 2 is false
 ])
 def test_report_gate_needs_both_weightings(tok, traj, passed):
     rep = _report(tok, traj)
@@ -249,11 +258,11 @@ def test_report_gate_needs_both_weightings(tok, traj, passed):
     assert rep["gate"]["token"]["batches"] == len(tok)
     assert rep["execution"] == {"forward_only": True, "optimizer_steps": 0, "dp": 1}
     assert rep["aggregates"]["auroc"] == 1.0
-    assert math.isclose(rep["aggregates"]["token"]["ev"], SuffStats.merge(tok).ev())
+    assert math.isclose(rep["aggregates"]["token"]["ev"], SuffStats.merge(_batch_stats(*t) for t in tok).ev())
 
 
 def test_report_train_split_never_passes():
-    rep = _report([GOOD, GOOD], [GOOD, GOOD], split="train")
+    rep = _report([GOOD_RV, GOOD_RV], [GOOD_RV, GOOD_RV], split="train")
     assert rep["passed"] is False and rep["gate"]["applies"] is False and "heldout" in rep["gate"]["reason"]
 
 
@@ -262,6 +271,6 @@ def test_report_refuses_bad_rank_reports_and_undefined_ev():
         build_report(manifest_sha256="a" * 64, dataset_sha256="b" * 64, split="heldout", checkpoint="/c", contract_sha256="c" * 64,
                      dp=1, seed=0, global_batch_size=2, batches=[[0, 1]], rank_reports=[[RankReport(0, [0, 1], GOOD, GOOD)]],
                      active_targets=[5], labels=[0.0, 1.0])
-    flat = _batch_stats([1, 1, 1, 1], [0, 0, 0, 0])
+    flat = ([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])
     with pytest.raises(InputError, match="Var"):
-        _report([flat], [GOOD])
+        _report([flat], [GOOD_RV])

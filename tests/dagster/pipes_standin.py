@@ -30,7 +30,7 @@ from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan
 from value_assets.core.publish import publish_once
 from value_assets.core.report import build_report
-from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
 
 
@@ -112,22 +112,17 @@ def evaluate(pipes, config):
     batches = mixed_label_batches(list(data.labels), g, a.num_batches, a.seed)
     rank_reports, active = [], []
     for batch in batches:
-        tok, traj, row_values = [], [], []
-        for row in data.rows(batch):
-            values = slope * row.returns + (1.0 - slope) / 2
-            tok.append(token_stats(row.returns, values, row.loss_mask))
-            traj.append(trajectory_stats(row.returns, values, row.loss_mask))
-            row_values.append(float(values.mean()))
-        rank_reports.append([RankReport(0, list(batch), SuffStats.merge(tok), SuffStats.merge(traj), row_values)])
+        rank_reports.append([RankReport.from_rows(0, [(i, row.returns, slope * row.returns + (1.0 - slope) / 2, row.loss_mask)
+                                                      for i, row in zip(batch, data.rows(batch))])])
         active.append(int(sum(data.active_targets[i] for i in batch)))
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
                           checkpoint=str(a.checkpoint), contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
                           global_batch_size=g, batches=batches, rank_reports=rank_reports,
-                          active_targets=active, labels=list(data.labels))
+                          active_targets=active, labels=list(data.labels), gate_mode=a.gate_mode)
     report_path = a.report
     # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.
     report["plots"] = {}
-    for name in ("ev_per_batch", "calibration"):
+    for name in ("ev_per_batch", "calibration", "ev_by_position"):
         plot = report_path.with_name(f"{report_path.stem}-{name}.png")
         report["plots"][name] = {"file": plot.name, "sha256": publish_once(plot, png_1x1())}
     sha = publish_once(report_path, canonical_bytes(report))

@@ -46,6 +46,8 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
     assert report["token_positive_batches"] == report["token_batches"] == 8 and report["auroc"] > 0.5 and report["trajectory_r2"] is not None
     assert report["plot_calibration"].startswith("![calibration](data:image/png;base64,")
+    assert report["plot_ev_by_position"].startswith("![ev_by_position](data:image/png;base64,")
+    assert report["gate_mode"] == "miles" and report["token_ev_low"] == pytest.approx(0.3)
     assert str(report["report_path"]).endswith(f"reports/ev-{contract_sha[:12]}.json")
     assert report["manifest_sha256"] == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
 
@@ -141,9 +143,12 @@ def test_evaluation_job_reuses_the_published_report(instance, test_defs, test_re
 def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifests_dir, write_manifest, register):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32))
     config = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
-                      "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}}}}
+                      "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}},
+                      "ev_report": {"config": {"gate_mode": "interval"}}}}
     result = run(test_defs, "full", instance, key, config)
     assert result.success
+    # The stricter gate mode reached the evaluation, and ev_gate decided in it.
+    assert latest_metadata(instance, "ev_report", key)["gate_mode"] == "interval" and gate(result)["ev_report"].passed
     assert latest_metadata(instance, "batch_plan", key)["steps"] == 8
     checkpoint = latest_metadata(instance, "critic_checkpoint", key)
     assert checkpoint["completed_steps"] == 8

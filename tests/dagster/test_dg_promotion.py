@@ -18,7 +18,7 @@ from value_assets.assets.common import latest_metadata
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.publish import verify_published
 from value_assets.core.report import build_report
-from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
 
 pytestmark = pytest.mark.integration
@@ -65,9 +65,7 @@ def passing_report(contract_sha: str, manifest_sha: str, slope: float = 0.5) -> 
     for rows in batches:
         r = [np.full(3, labels[i]) for i in rows]
         v = [slope * x + (1 - slope) / 2 for x in r]
-        reports.append([RankReport(0, rows, SuffStats.merge(token_stats(a, b, np.ones(3)) for a, b in zip(r, v)),
-                                   SuffStats.merge(trajectory_stats(a, b, np.ones(3)) for a, b in zip(r, v)),
-                                   [float(b.mean()) for b in v])])
+        reports.append([RankReport.from_rows(0, [(i, a, b, np.ones(3)) for i, a, b in zip(rows, r, v)])])
     return build_report(manifest_sha256=manifest_sha, dataset_sha256="d" * 64, split="heldout", checkpoint="forged",
                         contract_sha256=contract_sha, dp=1, seed=0, global_batch_size=4, batches=batches,
                         rank_reports=reports, active_targets=[12] * 4, labels=labels)

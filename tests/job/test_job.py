@@ -79,6 +79,43 @@ def test_critic_learns_and_the_gate_passes(learned, data):
     assert len(set(result.state_sha256)) == 1
 
 
+def test_report_states_position_intervals_and_gate_mode(learned):
+    """The per-row statistics the workers return become the position table (whose deciles add up
+    to the aggregate token statistics) and the row bootstrap intervals; the published report,
+    read back, is decided the same way, also in interval mode."""
+    import numpy as np
+
+    from value_assets.core.report import decide_gate
+
+    _, _, ev = learned
+    report = json.loads(Path(ev.report_path).read_bytes())
+    agg = report["aggregates"]
+    deciles = report["position"]["deciles"]
+    assert report["position"]["weighting"] == "token" and [d["decile"] for d in deciles] == list(range(10))
+    table = np.array([[d["stats"][k] for k in ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")] for d in deciles])
+    assert table.sum(axis=0) == pytest.approx(stats_row_of(agg["token"]["stats"]), rel=1e-9, abs=1e-9)
+    assert [d["n"] for d in deciles] == table[:, 0].tolist() and all(d["n"] > 1 and d["ev"] is not None for d in deciles)
+    rows = sum(len(b["rows"]) for b in report["batches"])
+    for w in ("token", "trajectory"):
+        iv = report["intervals"][w]
+        assert iv["estimate"] == pytest.approx(agg[w]["ev"], rel=1e-9)
+        assert iv["low"] <= iv["estimate"] <= iv["high"]
+        assert (iv["level"], iv["resamples"], iv["seed"], iv["units"], iv["unit"]) == (0.95, 2000, 0, rows, "row")
+        for b in report["batches"]:
+            assert np.sum(b[w]["row_stats"], axis=0) == pytest.approx(stats_row_of(b[w]["stats"]), rel=1e-9, abs=1e-9)
+    assert report["gate"]["mode"] == "miles" and decide_gate(report).passed
+    assert set(report["plots"]) == {"ev_per_batch", "calibration", "ev_by_position"}
+    for plot in report["plots"].values():
+        assert Path(ev.report_path).with_name(plot["file"]).read_bytes().startswith(b"\x89PNG")
+    strict = {k: v for k, v in report.items() if k != "passed"} | {"gate": {"mode": "interval"}}
+    lows = [report["intervals"][w]["low"] for w in ("token", "trajectory")]
+    assert decide_gate(strict).passed is all(low > 0 for low in lows)
+
+
+def stats_row_of(stats: dict) -> list[float]:
+    return [stats[k] for k in ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")]
+
+
 def test_contract_and_report_bind_the_lineage(learned, data):
     cfg, result, ev = learned
     step_dir, sha = read_latest(cfg.output)

@@ -188,6 +188,7 @@ class EvaluateRunConfig(Config):
     gpus: int | None = job_setting(EvaluateJob, "gpus")
     tensor_parallel: int | None = job_setting(EvaluateJob, "tensor_parallel")
     pipeline_parallel: int | None = job_setting(EvaluateJob, "pipeline_parallel")
+    gate_mode: str | None = job_setting(EvaluateJob, "gate_mode")
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 from .errors import InputError, require_int, show
 from .hashing import require_sha
+from .report import GATE_MODES
 
 DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
 TINY_BACKBONE = "tiny"
@@ -246,7 +247,7 @@ class EvaluateJob(_JobConfig):
     checkpoint: Path = setting(doc="A contracted iter_* folder, or a critic folder (its latest).")
     manifest: Path = setting(doc="The manifest the checkpoint's contract binds.")
     contract_sha256: str = setting(doc="The sha256 of the checkpoint's contract (checked before anything is loaded).")
-    report: Path = setting(doc="Report path (write-once); its two plots are published beside it.")
+    report: Path = setting(doc="Report path (write-once); its three plots are published beside it.")
     split: str = setting("heldout", doc="The split to evaluate: 'heldout' (the gate) or 'train'.")
     num_batches: int = setting(8, doc="B mixed-label batches (SPEC 7).")
     global_batch_size: int | None = setting(None, doc="G rows per evaluation batch (G x B <= rows); unset: min(64, rows / B), rounded down to a multiple of the data-parallel size.")
@@ -258,9 +259,14 @@ class EvaluateJob(_JobConfig):
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
     timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
+    gate_mode: str = setting("miles", doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
+                                          "both weightings) or 'interval' (also the lower bound of each aggregate EV's "
+                                          "bootstrap interval over rows, level 0.95, > 0).")
 
     def _validate(self) -> None:
         require_sha(self.contract_sha256, "contract_sha256")
+        if self.gate_mode not in GATE_MODES:
+            raise InputError("gate_mode", f"must be one of {', '.join(map(repr, GATE_MODES))}, got {show(self.gate_mode)}")
         if self.split not in SPLITS:
             raise InputError("split", f"must be 'heldout' or 'train', got {show(self.split)}")
         require_int(self.num_batches, "num_batches")

@@ -1,7 +1,12 @@
-"""The EV report document (SPEC 7): per-batch statistics, aggregates, the gate and its criteria.
+"""The EV report document (SPEC 7): per-batch statistics, aggregates, EV by response position,
+bootstrap intervals, the gate and its criteria.
 
 `decide_gate` is the one place the gate is decided: the report builder, the `ev_gate` check and
-promotion all call it, and it never trusts a report's own verdict.
+promotion all call it, and it never trusts a report's own verdict or stated interval.
+
+Schema `value-assets.ev-report.v1` throughout: `position`, `intervals`, `gate.mode` and the per-row
+statistics (`batches[k][weighting]["row_stats"]`) are additions that older readers ignore; a report
+without them (written before they existed) is decided by the default rule (`gate.mode` "miles").
 """
 
 from __future__ import annotations
@@ -9,23 +14,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from .errors import InputError
-from .stats import GATE_CRITERIA, RankReport, SuffStats, WeightingGate, auroc, check_rank_reports, gate_weighting
+from .intervals import Interval, bootstrap_ev_interval, ev_of_sums
+from .stats import (GATE_CRITERIA, RankReport, SuffStats, WeightingGate, auroc, check_rank_reports, check_row_stats,
+                    gate_weighting, stats_row, sums_agree)
 
 SCHEMA = "value-assets.ev-report.v1"
 MIXED_ALGORITHM = "value-assets.mixed-label.v1"
 GATE_SPLIT = "heldout"
 WEIGHTINGS = ("token", "trajectory")
 CRITERIA = {**GATE_CRITERIA, "split": f"{GATE_SPLIT} rows only; train-split EV is a fit diagnostic, never the gate"}
+GATE_MODES = ("miles", "interval")  # "miles": the Miles-compatible rule above (the default); "interval": stricter
+INTERVAL_CRITERION = ("the lower bound of the bootstrap 95% interval of the aggregate EV (over rows) is > 0, "
+                      "for both weightings")
+INTERVAL_LEVEL = 0.95
+INTERVAL_RESAMPLES = 2000
+INTERVAL_UNIT = "row"
+POSITION_DEFINITION = "response token j of a response of length L is in decile floor(10 j / L); token-weighted, active tokens"
+
+
+def criteria(mode: str) -> dict[str, str]:
+    """The gate's criteria in words for `mode`."""
+    return {**CRITERIA, "interval": INTERVAL_CRITERION} if mode == "interval" else dict(CRITERIA)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GateDecision:
-    """The gate over one report: recomputed per weighting, with every reason it fails."""
+    """The gate over one report: recomputed per weighting, with every reason it fails.
+
+    `intervals` are the bootstrap intervals recomputed from the report's per-row statistics (empty
+    when the report has none: a report written before they existed, decided in "miles" mode)."""
 
     passed: bool
     split: Any
+    mode: Any
     weightings: dict[str, WeightingGate]
+    intervals: dict[str, Interval]
     failures: tuple[str, ...]
 
     @property
@@ -33,27 +59,94 @@ class GateDecision:
         return self.split == GATE_SPLIT
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "applies": self.applies,
             "reason": None if self.applies else f"split {self.split!r} is a fit diagnostic; only the {GATE_SPLIT} split can gate",
             "passed": self.passed,
+            "mode": self.mode,
             **{w: g.to_json() for w, g in self.weightings.items()},
-            "criteria": dict(CRITERIA),
+            "criteria": criteria(self.mode),
         }
+        if self.mode == "interval":
+            out["interval_low"] = {w: (iv.low if iv is not None else None) for w, iv in self.intervals.items()}
+        return out
+
+
+def _row_parts(batches: Any) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """Per weighting, the [rows, 5] statistics of every evaluated row (batch order, then planned row
+    order), checked to sum to each batch's statistics; or None and why not."""
+    if not isinstance(batches, list) or not batches:
+        return None, "the report has no per-batch statistics"
+    out: dict[str, list[np.ndarray]] = {w: [] for w in WEIGHTINGS}
+    try:
+        for k, batch in enumerate(batches):
+            rows = batch["rows"]
+            for weighting in WEIGHTINGS:
+                raw = batch[weighting].get("row_stats")
+                if raw is None:
+                    return None, f"batch {k} has no per-row {weighting}-weighted statistics"
+                parts = np.asarray(raw, dtype=np.float64).reshape(-1, 5)
+                if parts.shape[0] != len(rows):
+                    return None, f"batch {k}: {parts.shape[0]} per-row {weighting}-weighted statistics for {len(rows)} rows"
+                total = np.asarray(stats_row(SuffStats.from_json(batch[weighting]["stats"])))
+                if not sums_agree(parts, total) or (weighting == "trajectory" and not np.all(parts[:, 0] == 1.0)):
+                    return None, f"batch {k}: per-row {weighting}-weighted statistics do not sum to the batch's"
+                out[weighting].append(parts)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return None, f"malformed per-row statistics: {exc!r}"
+    return {w: np.concatenate(p) for w, p in out.items()}, None
+
+
+def _interval_seed(report: dict[str, Any]) -> int | None:
+    seed = (report.get("batch_plan") or {}).get("seed") if isinstance(report.get("batch_plan"), dict) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def row_intervals(parts: dict[str, np.ndarray], seed: int) -> dict[str, Interval]:
+    """Per weighting, the percentile bootstrap interval of the aggregate EV over rows (units)."""
+    return {w: bootstrap_ev_interval([SuffStats(*row) for row in parts[w].tolist()], resamples=INTERVAL_RESAMPLES,
+                                     level=INTERVAL_LEVEL, seed=seed) for w in WEIGHTINGS}
+
+
+def interval_json(iv: Interval, seed: int) -> dict[str, Any]:
+    return {**iv.to_json(), "seed": seed, "unit": INTERVAL_UNIT}
+
+
+def _same_interval(stated: Any, recomputed: dict[str, Any]) -> bool:
+    """Whether a stated interval is the recomputed one: the same keys, counts and seed exactly, the
+    bounds to 1e-9 relative (the bootstrap's float64 sums may differ in the last bits between the
+    machine that evaluated and the one that decides), None exactly where recomputed is None."""
+    if not isinstance(stated, dict) or set(stated) != set(recomputed):
+        return False
+    for key, want in recomputed.items():
+        got = stated[key]
+        if isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
+            if abs(got - want) > 1e-9 * max(1.0, abs(want)):
+                return False
+        elif type(got) is not type(want) or got != want:
+            return False
+    return True
 
 
 def decide_gate(report: dict[str, Any]) -> GateDecision:
-    """Decide the SPEC 7 gate from a report's split and per-batch sufficient statistics.
+    """Decide the SPEC 7 gate from a report's split, gate mode and per-batch sufficient statistics.
 
     Passes only on the heldout split when, for both weightings, the EV of the statistics summed over
-    all batches is > 0 and positive-EV batches are a strict majority. Undefined statistics (n <= 1,
-    Var(R) at the floor, non-finite) fail the gate with the reason, never as a zero or a None. A
-    verdict or aggregate EV the report already states must agree with the recomputation, else the
-    gate fails (the builder calls this before stating either).
+    all batches is > 0 and positive-EV batches are a strict majority. In mode "interval" (read from
+    `gate.mode`; absent: "miles"), the lower bound of the bootstrap interval over rows, recomputed
+    from the per-row statistics (which must sum to each batch's), must also be > 0 for both
+    weightings. Undefined statistics (n <= 1, Var(R) at the floor, non-finite) fail the gate with
+    the reason, never as a zero or a None. A verdict, aggregate EV or interval the report already
+    states must agree with the recomputation, else the gate fails (the builder calls this before
+    stating any).
     """
     split = report.get("split")
     failures: list[str] = []
     weightings: dict[str, WeightingGate] = {}
+    gate_json = report.get("gate")
+    mode = gate_json.get("mode", "miles") if isinstance(gate_json, dict) else "miles"
+    if mode not in GATE_MODES:
+        failures.append(f"gate mode {mode!r} is not one of {', '.join(GATE_MODES)}")
     if split != GATE_SPLIT:
         failures.append(f"split is {split!r}: only {GATE_SPLIT} rows gate (a manifest without {GATE_SPLIT} is not promotable)")
     batches = report.get("batches")
@@ -76,9 +169,32 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
             stated = ((aggregates if isinstance(aggregates, dict) else {}).get(weighting) or {}).get("ev")
             if isinstance(stated, bool) or not isinstance(stated, (int, float)) or abs(stated - gate.ev) > 1e-9 * max(1.0, abs(gate.ev)):
                 failures.append(f"{weighting}-weighted: report's aggregate EV {stated!r} != recomputed {gate.ev!r}")
+    # Intervals are recomputed whenever the per-row statistics allow; missing ones fail the gate
+    # only in interval mode or when the report states intervals it cannot back.
+    intervals: dict[str, Interval] = {}
+    stated_intervals = report.get("intervals")
+    parts, problem = _row_parts(batches)
+    seed = _interval_seed(report)
+    if parts is not None and seed is None:
+        parts, problem = None, "the batch plan states no integer seed for the bootstrap"
+    if parts is not None:
+        intervals = row_intervals(parts, seed)
+    elif mode == "interval" or stated_intervals is not None:
+        failures.append(f"cannot recompute the EV intervals: {problem}")
+    if mode == "interval":
+        for weighting, iv in intervals.items():
+            if iv.low is None or not iv.low > 0:
+                failures.append(f"{weighting}-weighted: lower bound of the {iv.level:.0%} interval of the aggregate EV "
+                                f"is {iv.low!r} (needs > 0; interval mode)")
+    if stated_intervals is not None:
+        for weighting, iv in intervals.items():
+            stated = (stated_intervals if isinstance(stated_intervals, dict) else {}).get(weighting)
+            if not _same_interval(stated, interval_json(iv, seed)):
+                failures.append(f"{weighting}-weighted: report's interval {stated!r} != recomputed {interval_json(iv, seed)!r}")
     if "passed" in report and report["passed"] is not (not failures):
         failures.append(f"report says passed={report['passed']!r}, recomputation says {not failures}")
-    return GateDecision(passed=not failures, split=split, weightings=weightings, failures=tuple(failures))
+    return GateDecision(passed=not failures, split=split, mode=mode, weightings=weightings, intervals=intervals,
+                        failures=tuple(failures))
 
 
 def report_manifest_sha(report: dict[str, Any]) -> Any:
@@ -94,19 +210,42 @@ def ev_summary(report: dict[str, Any]) -> dict[str, Any]:
         for field in ("ev", "positive_batches", "batches", "r2", "bias"):
             out[f"{weighting}_{field}"] = agg.get(field)
     out["auroc"] = aggregates.get("auroc")
+    intervals = report.get("intervals") if isinstance(report.get("intervals"), dict) else {}
+    for weighting in WEIGHTINGS:
+        iv = intervals.get(weighting) or {}
+        out[f"{weighting}_ev_low"] = iv.get("low")
+        out[f"{weighting}_ev_high"] = iv.get("high")
+    gate = report.get("gate") if isinstance(report.get("gate"), dict) else {}
+    out["gate_mode"] = gate.get("mode", "miles")
     return out
+
+
+def position_table(deciles: np.ndarray) -> dict[str, Any]:
+    """The `position` section from summed token-weighted decile statistics [10, 5]: per decile its
+    statistics, n and EV (None where undefined: n <= 1 or no return variance; never 0)."""
+    evs = ev_of_sums(deciles)
+    rows = []
+    for d in range(10):
+        stats = SuffStats(*deciles[d].tolist())
+        rows.append({"decile": d, "range": [d / 10, (d + 1) / 10], "n": stats.n, "stats": stats.to_json(),
+                     "ev": None if np.isnan(evs[d]) else float(evs[d])})
+    return {"weighting": "token", "definition": POSITION_DEFINITION, "deciles": rows}
 
 
 def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, checkpoint: str, contract_sha256: str,
                  dp: int, seed: int, global_batch_size: int, batches: Sequence[Sequence[int]],
                  rank_reports: Sequence[Sequence[RankReport]], active_targets: Sequence[int],
-                 labels: Sequence[float]) -> dict[str, Any]:
+                 labels: Sequence[float], gate_mode: str = "miles") -> dict[str, Any]:
     """Check every batch's rank reports, compute EVs from summed statistics and decide the gate.
 
     `batches[k]` are the planned row indices of batch k, `rank_reports[k]` what the ranks returned
     for it, `active_targets[k]` its active tokens counted on the CPU, and `labels[i]` the scalar
-    label of row i (indexed like the dataset).
+    label of row i (indexed like the dataset). Every rank report must carry per-row statistics that
+    add up to its totals (`check_row_stats`); they give the position table and, with the seed, the
+    bootstrap intervals. `gate_mode` is "miles" (the default rule) or "interval" (stricter).
     """
+    if gate_mode not in GATE_MODES:
+        raise InputError("gate_mode", f"must be one of {', '.join(GATE_MODES)}, got {gate_mode!r}")
     if len(rank_reports) != len(batches) or len(active_targets) != len(batches):
         raise InputError("evaluation", f"{len(rank_reports)} reported batches for {len(batches)} planned")
     per_batch = []
@@ -114,21 +253,33 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
     traj_parts: list[SuffStats] = []
     scores: list[float] = []
     score_labels: list[float] = []
+    deciles = np.zeros((10, 5))
     for k, (planned, reports, active) in enumerate(zip(batches, rank_reports, active_targets)):
-        check_rank_reports(reports, dp=dp, planned_rows=planned, active_targets=active, where=f"evaluation batch {k}")
+        where = f"evaluation batch {k}"
+        check_rank_reports(reports, dp=dp, planned_rows=planned, active_targets=active, where=where)
+        for r in reports:
+            check_row_stats(r, where)
         tok = SuffStats.merge(r.token for r in reports)
         traj = SuffStats.merge(r.trajectory for r in reports)
         tok_parts.append(tok)
         traj_parts.append(traj)
+        # Per-row statistics in planned row order (rows of a batch are distinct; a duplicate takes
+        # the reported entries in turn).
+        reported: dict[int, list[tuple[list[float], list[float]]]] = {}
         for r in reports:
+            for i, t, j in zip(r.row_indices, r.row_token, r.row_trajectory):
+                reported.setdefault(i, []).append((t, j))
+            deciles += np.asarray(r.row_deciles, dtype=np.float64).reshape(-1, 10, 5).sum(axis=0)
             for i, v in zip(r.row_indices, r.row_values):
                 scores.append(v)
                 score_labels.append(float(labels[i]))
+        ordered = [reported[int(i)].pop(0) for i in planned]
         per_batch.append({
             "index": k,
             "rows": list(planned),
-            "token": {"stats": tok.to_json(), "ev": tok.ev(f"evaluation batch {k} (token-weighted)")},
-            "trajectory": {"stats": traj.to_json(), "ev": traj.ev(f"evaluation batch {k} (trajectory-weighted)")},
+            "token": {"stats": tok.to_json(), "ev": tok.ev(f"{where} (token-weighted)"), "row_stats": [t for t, _ in ordered]},
+            "trajectory": {"stats": traj.to_json(), "ev": traj.ev(f"{where} (trajectory-weighted)"),
+                           "row_stats": [j for _, j in ordered]},
         })
     tok_all, traj_all = SuffStats.merge(tok_parts), SuffStats.merge(traj_parts)
     report: dict[str, Any] = {
@@ -142,9 +293,10 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         "batch_plan": {"algorithm": MIXED_ALGORITHM, "seed": seed, "global_batch_size": global_batch_size,
                        "num_batches": len(batches), "batches": [list(b) for b in batches]},
         "batches": per_batch,
+        "gate": {"mode": gate_mode},
     }
     decision = decide_gate(report)
-    if set(decision.weightings) != set(WEIGHTINGS):
+    if set(decision.weightings) != set(WEIGHTINGS) or set(decision.intervals) != set(WEIGHTINGS):
         raise InputError("evaluation", "; ".join(decision.failures))
     tok_gate, traj_gate = decision.weightings["token"], decision.weightings["trajectory"]
 
@@ -157,5 +309,7 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         "trajectory": agg(traj_all, traj_gate),
         "auroc": auroc(scores, score_labels),
     }
+    report["intervals"] = {w: interval_json(decision.intervals[w], seed) for w in WEIGHTINGS}
+    report["position"] = position_table(deciles)
     report["gate"] = decision.to_json()
     return report

@@ -91,24 +91,97 @@ def trajectory_stats(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) 
     return SuffStats(1.0, float(r.mean()), float((r * r).mean()), float(e.mean()), float((e * e).mean()))
 
 
+def stats_row(s: SuffStats) -> list[float]:
+    """[n, sum R, sum R^2, sum e, sum e^2] of `s`, the row layout of the per-row statistics."""
+    return [s.n, s.sum_r, s.sum_r2, s.sum_e, s.sum_e2]
+
+
 @dataclass
 class RankReport:
-    """What one data-parallel rank returns for one evaluation batch."""
+    """What one data-parallel rank returns for one evaluation batch.
+
+    Besides the rank's totals, the per-row statistics the report's intervals and position table
+    need, aligned with `row_indices` (plain nested lists of float64 values; None when a caller
+    only checks coverage): `row_token` and `row_trajectory` [rows][5] (`stats_row` layout),
+    `row_deciles` [rows][10][5] (token-weighted, by response decile, `intervals.decile_stats`).
+    """
 
     rank: int
     row_indices: list[int]
     token: SuffStats
     trajectory: SuffStats
     row_values: list[float] = field(default_factory=list)  # mean predicted value per row (for AUROC)
+    row_token: list[list[float]] | None = None
+    row_trajectory: list[list[float]] | None = None
+    row_deciles: list[list[list[float]]] | None = None
+
+    @classmethod
+    def from_rows(cls, rank: int, rows: Sequence[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> "RankReport":
+        """The report of `rows` = (row index, returns [L], values [L], loss mask [L]) over each row's
+        response (L tokens; returns and values float64, mask 0/1)."""
+        from .intervals import decile_stats
+
+        tok, traj = SuffStats(), SuffStats()
+        indices, values, row_tok, row_traj, row_dec = [], [], [], [], []
+        for index, ret, val, mask in rows:
+            t, j = token_stats(ret, val, mask), trajectory_stats(ret, val, mask)
+            tok, traj = tok + t, traj + j
+            indices.append(int(index))
+            values.append(float(np.asarray(val, dtype=np.float64)[np.asarray(mask).astype(bool)].mean()))
+            row_tok.append(stats_row(t))
+            row_traj.append(stats_row(j))
+            row_dec.append(decile_stats(ret, val, mask).tolist())
+        return cls(rank, indices, tok, traj, values, row_tok, row_traj, row_dec)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "row_indices": list(self.row_indices), "token": self.token.to_json(),
-                "trajectory": self.trajectory.to_json(), "row_values": list(self.row_values)}
+                "trajectory": self.trajectory.to_json(), "row_values": list(self.row_values),
+                "row_token": self.row_token, "row_trajectory": self.row_trajectory, "row_deciles": self.row_deciles}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "RankReport":
+        def floats(x: Any) -> Any:
+            return None if x is None else np.asarray(x, dtype=np.float64).tolist()
+
         return cls(int(obj["rank"]), [int(i) for i in obj["row_indices"]], SuffStats.from_json(obj["token"]),
-                   SuffStats.from_json(obj["trajectory"]), [float(v) for v in obj.get("row_values", [])])
+                   SuffStats.from_json(obj["trajectory"]), [float(v) for v in obj.get("row_values", [])],
+                   floats(obj.get("row_token")), floats(obj.get("row_trajectory")), floats(obj.get("row_deciles")))
+
+
+def sums_agree(parts: np.ndarray, total: np.ndarray, rtol: float = 1e-9) -> bool:
+    """Whether `parts` [k, ...] sum to `total` [...] up to float64 summation order: each component
+    within `rtol` x the sum of the parts' magnitudes (n, an integer count, then exactly)."""
+    parts, total = np.asarray(parts, dtype=np.float64), np.asarray(total, dtype=np.float64)
+    if not (np.isfinite(parts).all() and np.isfinite(total).all()):
+        return False
+    return bool(np.all(np.abs(parts.sum(axis=0) - total) <= rtol * np.abs(parts).sum(axis=0)))
+
+
+def check_row_stats(report: RankReport, where: str) -> None:
+    """Refuse a rank report whose per-row statistics are missing, misshapen, or do not add up: per
+    row, trajectory n = 1 and the deciles sum to the row's token statistics; over the rows, the
+    token and trajectory statistics sum to the rank's totals."""
+    rows = len(report.row_indices)
+    if report.row_token is None or report.row_trajectory is None or report.row_deciles is None:
+        raise InputError(where, f"rank {report.rank}: per-row statistics are missing")
+    try:
+        tok = np.asarray(report.row_token, dtype=np.float64).reshape(-1, 5)
+        traj = np.asarray(report.row_trajectory, dtype=np.float64).reshape(-1, 5)
+        dec = np.asarray(report.row_deciles, dtype=np.float64)
+        dec = dec.reshape(-1, 10, 5) if dec.size == 0 else dec
+    except (TypeError, ValueError):
+        raise InputError(where, f"rank {report.rank}: per-row statistics are not numeric arrays") from None
+    if tok.shape != (rows, 5) or traj.shape != (rows, 5) or dec.shape != (rows, 10, 5):
+        raise InputError(where, f"rank {report.rank}: per-row statistics have shapes {tok.shape}, {traj.shape}, {dec.shape}; "
+                                f"expected ({rows}, 5), ({rows}, 5), ({rows}, 10, 5)")
+    if rows and not np.all(traj[:, 0] == 1.0):
+        raise InputError(where, f"rank {report.rank}: a row's trajectory-weighted n is not 1")
+    if not all(sums_agree(dec[i], tok[i]) for i in range(rows)):
+        raise InputError(where, f"rank {report.rank}: per-row decile statistics do not sum to the row's token statistics")
+    if not sums_agree(tok, np.asarray(stats_row(report.token))):
+        raise InputError(where, f"rank {report.rank}: per-row token statistics do not sum to the rank's token totals")
+    if not sums_agree(traj, np.asarray(stats_row(report.trajectory))):
+        raise InputError(where, f"rank {report.rank}: per-row trajectory statistics do not sum to the rank's trajectory totals")
 
 
 def check_rank_reports(reports: Sequence[RankReport], *, dp: int, planned_rows: Sequence[int], active_targets: int, where: str) -> None:

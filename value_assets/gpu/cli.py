@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from value_assets.core.jobs import DATA_ROOTS_ENV, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+from value_assets.core.report import GATE_MODES
 
 J = TypeVar("J", TrainJob, EvaluateJob)
 
@@ -68,6 +69,8 @@ def cmd_evaluate(args) -> int:
     agg = res.report["aggregates"]
     print(json.dumps({"report": res.report_path, "sha256": res.report_sha256, "passed": res.passed,
                       "token_ev": agg["token"]["ev"], "trajectory_ev": agg["trajectory"]["ev"], "auroc": agg["auroc"],
+                      "gate_mode": res.report["gate"]["mode"],
+                      "intervals": {w: [iv["low"], iv["high"]] for w, iv in res.report["intervals"].items()},
                       "plots": res.plots}, sort_keys=True))
     if not res.passed:
         print(f"value-assets: gate failed for {args.split} split; report published at {res.report_path}", file=sys.stderr)
@@ -132,6 +135,7 @@ def add_commands(sub) -> None:
         _flag(e, EvaluateJob, name, int)
     _data_root_flag(e)
     _flag(e, EvaluateJob, "ray_address")
+    _flag(e, EvaluateJob, "gate_mode", choices=GATE_MODES)
     e.set_defaults(func=cmd_evaluate)
 
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")

@@ -3,8 +3,10 @@
 No optimizer exists on the workers, no step is taken, dropout is off (eval mode). The workers are
 data parallel, with tensor and pipeline parallelism inside each replica (any layout: the
 checkpoint is re-sharded on load). Each data-parallel rank's last pipeline stage returns float64
-sufficient statistics; the driver checks their coverage, sums, decides the
-gate and publishes the report write-once, with its two plots. A failing gate still publishes.
+sufficient statistics, totals and per row; the driver checks their coverage and that the rows add
+up to the totals, sums, decides the gate (in `cfg.gate_mode`) and publishes the report write-once,
+with its three plots (EV per batch, calibration, EV by response decile). A failing gate still
+publishes.
 Like training, `prepare` makes every CPU-side check before the cluster is reserved.
 """
 
@@ -108,11 +110,16 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     return _Prepared(step_dir, contract, contract_sha, manifest, ds, dp, g, batches, max(cfg.micro_batch_tokens, longest))
 
 
+def _bounds(interval: dict[str, Any]) -> str:
+    low, high = interval["low"], interval["high"]
+    return "interval undefined" if low is None else f"[{low:.4f}, {high:.4f}]"
+
+
 def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult:
     """`prepare` (every refusal), then forward passes on the reserved workers, then publication."""
     from value_assets.gpu.runtime.cluster import start_workers
     from value_assets.gpu.jobs.train import row_payload
-    from value_assets.gpu.jobs.plots import calibration_png, ev_per_batch_png
+    from value_assets.gpu.jobs.plots import calibration_png, ev_by_position_png, ev_per_batch_png
 
     prep = prepare(cfg, log)
     step_dir, contract, contract_sha, manifest, ds = prep.step_dir, prep.contract, prep.contract_sha256, prep.manifest, prep.dataset
@@ -141,20 +148,23 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=ds.sha256, split=cfg.split, checkpoint=str(step_dir),
                           contract_sha256=contract_sha, dp=dp, seed=cfg.seed, global_batch_size=g, batches=batches,
                           rank_reports=rank_reports, active_targets=[int(ds.active_targets[list(b)].sum()) for b in batches],
-                          labels=ds.labels.tolist())
+                          labels=ds.labels.tolist(), gate_mode=cfg.gate_mode)
     # --- publication: plots first, then the report that names them -----------------------------------
     values = [v for reps in rank_reports for r in reps for v in r.row_values]
     labels = [float(ds.labels[i]) for reps in rank_reports for r in reps for i in r.row_indices]
     stem = report_path.name[:-5] if report_path.name.endswith(".json") else report_path.name
     plots = {}
     for name, data in (("ev_per_batch", ev_per_batch_png(report)),
-                       ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range)))):
+                       ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range))),
+                       ("ev_by_position", ev_by_position_png(report))):
         path = report_path.with_name(f"{stem}-{name}.png")
         plots[name] = {"file": path.name, "sha256": publish_once(path, data)}
     report["plots"] = plots
     sha = publish_once(report_path, canonical_bytes(report))
     agg = report["aggregates"]
-    log(f"report {report_path} sha256 {sha}: token EV {agg['token']['ev']:.4f}, trajectory EV {agg['trajectory']['ev']:.4f}, "
-        f"gate {'PASSED' if report['passed'] else 'FAILED'}")
+    iv = report["intervals"]
+    log(f"report {report_path} sha256 {sha}: token EV {agg['token']['ev']:.4f} (95% {_bounds(iv['token'])}), trajectory EV "
+        f"{agg['trajectory']['ev']:.4f} (95% {_bounds(iv['trajectory'])}), gate ({report['gate']['mode']}) "
+        f"{'PASSED' if report['passed'] else 'FAILED'}")
     return EvalResult(report_path=str(report_path), report_sha256=sha, passed=bool(report["passed"]), report=report,
                       plots={k: str(report_path.with_name(v["file"])) for k, v in plots.items()})

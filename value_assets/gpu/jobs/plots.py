@@ -1,5 +1,6 @@
-"""The two EV report plots: EV per batch (both weightings) and calibration (mean prediction vs mean
-label in bins of predicted value). Rendered headless to PNG bytes."""
+"""The three EV report plots: EV per batch (both weightings), calibration (mean prediction vs mean
+label in bins of predicted value) and EV by response decile (token-weighted). Rendered headless to
+PNG bytes; they draw what the report states and compute no statistic of their own."""
 
 from __future__ import annotations
 
@@ -71,6 +72,40 @@ def calibration_png(values: Sequence[float], labels: Sequence[float], reward_ran
     ax.set_ylabel("mean label")
     ax.set_title("calibration")
     ax.legend(fontsize=7, loc="upper left")
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def ev_by_position_png(report: dict[str, Any]) -> bytes:
+    """Token-weighted EV per response decile (the report's `position` table); undefined deciles are
+    marked, not drawn as 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    deciles = report["position"]["deciles"]
+    x = np.arange(len(deciles))
+    evs = [d["ev"] for d in deciles]
+    defined = [i for i, e in enumerate(evs) if e is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.bar([x[i] for i in defined], [evs[i] for i in defined], 0.7, color="C0", label="token-weighted EV")
+    for i, e in enumerate(evs):
+        if e is None:
+            ax.text(x[i], 0.0, "n/a", ha="center", va="bottom", fontsize=7, color="0.4")
+    agg = report["aggregates"]["token"]["ev"]
+    ax.axhline(agg, color="C0", ls="--", lw=1, label=f"aggregate token EV {agg:.3f}")
+    iv = (report.get("intervals") or {}).get("token") or {}
+    if iv.get("low") is not None:
+        ax.axhspan(iv["low"], iv["high"], color="C0", alpha=0.12, label=f"95% interval [{iv['low']:.3f}, {iv['high']:.3f}]")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{10 * d['decile']}-{10 * d['decile'] + 10}%\n{int(d['n'])}" for d in deciles], fontsize=7)
+    ax.set_xlabel("position in the response (decile; active tokens below)")
+    ax.set_ylabel("explained variance")
+    ax.set_title(f"EV by response position ({report['split']})")
+    ax.legend(fontsize=7, loc="best")
     data = _png(fig)
     plt.close(fig)
     return data

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from value_assets.core.objective import Objective
-from value_assets.core.stats import RankReport, SuffStats, token_stats, trajectory_stats
+from value_assets.core.stats import RankReport
 
 
 def node_address() -> str:
@@ -127,7 +127,8 @@ class CriticWorker:
 
     def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any] | None:
         """Float64 sufficient statistics over this rank's rows (SPEC 7), with its rank and row
-        indices; None on pipeline stages before the last (they only pass activations on)."""
+        indices, totals and per-row statistics (`RankReport.from_rows`); None on pipeline stages
+        before the last (they only pass activations on)."""
         from megatron.core import parallel_state as ps
 
         from value_assets.gpu.model.packing import pack_rows
@@ -136,20 +137,10 @@ class CriticWorker:
         out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self.objective) if rows else {}
         if not ps.is_pipeline_last_stage():
             return None
-        tok = SuffStats()
-        traj = SuffStats()
-        values = []
-        indices = []
-        for r in rows:
-            # Statistics use the dataset's float64 returns and mask; the model gives the values.
-            v = out[int(r["row_id"])]["values"]
-            ret = np.asarray(r["returns"], dtype=np.float64)
-            mask = np.asarray(r["loss_mask"], dtype=np.float64)
-            tok = tok + token_stats(ret, v, mask)
-            traj = traj + trajectory_stats(ret, v, mask)
-            values.append(float(v[mask.astype(bool)].mean()))
-            indices.append(int(r["row_id"]))
-        return RankReport(rank=dp_rank, row_indices=indices, token=tok, trajectory=traj, row_values=values).to_json()
+        # Statistics use the dataset's float64 returns and mask; the model gives the values.
+        return RankReport.from_rows(dp_rank, [(int(r["row_id"]), np.asarray(r["returns"], dtype=np.float64),
+                                               out[int(r["row_id"])]["values"], np.asarray(r["loss_mask"], dtype=np.float64))
+                                              for r in rows]).to_json()
 
     def shutdown(self) -> None:
         from value_assets.gpu.runtime.parallel import destroy
