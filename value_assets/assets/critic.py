@@ -94,6 +94,14 @@ def materialization_of(results, task: str) -> MaterializeResult:
     return materializations[-1]
 
 
+def with_plots(metadata, base) -> dict[str, Any]:
+    """The job's metadata with its `plots` entry (``{name: {file, sha256}}`` under `base`) shown
+    as the plots themselves (`plot_metadata`)."""
+    metadata = dict(metadata or {})
+    plots = metadata.pop("plots", None)
+    return {**metadata, **plot_metadata(getattr(plots, "value", plots), base)} if plots is not None else metadata
+
+
 def contract_metadata(ref: ContractRef) -> dict[str, Any]:
     contract = ref.contract
     return {
@@ -146,7 +154,7 @@ def critic_training(
         yield MaterializeResult(
             asset_key=result.asset_key,
             data_version=DataVersion(ref.sha256),
-            metadata={**(result.metadata or {}), **contract_metadata(ref)},
+            metadata={**with_plots(result.metadata, output), **contract_metadata(ref)},
         )
 
 
