@@ -5,7 +5,9 @@ extras ``{"task": "train" | "canary" | "evaluate", "config": {...}, "partition_k
 config is the job's settings as data: `TrainJob.to_json()` (with ``canary: true`` exactly when the
 task is ``canary``) or `EvaluateJob.to_json()`, read back with `from_json`. The job runs the
 driver and reports, through Pipes, one materialization per asset it produced (metadata and data
-version = the sha of what it published). Bad input ends the job with a
+version = the sha of what it published). While training it sends a progress line every K steps
+(`core.progress`) as a Pipes log message, which the run's event log shows as it arrives; the
+checkpoint's materialization carries the loss/EV plot (`jobs.training_curve`). Bad input ends the job with a
 Pipes-visible error and exit status 2; nothing is reported then, so the step fails.
 """
 
