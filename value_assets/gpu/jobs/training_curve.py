@@ -54,7 +54,7 @@ def training_curve_png(records: list[dict[str, Any]]) -> bytes:
     steps = [int(r["step"]) for r in records]
     loss = [_finite(r.get("loss")) for r in records]
     ev = [_finite(r.get("explained_variance")) for r in records]
-    fig, (ax_loss, ax_ev) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    fig, (ax_loss, ax_ev) = plt.subplots(1, 2, figsize=(9.6, 3.6), layout="constrained")
     ax_loss.plot(steps, [float("nan") if v is None else v for v in loss], color="C0", lw=1.2)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss")
