@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui test venv bench clean clean-demo
+.PHONY: demo ui tensorboard test venv bench clean clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,12 @@ ui: $(STAMP)
 	mkdir -p $(DAGSTER_HOME_DIR) manifests
 	test -f $(DAGSTER_HOME_DIR)/dagster.yaml || cp dagster.yaml $(DAGSTER_HOME_DIR)/dagster.yaml
 	DAGSTER_HOME=$(DAGSTER_HOME_DIR) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
+
+TB_PORT ?= 6006
+
+# TensorBoard on 127.0.0.1 over every critic's event files (artifacts/<partition>/critic/tensorboard).
+tensorboard: $(STAMP)
+	$(BIN)/tensorboard --logdir artifacts --host 127.0.0.1 --port $(TB_PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests

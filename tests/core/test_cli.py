@@ -259,3 +259,33 @@ def test_core_imports_no_heavy_frameworks():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().endswith("[]"), res.stdout
+
+
+def _options(parser):
+    """(command, action) of every option of every subcommand (recursively), --help and --version aside."""
+    import argparse
+
+    for action in parser._actions:  # argparse has no public walk over its actions
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for command, option in _options(sub):
+                    yield f"{name} {command}".strip(), option
+        elif action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield "", action
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from value_assets.cli import build_parser
+
+    options = list(_options(build_parser()))
+    assert {command.split()[0] for command, _ in options} >= {"validate", "plan", "make-demo-data", "train", "evaluate"}
+    no_help = [f"{c} {a.option_strings[0]}" for c, a in options if not (a.help or "").strip()]
+    assert no_help == []
+    hidden_default = [f"{c} {a.option_strings[0]}" for c, a in options
+                      if a.default is not None and a.default is not False and "%(default)s" not in a.help]
+    assert hidden_default == []
+    import argparse
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for sub in subparsers.choices.values():  # every help renders: a stray % in a help text would raise
+        assert sub.format_help().startswith("usage: ")

@@ -28,6 +28,7 @@ from value_assets.core.jobs import EvaluateJob, TrainJob
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan
+from value_assets.core.progress import TrainProgress
 from value_assets.core.publish import publish_once
 from value_assets.core.report import build_report
 from value_assets.core.stats import RankReport
@@ -72,6 +73,14 @@ def train(pipes, config, canary: bool):
     save.mkdir(parents=True, exist_ok=True)
     (save / "model.safetensors").write_bytes(b"stand-in weights")
     losses = [round(2.0 / (1 + s), 4) for s in range(1, steps + 1)]
+    # Progress through the real job's helper, so the tests prove the instance's event log gets it.
+    progress = TrainProgress(pipes.log.info, steps)
+    for step, loss in enumerate(losses, start=1):
+        progress(step, {"loss": loss, "explained_variance": 1.0 - loss, "tokens_per_s": 1234.5})
+    progress.finish()
+    # What the real job writes beside the checkpoints, and its plot (the job renders it with matplotlib).
+    (out / "tensorboard").mkdir(parents=True, exist_ok=True)
+    curve_sha = publish_once(out / "training_curve.png", png_1x1((30, 30, 200)))
     contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256,
                               objective=manifest.objective.canonical(), plan=plan, completed_steps=steps,
                               model={"backbone": a.backbone}, backbone_config={"name": "stand-in"},
@@ -79,8 +88,11 @@ def train(pipes, config, canary: bool):
     sha = write_contract(out, contract)
     pipes.report_asset_materialization(
         asset_key="critic_checkpoint", data_version=sha,
-        metadata={"steps": steps, "final_loss": losses[-1], "loss_curve": losses, "contract_sha256": sha,
-                  "tokens_per_s": 1234.5, "standin_config": {"raw_value": config, "type": "json"}})
+        metadata={"steps": steps, "final_loss": losses[-1], "final_ev": 1.0 - losses[-1], "contract_sha256": sha,
+                  "tokens_per_s": 1234.5, "standin_config": {"raw_value": config, "type": "json"},
+                  "loss_summary": {"raw_value": {"logged_steps": steps, "first_loss": losses[0], "min_loss": min(losses)}, "type": "json"},
+                  "plots": {"raw_value": {"training_curve": {"file": "training_curve.png", "sha256": curve_sha}}, "type": "json"},
+                  "tensorboard": {"raw_value": str(out / "tensorboard"), "type": "path"}})
     pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
                                        metadata={"contract_sha256": sha, "completed_steps": steps})
     # A check no step declares: the launcher must drop it, not crash.

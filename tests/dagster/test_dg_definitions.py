@@ -30,6 +30,8 @@ def graph_summary(defs: Definitions) -> dict:
             "group": node.group_name,
             "code_version": node.code_version,
             "partitions": getattr(node.partitions_def, "name", None),
+            "kinds": sorted(node.kinds),
+            "owners": list(node.owners),
         }
     checks = {}
     for checks_def in ALL_CHECKS:

@@ -14,6 +14,7 @@ import pytest
 from value_assets.assets.common import latest_metadata
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
+from value_assets.core.progress import parse_progress
 from value_assets.core.strict_json import loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -31,7 +32,7 @@ def real_resources(tmp_path, manifests_dir):
 
 
 def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_control(instance, real_resources, manifests_dir,
-                                                                                 register, tmp_path):
+                                                                                 register, tmp_path, capfd):
     from value_assets.definitions import make_definitions
 
     defs = make_definitions(real_resources)
@@ -70,6 +71,17 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
         assert meta["ev_report"]["token_ev"] == pytest.approx(report["aggregates"]["token"]["ev"], abs=1e-12)
         assert meta["ev_report"]["trajectory_ev"] == pytest.approx(report["aggregates"]["trajectory"]["ev"], abs=1e-12)
         assert report["contract_sha256"] == contract_sha and report["source_manifest_sha256"] == sha256_file(manifest)
+
+    # The real job's progress reached the event log live: 64 steps, K = 2, the first and the last.
+    progress = [p for e in instance.all_logs(good_run.run_id) if (p := parse_progress(e.user_message))]
+    assert [p["step"] for p in progress] == [1, *range(2, 65, 2)]
+    ckpt = latest_metadata(instance, "critic_checkpoint", good_key)
+    assert progress[-1]["loss"] == pytest.approx(ckpt["final_loss"], abs=1e-6) and ckpt["tokens_per_s"] > 0
+    assert ckpt["plot_training_curve"].startswith("![training_curve](data:image/png;base64,")
+    assert Path(str(ckpt["tensorboard"])).is_dir() and ckpt["loss_summary"]["logged_steps"] == 64
+    # The jobs' stderr (this process's) carries none of megatron-core's warnings.
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if "Warning" in line and "megatron" in line] == []
 
     record = json.loads((artifacts / "registry" / f"{good_key}.json").read_text())
     assert record["contract_sha256"] == latest_metadata(instance, "training_contract", good_key)["contract_sha256"]

@@ -10,7 +10,8 @@ import pytest
 from dagster import AssetKey
 
 from value_assets.assets.common import latest_metadata
-from value_assets.core.jobs import TrainJob
+from value_assets.core.jobs import TrainJob, field_default
+from value_assets.core.progress import parse_progress, report_every
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +41,9 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     ckpt = latest_metadata(instance, "critic_checkpoint", key)
     plan_steps = latest_metadata(instance, "batch_plan", key)["steps"]
     assert plan_steps >= 1 and ckpt["steps"] == plan_steps  # job-reported
-    assert isinstance(ckpt["final_loss"], float) and len(ckpt["loss_curve"]) == plan_steps
+    assert isinstance(ckpt["final_loss"], float) and ckpt["loss_summary"]["logged_steps"] == plan_steps
+    assert ckpt["plot_training_curve"].startswith("![training_curve](data:image/png;base64,")
+    assert str(ckpt["tensorboard"]).endswith(f"{key}/critic/tensorboard") and "loss_curve" not in ckpt
     contract_sha = ckpt["contract_sha256"]
     report = latest_metadata(instance, "ev_report", key)
     assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
@@ -61,6 +64,31 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
         instance, "get_latest_data_version_record") else {}
     for name, rec in versions.items():
         assert rec is not None, name
+
+
+def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(instance, test_defs, test_resources,
+                                                                        manifests_dir, write_manifest, register):
+    path = write_manifest(manifests_dir, "long", standin={"ev": 0.3})
+    (key,) = register(instance, test_resources, path)
+    result = run(test_defs, "full", instance, key,
+                 {"ops": {"batch_plan": {"config": {"global_batch_size": 1, "epochs": 3}}}})
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    plan_steps = latest_metadata(instance, "batch_plan", key)["steps"]
+    every = report_every(plan_steps)
+    assert plan_steps == 96 and every == 3
+
+    # The job's progress lines are in the instance's event log: the first, every K-th and the last step.
+    progress = [p for e in instance.all_logs(result.run_id) if (p := parse_progress(e.user_message))]
+    assert [p["step"] for p in progress] == [1, *range(every, plan_steps + 1, every)]
+    assert all(p["planned_steps"] == plan_steps and p["tokens_per_s"] == 1234.5 for p in progress)
+    ckpt = latest_metadata(instance, "critic_checkpoint", key)
+    assert progress[-1]["loss"] == pytest.approx(ckpt["final_loss"], abs=1e-6)
+
+    # The run carries what it launched: backbone, GPUs, launcher.
+    tags = instance.get_run_by_id(result.run_id).tags
+    assert {k: tags.get(k) for k in ("value_assets/backbone", "value_assets/gpus", "value_assets/launcher")} == {
+        "value_assets/backbone": field_default(TrainJob, "backbone"), "value_assets/gpus": "1",
+        "value_assets/launcher": "subprocess"}
 
 
 def test_two_manifests_are_isolated(instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest,

@@ -18,3 +18,21 @@ def test_other_megatron_versions_are_refused(version):
 
     with pytest.raises(RuntimeError, match=f"megatron-core {version}.*supports 0.16, 0.19"):
         check_megatron_version(version)
+
+
+def test_importing_the_job_prints_no_megatron_warning():
+    """A fresh process importing what the driver and each Ray worker import (even with every
+    warning shown) prints none of megatron-core's import-time warnings; another's still shows."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    modules = ["value_assets.gpu.cli", "value_assets.gpu.runtime.worker", "value_assets.gpu.runtime.step",
+               "value_assets.gpu.model.critic", "value_assets.gpu.runtime.checkpoint", "value_assets.gpu.convert.bootstrap"]
+    code = "; ".join(f"import {m}" for m in modules) + "; import warnings; warnings.warn('ours stays')"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line for line in out.stderr.splitlines() if "Warning" in line] == ["<string>:1: UserWarning: ours stays"]

@@ -16,6 +16,8 @@ from value_assets.core.jobs import field_default, field_doc
 from value_assets.core.promotion import GateRecord, PromotionRefused, ReportRecord
 
 INLINE_PLOT_MAX_BYTES = 512 * 1024
+# One owner for every asset (the UI's owner filter and catalog); a team, not a person.
+OWNERS = ["team:rl-infra"]
 
 
 @contextmanager

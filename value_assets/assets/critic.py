@@ -22,6 +22,7 @@ from dagster import (
     multi_asset,
 )
 from value_assets.assets.common import (
+    OWNERS,
     ev_report_records,
     fail_on_bad_input,
     given,
@@ -46,6 +47,8 @@ from value_assets.resources import ArtifactStore, GpuJobLauncher, ManifestInbox
 
 GROUP = "critic"
 GPU_POOL = "gpu"
+# What the GPU job runs: a PyTorch model, Megatron-core parallelism, Ray workers.
+TRAIN_KINDS = {"pytorch", "megatron", "ray"}
 
 
 class TrainRunConfig(Config):
@@ -92,6 +95,14 @@ def materialization_of(results, task: str) -> MaterializeResult:
     return materializations[-1]
 
 
+def with_plots(metadata, base) -> dict[str, Any]:
+    """The job's metadata with its `plots` entry (``{name: {file, sha256}}`` under `base`) shown
+    as the plots themselves (`plot_metadata`)."""
+    metadata = dict(metadata or {})
+    plots = metadata.pop("plots", None)
+    return {**metadata, **plot_metadata(getattr(plots, "value", plots), base)} if plots is not None else metadata
+
+
 def contract_metadata(ref: ContractRef) -> dict[str, Any]:
     contract = ref.contract
     return {
@@ -107,8 +118,9 @@ def contract_metadata(ref: ContractRef) -> dict[str, Any]:
 @multi_asset(
     specs=[
         AssetSpec("critic_checkpoint", deps=[batch_plan, train_dataset, value_manifest], code_version="1",
-                  group_name=GROUP, kinds={"ray"}, description="The trained critic: the latest contracted save."),
+                  group_name=GROUP, owners=OWNERS, kinds=TRAIN_KINDS, description="The trained critic: the latest contracted save."),
         AssetSpec("training_contract", deps=["critic_checkpoint"], code_version="1", group_name=GROUP,
+                  owners=OWNERS, kinds=TRAIN_KINDS,
                   description="The contract binding that save to manifest, dataset, objective and plan (SPEC 6)."),
     ],
     partitions_def=manifests_partitions,
@@ -143,12 +155,12 @@ def critic_training(
         yield MaterializeResult(
             asset_key=result.asset_key,
             data_version=DataVersion(ref.sha256),
-            metadata={**(result.metadata or {}), **contract_metadata(ref)},
+            metadata={**with_plots(result.metadata, output), **contract_metadata(ref)},
         )
 
 
 @asset(partitions_def=manifests_partitions, deps=[batch_plan, train_dataset], code_version="1",
-       group_name=GROUP, pool=GPU_POOL, kinds={"ray"})
+       group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds=TRAIN_KINDS)
 def canary_receipt(
     context: AssetExecutionContext, config: TrainRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
     launcher: GpuJobLauncher,
@@ -206,7 +218,7 @@ def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dic
 
 
 @asset(partitions_def=manifests_partitions, deps=["training_contract", "critic_checkpoint", heldout_dataset],
-       code_version="1", group_name=GROUP, pool=GPU_POOL, kinds={"ray"})
+       code_version="1", group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"pytorch", "ray"})
 def ev_report(
     context: AssetExecutionContext, config: EvaluateRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
     launcher: GpuJobLauncher,
@@ -249,7 +261,7 @@ def ev_report(
 
 
 @asset(partitions_def=manifests_partitions, deps=[ev_report, "training_contract"], code_version="1",
-       group_name=GROUP, kinds={"json"})
+       group_name=GROUP, owners=OWNERS, kinds={"json"})
 def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The registry record the online RL job pins: checkpoint + contract sha (SPEC 8).
 

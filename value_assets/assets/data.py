@@ -17,15 +17,17 @@ from dagster import (
     TableSchema,
     asset,
 )
-from value_assets.assets.common import fail_on_bad_input, given, job_setting, partition_manifest
+from value_assets.assets.common import OWNERS, fail_on_bad_input, given, job_setting, partition_manifest
 from value_assets.core.jobs import TrainJob, field_default
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
 GROUP = "data"
+# A kind is static and a manifest's dataset may be either format (SPEC 2).
+DATASET_KINDS = {"jsonl", "parquet"}
 
 
-@asset(partitions_def=manifests_partitions, code_version="1", group_name=GROUP, kinds={"json"})
+@asset(partitions_def=manifests_partitions, code_version="1", group_name=GROUP, owners=OWNERS, kinds={"json"})
 def value_manifest(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The registered manifest, re-loaded with its sha pinned: objective, dataset refs, provenance."""
     with fail_on_bad_input("value_manifest"):
@@ -85,13 +87,15 @@ def _validate(context, artifacts, inbox, split: str) -> MaterializeResult:
     return dataset_result(dataset, split)
 
 
-@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP)
+@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP, owners=OWNERS,
+       kinds=DATASET_KINDS)
 def train_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The train split, fully validated (SPEC 2), with its statistics and label counts."""
     return _validate(context, artifacts, inbox, "train")
 
 
-@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP)
+@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP, owners=OWNERS,
+       kinds=DATASET_KINDS)
 def heldout_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The heldout split the gate evaluates on, fully validated; marked absent when the manifest has none."""
     return _validate(context, artifacts, inbox, "heldout")
@@ -115,7 +119,8 @@ def plan_settings(config: PlanConfig) -> tuple[int, int, int]:
     return settings["global_batch_size"], settings["epochs"], settings["seed"]
 
 
-@asset(partitions_def=manifests_partitions, deps=[train_dataset], code_version="1", group_name=GROUP)
+@asset(partitions_def=manifests_partitions, deps=[train_dataset], code_version="1", group_name=GROUP, owners=OWNERS,
+       kinds={"json"})
 def batch_plan(
     context: AssetExecutionContext, config: PlanConfig, artifacts: ArtifactStore, inbox: ManifestInbox
 ) -> MaterializeResult:

@@ -139,17 +139,19 @@ def add_commands(sub) -> None:
     e.set_defaults(func=cmd_evaluate)
 
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")
-    x.add_argument("--checkpoint", required=True)
-    x.add_argument("--out", required=True)
+    x.add_argument("--checkpoint", required=True, help="critic folder or one of its contracted iter_* saves")
+    x.add_argument("--out", required=True, help="new (or empty) output folder")
     x.add_argument("--format", choices=("token-classification", "scalar", "openrlhf"), default="token-classification",
-                   help="scalar: mse critics as num_labels=1 (verl reads logits[..., 0]); openrlhf: OpenRLHF's critic layout")
+                   help="scalar: mse critics as num_labels=1 (verl reads logits[..., 0]); openrlhf: OpenRLHF's critic layout "
+                        "(default: %(default)s)")
     x.set_defaults(func=cmd_export_hf)
 
     m = sub.add_parser("export-miles", help="export a critic checkpoint for Miles' --critic-load (SPEC 10); prints the contract sha")
-    m.add_argument("--checkpoint", required=True)
-    m.add_argument("--out", required=True)
-    m.add_argument("--model-identity", required=True)
-    m.add_argument("--layer-spec", choices=("te", "local"), default="te")
+    m.add_argument("--checkpoint", required=True, help="critic folder or one of its contracted iter_* saves")
+    m.add_argument("--out", required=True, help="new (or empty) output folder: Miles' --critic-load")
+    m.add_argument("--model-identity", required=True, help="the name the RL run knows the critic by (the contract's model_identity)")
+    m.add_argument("--layer-spec", choices=("te", "local"), default="te",
+                   help="Megatron layer spec of the written weights: te (Transformer Engine) or local (default: %(default)s)")
     m.set_defaults(func=cmd_export_miles)
 
     add_import_command(sub)

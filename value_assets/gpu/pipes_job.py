@@ -5,19 +5,23 @@ extras ``{"task": "train" | "canary" | "evaluate", "config": {...}, "partition_k
 config is the job's settings as data: `TrainJob.to_json()` (with ``canary: true`` exactly when the
 task is ``canary``) or `EvaluateJob.to_json()`, read back with `from_json`. The job runs the
 driver and reports, through Pipes, one materialization per asset it produced (metadata and data
-version = the sha of what it published). Bad input ends the job with a
+version = the sha of what it published). While training it sends a progress line every K steps
+(`core.progress`) as a Pipes log message, which the run's event log shows as it arrives; the
+checkpoint's materialization carries the loss/EV plot (`jobs.training_curve`). Bad input ends the job with a
 Pipes-visible error and exit status 2; nothing is reported then, so the step fails.
 """
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from dagster_pipes import open_dagster_pipes
 
 from value_assets.core.errors import InputError
 from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.progress import TrainProgress
 
 
 def job_config(task: str, config: Any) -> TrainJob | EvaluateJob:
@@ -30,17 +34,44 @@ def job_config(task: str, config: Any) -> TrainJob | EvaluateJob:
     return cfg
 
 
+# The driver logs every step; those lines go to the job's stderr (the step's captured logs) and
+# the event log gets `TrainProgress`'s lines, every K steps, instead.
+_STEP_LINE = re.compile(r"step \d+/\d+ ")
+
+
+def _job_log(pipes) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        if not _STEP_LINE.match(message):
+            pipes.log.info(message)
+    return log
+
+
+def _json(value: Any) -> dict[str, Any]:
+    return {"raw_value": value, "type": "json"}  # Pipes needs nested values typed
+
+
+def planned_steps(cfg: TrainJob) -> int:
+    """The plan's step count, from the manifest alone (the driver validates everything later)."""
+    from value_assets.core.manifest import load_manifest
+
+    manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
+    return max(1, manifest.train.num_samples // cfg.global_batch_size * cfg.epochs)
+
+
 def _train(pipes, cfg: TrainJob) -> None:
     from value_assets.gpu.jobs.train import train
+    from value_assets.gpu.jobs.training_curve import write_training_curve
 
-    result = train(cfg, log=pipes.log.info)
+    progress = TrainProgress(pipes.log.info, planned_steps(cfg))
+    result = train(cfg, log=_job_log(pipes), on_step=progress)
+    progress.finish()
     tokens_per_s = [m.get("tokens_per_s") for m in result.metrics if m.get("tokens_per_s")]
     common: dict[str, Any] = {
         "steps": result.completed_steps,
         "plan_steps": result.plan_steps,
         "resumed_from": result.resumed_from,
         "final_loss": result.final_loss,
-        "loss_curve": [round(x, 6) for x in result.losses],
         "tokens_per_s": (sum(tokens_per_s) / len(tokens_per_s)) if tokens_per_s else None,
         "checkpoint": result.checkpoint,
         "plan_sha256": result.plan_sha256,
@@ -53,7 +84,18 @@ def _train(pipes, cfg: TrainJob) -> None:
                                            metadata={**common, "receipt": result.receipt, "receipt_sha256": sha, "executed_steps": 1})
         return
     sha = result.contract_sha256
-    pipes.report_asset_materialization(asset_key="critic_checkpoint", data_version=sha, metadata={**common, "contract_sha256": sha})
+    curve: dict[str, Any] = {}
+    written = write_training_curve(cfg.output)
+    if written is not None:
+        # The whole logged history (across resumes), not only this run's steps.
+        summary, plots = written
+        curve = {"final_ev": summary["final_ev"], "loss_summary": _json(summary), "plots": _json(plots)}
+    tensorboard = cfg.output / "tensorboard"
+    if tensorboard.is_dir():
+        curve["tensorboard"] = {"raw_value": str(tensorboard), "type": "path"}
+    curve["metrics_log"] = {"raw_value": str(cfg.output / "metrics.jsonl"), "type": "path"}
+    pipes.report_asset_materialization(asset_key="critic_checkpoint", data_version=sha,
+                                       metadata={**common, **curve, "contract_sha256": sha})
     pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
                                        metadata={"contract_sha256": sha, "completed_steps": result.completed_steps})
 

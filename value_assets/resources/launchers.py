@@ -18,7 +18,7 @@ import json
 import shlex
 import warnings
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from dagster import (
     AssetCheckKey,
@@ -39,14 +39,18 @@ warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expecte
 
 PIPES_MODULE = "value_assets.gpu.pipes_job"
 TASKS = ("train", "evaluate", "canary")
+RUN_TAG_PREFIX = "value_assets/"
 PipesResult = MaterializeResult | AssetCheckResult
 
 
 class GpuJobLauncher(ConfigurableResource):
     """Interface: run one GPU task through Pipes and return what it reported.
 
-    Subclasses implement `_invoke`; `launch` adds the shared extras, then refuses silent jobs.
+    Subclasses implement `_invoke`; `launch` adds the shared extras and tags the run (`run_tags`),
+    then refuses silent jobs.
     """
+
+    launcher_name: ClassVar[str] = "custom"
 
     def launch(
         self,
@@ -63,13 +67,30 @@ class GpuJobLauncher(ConfigurableResource):
                              f"{'' if task == 'evaluate' else ' with canary=' + str(task == 'canary')}, got {config!r}")
         payload = {**(extras or {}), "task": task, "config": config.to_json()}
         context.log.info(f"GPU job {task} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
+        tag_run(context, self.run_tags(config))
         invocation = self._invoke(context, task, payload)
         # Pipes would invent an empty materialization for every selected asset the job did not
         # report; a silent job must fail instead.
         return accept_results(context, task, invocation.get_results(implicit_materializations=False))
 
+    def run_tags(self, config: TrainJob | EvaluateJob) -> dict[str, str]:
+        """What the run launched: backbone (training; an evaluation's is the checkpoint's), GPUs,
+        launcher. Known only once the step has built the job config, hence tagged at launch."""
+        tags = {f"{RUN_TAG_PREFIX}gpus": str(config.gpus), f"{RUN_TAG_PREFIX}launcher": self.launcher_name}
+        if isinstance(config, TrainJob):
+            tags[f"{RUN_TAG_PREFIX}backbone"] = str(config.backbone)
+        return tags
+
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
         raise NotImplementedError(f"{type(self).__name__} does not implement _invoke")
+
+
+def tag_run(context: Any, tags: Mapping[str, str]) -> None:
+    """Add `tags` to the step's run (the runs list filters and shows them), and log them."""
+    instance, run = getattr(context, "instance", None), getattr(context, "run", None)
+    if instance is not None and run is not None:
+        instance.add_run_tags(run.run_id, dict(tags))
+    context.log.info("run tags: " + ", ".join(f"{k}={v}" for k, v in sorted(tags.items())))
 
 
 def accept_results(context: Any, task: str, results: Sequence[PipesResult]) -> list[PipesResult]:
@@ -109,6 +130,8 @@ def accept_results(context: Any, task: str, results: Sequence[PipesResult]) -> l
 class SubprocessLauncher(GpuJobLauncher):
     """Runs the GPU job as a local child process (laptop, CI, one GPU box)."""
 
+    launcher_name: ClassVar[str] = "subprocess"
+
     command: list[str] | None = Field(
         default=None,
         description="Command line of the Pipes job; default: this interpreter -m value_assets.gpu.pipes_job.",
@@ -127,6 +150,8 @@ class SubprocessLauncher(GpuJobLauncher):
 class RayJobLauncher(GpuJobLauncher):
     """Submits the GPU job to an existing Ray cluster as a Ray job (the driver then places its
     GPU workers with a placement group; the entrypoint itself reserves no GPU)."""
+
+    launcher_name: ClassVar[str] = "ray-job"
 
     address: str = Field(description="Ray dashboard address, e.g. http://raycluster-head-svc:8265.")
     python: str = Field(default="python", description="Interpreter on the cluster's image.")
@@ -161,6 +186,8 @@ class RayJobLauncher(GpuJobLauncher):
 
 class K8sPodLauncher(GpuJobLauncher):
     """Runs the GPU job as one Kubernetes pod per launch, on GPU nodes."""
+
+    launcher_name: ClassVar[str] = "k8s-pod"
 
     image: str = Field(description="GPU job image (deploy/Dockerfile, target `gpu`).")
     namespace: str | None = None
