@@ -267,3 +267,27 @@ class EvaluateJob(_JobConfig):
         if self.global_batch_size is not None:
             require_int(self.global_batch_size, "global_batch_size", minimum=2)
         _common_checks(self)
+
+
+LAYER_SPECS = ("te", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffJob(_JobConfig):
+    """The hand-off export of a promoted critic (SPEC 10): the Pipes task `handoff` that
+    `promoted_critic` launches. Writes `out_dir/miles/` (Miles' `--critic-load` folder) and, with
+    `scalar_hf`, `out_dir/hf/` (the scalar Hugging Face critic, verl's `critic.model.path`)."""
+
+    checkpoint: Path = setting(doc="The contracted iter_* folder being promoted.")
+    contract_sha256: str = setting(doc="The sha256 of its contract (checked before anything is loaded).")
+    out_dir: Path = setting(doc="An empty or absent folder for the bundles.")
+    model_identity: str = setting(doc="The Miles contract's model_identity (core.handoff.model_identity).")
+    layer_spec: str = setting("te", doc="Megatron-LM layer spec of the Miles checkpoint: 'te' (Transformer Engine, Miles' default) or 'local'.")
+    scalar_hf: bool = setting(False, doc="Also export the scalar Hugging Face critic (mse critics only).")
+
+    def _validate(self) -> None:
+        require_sha(self.contract_sha256, "contract_sha256")
+        if not self.model_identity:
+            raise InputError("model_identity", "must be a non-empty string, got ''")
+        if self.layer_spec not in LAYER_SPECS:
+            raise InputError("layer_spec", f"must be one of {LAYER_SPECS}, got {show(self.layer_spec)}")

@@ -32,13 +32,14 @@ from dagster import (
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
 
 # Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
 warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
 
 PIPES_MODULE = "value_assets.gpu.pipes_job"
-TASKS = ("train", "evaluate", "canary")
+TASKS = ("train", "evaluate", "canary", "handoff")
+_TASK_CONFIG = {"train": TrainJob, "canary": TrainJob, "evaluate": EvaluateJob, "handoff": HandoffJob}
 PipesResult = MaterializeResult | AssetCheckResult
 
 
@@ -52,15 +53,16 @@ class GpuJobLauncher(ConfigurableResource):
         self,
         context: Any,
         task: str,
-        config: TrainJob | EvaluateJob,
+        config: TrainJob | EvaluateJob | HandoffJob,
         extras: Mapping[str, Any] | None = None,
     ) -> list[PipesResult]:
         if task not in TASKS:
             raise ValueError(f"unknown GPU task {task!r}; expected one of {TASKS}")
-        expected = EvaluateJob if task == "evaluate" else TrainJob
-        if not isinstance(config, expected) or (task != "evaluate" and config.canary != (task == "canary")):
+        expected = _TASK_CONFIG[task]
+        trains = expected is TrainJob
+        if not isinstance(config, expected) or (trains and config.canary != (task == "canary")):
             raise ValueError(f"GPU task {task!r} needs a {expected.__name__}"
-                             f"{'' if task == 'evaluate' else ' with canary=' + str(task == 'canary')}, got {config!r}")
+                             f"{' with canary=' + str(task == 'canary') if trains else ''}, got {config!r}")
         payload = {**(extras or {}), "task": task, "config": config.to_json()}
         context.log.info(f"GPU job {task} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
         invocation = self._invoke(context, task, payload)
