@@ -67,6 +67,7 @@ class TrainRunConfig(Config):
     recompute: str | None = job_setting(TrainJob, "recompute")
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
+    freeze: str | None = job_setting(TrainJob, "freeze")
 
 
 def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,

@@ -37,6 +37,7 @@ TINY_LR = 2e-3
 PRETRAINED_LR = 1e-5
 SPLITS = ("heldout", "train")
 AUTO = "auto"
+FREEZE = ("none", "attention", "backbone")
 
 _MISSING = dataclasses.MISSING
 J = TypeVar("J", bound="_JobConfig")
@@ -195,6 +196,7 @@ class TrainJob(_JobConfig):
     recompute: str = setting("none", doc="Activation recompute (megatron's): 'none', 'selective' (core attention) or 'full' (every layer).")
     distributed_optimizer: bool = setting(False, doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).")
     sequence_parallel: bool = setting(False, doc="Megatron sequence parallelism (needs tensor_parallel > 1).")
+    freeze: str = setting("none", doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' critic_freeze_attention) or 'backbone' (all but the value head: head-only warm-up).")
     lr: float | None = setting(None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other.")
     warmup_steps: int = setting(0, doc="Linear warmup from 0 to lr over this many steps; 0: none.")
     weight_decay: float = setting(0.0, doc="AdamW weight decay.")
@@ -223,6 +225,11 @@ class TrainJob(_JobConfig):
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
         self.memory.check_layout(tensor_parallel=self.tensor_parallel)
+        if self.freeze not in FREEZE:
+            raise InputError("freeze", f"must be one of {FREEZE}, got {show(self.freeze)}")
+        if self.freeze == "backbone" and self.pipeline_parallel > 1:
+            raise InputError("freeze", f"'backbone' needs pipeline_parallel 1, got {self.pipeline_parallel}: only the last "
+                             "stage holds the value head, so the other stages would have nothing to train")
 
     @property
     def memory(self):
