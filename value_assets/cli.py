@@ -183,6 +183,38 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_handoff(args) -> int:
+    """Print the RL-side settings of a promoted critic, after verifying its bundles' bytes."""
+    import shlex
+    from pathlib import Path
+
+    from .core.handoff import record_rl_settings, verify_handoff
+    from .core.strict_json import loads
+
+    path = Path(args.record)
+    try:
+        record = loads(path.read_bytes(), str(path))
+    except OSError as exc:
+        raise InputError(str(path), f"cannot read the registry record: {exc.strerror or exc}") from None
+    if not isinstance(record, dict):
+        raise InputError(str(path), "is not a registry record (a JSON object)")
+    verify_handoff(record, str(path))
+    settings = record_rl_settings(record)
+    if args.json:
+        print(json.dumps({"registry_record": str(path), "partition_key": record.get("partition_key"),
+                          "training_contract_sha256": record.get("contract_sha256"),
+                          "model_identity": record["handoff"]["model_identity"], **settings}, indent=2, sort_keys=True))
+        return 0
+    print(f"# promoted critic of partition {record.get('partition_key')} (training contract {record.get('contract_sha256')})")
+    print(f"# bundles verified against {path}")
+    print("# Miles RL trainer (Megatron-LM):")
+    print(shlex.join(settings["miles_args"]))
+    if settings["verl"] is not None:
+        print("# verl (Hugging Face critic):")
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in settings["verl"].items()))
+    return 0
+
+
 def _positive(text: str) -> int:
     """argparse type of the count flags of validate and plan (core's `require_int` rule)."""
     try:
@@ -236,8 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     vf = sub.add_parser("verify", help="check every file of a saved checkpoint against its contract (exit 0: match, 2: differs)")
     vf.add_argument("checkpoint", help="an iter_* folder, or a critic folder (its latest)")
     vf.add_argument("--contract-sha256", help="pin the contract's sha256 (checked before parsing)")
-    vf.add_argument("--json", action="store_true")
+    vf.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     vf.set_defaults(func=cmd_verify)
+
+    h = sub.add_parser("handoff", help="print the RL-side settings of a promoted critic (verifies its bundles first)")
+    h.add_argument("record", help="registry record (<artifacts>/registry/<partition>.json)")
+    h.add_argument("--json", action="store_true", help="print the settings as one JSON object")
+    h.set_defaults(func=cmd_handoff)
 
     _add_engine_commands(sub)
     return p

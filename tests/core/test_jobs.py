@@ -38,7 +38,7 @@ def test_every_field_is_documented_and_frozen(cls):
     (TrainJob, dict(backbone="/ckpt/actor", global_batch_size=64, epochs=3, seed=-7, save_interval=10, gpus=8,
                     tensor_parallel=2, pipeline_parallel=2, micro_batch_tokens=8192, lr=3e-4, warmup_steps=5,
                     weight_decay=0.01, clip_grad=0.5, canary=True, stop_after=4, manifest_sha256=SHA,
-                    data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60)),
+                    data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60, freeze="attention")),
     (TrainJob, {}),
     (EvaluateJob, dict(split="train", num_batches=4, global_batch_size=2, seed=9, gpus=4, tensor_parallel=2,
                        pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5,
@@ -85,6 +85,7 @@ def test_json_round_trip(cls, settings):
     (TrainJob, "data_roots", "/data", "got '/data'"),
     (TrainJob, "manifest", "", "got ''"),
     (TrainJob, "output", None, "is required, got None"),
+    (TrainJob, "freeze", "embeddings", "must be one of ('none', 'attention', 'backbone'), got 'embeddings'"),
     (EvaluateJob, "contract_sha256", "xyz", "got 'xyz'"),
     (EvaluateJob, "split", "test", "must be 'heldout' or 'train', got 'test'"),
     (EvaluateJob, "num_batches", 0, "must be an integer >= 1, got 0"),
@@ -190,3 +191,31 @@ def test_cli_data_roots_reach_the_config(monkeypatch):
     args = build_parser().parse_args(["train", "m.json", "--output", "o", "--data-root", "/a", "--lr", "0.01", "--canary"])
     cfg = config_from_args(TrainJob, args)
     assert cfg.data_roots == ("/a", "/env") and cfg.lr == 0.01 and cfg.canary is True
+
+
+def test_freeze_backbone_needs_one_pipeline_stage():
+    make(TrainJob, freeze="backbone", gpus=2, tensor_parallel=2)
+    with pytest.raises(InputError) as err:
+        make(TrainJob, freeze="backbone", gpus=2, pipeline_parallel=2)
+    assert err.value.where == "freeze" and "pipeline_parallel 1, got 2" in err.value.message
+
+
+def test_cli_freeze_flag_reaches_the_config():
+    from value_assets.gpu.cli import config_from_args
+
+    args = build_parser().parse_args(["train", "m.json", "--output", "critic", "--freeze", "backbone"])
+    assert config_from_args(TrainJob, args) == make(TrainJob, freeze="backbone")
+
+
+def test_handoff_job_round_trip_and_rules():
+    from value_assets.core.jobs import HandoffJob
+
+    job = HandoffJob(checkpoint="c/iter_0000004", contract_sha256=SHA, out_dir="h", model_identity="value-assets:tiny@x",
+                     scalar_hf=True)
+    assert HandoffJob.from_json(json.loads(json.dumps(job.to_json()))) == job and job.layer_spec == "te"
+    with pytest.raises(InputError) as err:
+        HandoffJob.from_json({**job.to_json(), "layer_spec": "fused"})
+    assert err.value.where == "layer_spec"
+    with pytest.raises(InputError) as err:
+        HandoffJob.from_json({**job.to_json(), "model_identity": ""})
+    assert err.value.where == "model_identity"

@@ -33,13 +33,13 @@ def write_dataset(path: Path, rows: int, seed: int = 0) -> Path:
 
 
 def write_manifest(folder: Path, name: str, *, rows: int = 32, heldout_rows: int | None = 32,
-                   standin: dict | None = None, data_dir: Path | None = None) -> Path:
+                   standin: dict | None = None, data_dir: Path | None = None, objective: dict | None = None) -> Path:
     """A manifest with datasets in `data_dir` (default: beside it, referenced by relative paths)."""
     data_dir = data_dir or folder / "data" / name
     train = write_dataset(data_dir / "train.jsonl", rows, seed=0)
     manifest = {"schema": "miles.value-pretrain.v1",
                 "train": {"path": os.path.relpath(train, folder), "sha256": sha256_file(train), "num_samples": rows},
-                "objective": {"loss_type": "classification", "num_bins": 11},
+                "objective": objective or {"loss_type": "classification", "num_bins": 11},
                 "provenance": {"producer": "tests", "standin": standin or {}}}
     if heldout_rows:
         held = write_dataset(data_dir / "heldout.jsonl", heldout_rows, seed=1)

@@ -2,7 +2,7 @@
 
 A real subprocess speaking real Dagster Pipes. It writes what the GPU job writes, with the core's
 own builders (contracts and the `latest` pointer, a write-once EV report with two PNG plots, a
-canary receipt), without any model, and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
+canary receipt, fake-but-well-formed hand-off bundles whose Miles contract is core's), without any model, and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
 `provenance.standin` (kept, not interpreted, by the product): `ev` (float, the EV it reports for
 both weightings), `silent` (report nothing, exit 0), `exit_code` (fail after writing nothing),
 `enospc_once` (a marker path: the first evaluation that finds no marker creates it and gets
@@ -24,12 +24,12 @@ from dagster_pipes import open_dagster_pipes
 from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
 from value_assets.core.dataset import validate_dataset
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan
 from value_assets.core.progress import TrainProgress
-from value_assets.core.publish import publish_once
+from value_assets.core.publish import atomic_write, publish_once
 from value_assets.core.report import build_report
 from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
@@ -83,7 +83,7 @@ def train(pipes, config, canary: bool):
     curve_sha = publish_once(out / "training_curve.png", png_1x1((30, 30, 200)))
     contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256,
                               objective=manifest.objective.canonical(), plan=plan, completed_steps=steps,
-                              model={"backbone": a.backbone}, backbone_config={"name": "stand-in"},
+                              model={"backbone": a.backbone, "manifest": str(a.manifest)}, backbone_config={"name": "stand-in"},
                               checkpoint=str(save), checkpoint_files=describe_folder(save))
     sha = write_contract(out, contract)
     pipes.report_asset_materialization(
@@ -143,12 +143,45 @@ def evaluate(pipes, config):
         metadata={"report_sha256": sha, "token_ev": report["aggregates"]["token"]["ev"], "passed": report["passed"]})
 
 
+def handoff(pipes, config):
+    """Bundles without weights: the Miles layout (tracker, iter folder, contract built by core from
+    the promoted contract) and, for mse, an `hf/` folder. Knob `handoff_exit_code`: fail instead."""
+    from value_assets.core.contract import load_contract
+    from value_assets.core.miles import MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract, miles_iter_dirname
+
+    a = HandoffJob.from_json(config)
+    contract, _ = load_contract(a.checkpoint, a.contract_sha256)
+    if knobs(load_manifest_path(contract)).get("handoff_exit_code"):
+        (a.out_dir / "miles").mkdir(parents=True, exist_ok=True)  # a half-written export
+        print("stand-in hand-off failing on purpose", file=sys.stderr)
+        sys.exit(knobs(load_manifest_path(contract))["handoff_exit_code"])
+    miles = build_miles_contract(contract, a.model_identity)
+    out = a.out_dir / "miles"
+    n = miles["completed_steps"]
+    (out / miles_iter_dirname(n)).mkdir(parents=True)
+    (out / miles_iter_dirname(n) / "common.pt").write_bytes(b"stand-in megatron checkpoint")
+    (out / MILES_TRACKER_NAME).write_text(f"{n}\n")
+    sha = atomic_write(out / MILES_CONTRACT_NAME, canonical_bytes(miles))
+    if a.scalar_hf:
+        (a.out_dir / "hf").mkdir()
+        (a.out_dir / "hf" / "config.json").write_text('{"num_labels": 1}\n')
+        (a.out_dir / "hf" / "model.safetensors").write_bytes(b"stand-in hf weights")
+    pipes.report_asset_materialization(asset_key="promoted_critic", data_version=sha, metadata={"miles_contract_sha256": sha})
+
+
+def load_manifest_path(contract) -> str:
+    """The manifest the stand-in's training recorded (in the contract's `model`) for its knobs."""
+    return contract["model"]["manifest"]
+
+
 def main():
     with open_dagster_pipes() as pipes:
         extras = pipes.extras
         pipes.log.info(f"stand-in task {extras['task']} for partition {extras.get('partition_key')} (pid {os.getpid()})")
         if extras["task"] == "evaluate":
             evaluate(pipes, extras["config"])
+        elif extras["task"] == "handoff":
+            handoff(pipes, extras["config"])
         else:
             train(pipes, extras["config"], canary=extras["task"] == "canary")
 

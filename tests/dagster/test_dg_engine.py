@@ -86,3 +86,17 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     record = json.loads((artifacts / "registry" / f"{good_key}.json").read_text())
     assert record["contract_sha256"] == latest_metadata(instance, "training_contract", good_key)["contract_sha256"]
     assert record["report_sha256"] == latest_metadata(instance, "ev_report", good_key)["report_sha256"]
+
+    # The hand-off (SPEC 10): a real Miles export of the promoted critic, which core's reader (Miles'
+    # rules) accepts at the sha the record pins; every file is the one recorded.
+    from value_assets.core.handoff import verify_handoff
+    from value_assets.core.miles import read_miles_contract
+
+    miles_dir = artifacts / good_key / "handoff" / "miles"
+    assert record["handoff"]["miles"]["dir"] == str(miles_dir)
+    miles, miles_sha = read_miles_contract(miles_dir, pinned_sha256=record["handoff"]["miles"]["contract_sha256"])
+    assert miles["completed_steps"] == 64 and (miles_dir / "iter_0000064" / ".metadata").is_file()
+    assert miles["model_identity"] == f"value-assets:tiny@{record['contract_sha256']}"
+    verify_handoff(record, "registry record")
+    assert latest_metadata(instance, "promoted_critic", good_key)["miles_contract_sha256"] == miles_sha
+    assert not (artifacts / bad_key / "handoff" / "miles").exists()

@@ -168,3 +168,18 @@ def load_params(rank, world, tp, ckpt, out_file):
     load_model_weights(ckpt, model)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, out_file)
+
+
+def train_frozen(rank, world, tp, freeze, distributed_optimizer, rows_per_step, steps, out_file):
+    """Train with `freeze`; record every parameter before and after, and which were frozen."""
+    from value_assets.gpu.runtime.step import frozen_parameter_names, wrap_for_training
+
+    model = build_critic(BACKBONE, OBJ, tp=tp)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frozen = frozen_parameter_names(model, freeze)
+    ddp, opt = wrap_for_training(model, lr=1e-2, freeze=freeze, distributed_optimizer=distributed_optimizer)
+    history = _train(make_rows(rows_per_step * steps, seed=1), steps, 0, ddp, opt, rows_per_step)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"before": before, "after": after, "frozen": frozen, "history": history,
+                    "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()}}, out_file)

@@ -140,3 +140,34 @@ def test_save_refuses_non_empty_folder(tmp_path):
     (tmp_path / "x").write_text("x")
     with pytest.raises(FileExistsError):
         in_process(lambda *a: save_critic(tmp_path, torch.nn.Linear(1, 1)))
+
+
+def _check_frozen(r: dict, freeze: str) -> None:
+    frozen = set(r["frozen"])
+    names = set(r["before"])
+    if freeze == "backbone":
+        assert frozen == {n for n in names if not n.startswith("output_layer.")}
+    else:
+        assert frozen and all(".self_attention." in n for n in frozen)
+        assert {n for n in names if "linear_qkv" in n or "linear_proj" in n} <= frozen
+    for name in names:
+        if name in frozen:
+            assert torch.equal(r["after"][name], r["before"][name]), f"frozen {name} changed"
+            assert r["requires_grad"][name] is False
+        else:
+            assert not torch.equal(r["after"][name], r["before"][name]), f"trainable {name} did not change"
+
+
+@pytest.mark.timeout(120)
+def test_head_only_warmup_changes_only_the_head_and_the_loss_decreases(tmp_path):
+    in_process(W.train_frozen, "backbone", False, 4, 8, str(tmp_path / "r.pt"))
+    r = torch.load(tmp_path / "r.pt")
+    _check_frozen(r, "backbone")
+    losses = [h["loss"] for h in r["history"]]
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(150)
+def test_frozen_attention_is_bitwise_unchanged_with_the_distributed_optimizer(tmp_path):
+    spawn(2, 1, "train_frozen", "attention", True, 4, 3, str(tmp_path / "r.pt"))
+    _check_frozen(torch.load(tmp_path / "r.pt"), "attention")

@@ -64,6 +64,17 @@ def test_resume_execution_check():
                                               **mem(MemoryConfig(distributed_optimizer=True))), where="ck")
 
 
+def test_resume_refuses_another_freeze_setting():
+    frozen = {"execution": {"freeze": "attention", "memory": {"distributed_optimizer": False}}}
+    check_resume_execution(frozen, TrainJob(manifest="m", output="o", freeze="attention"), where="ck")
+    check_resume_execution({}, TrainJob(manifest="m", output="o"), where="ck")  # older contracts froze nothing
+    with pytest.raises(InputError, match="trained with freeze 'attention'; this run asks for 'none'") as err:
+        check_resume_execution(frozen, TrainJob(manifest="m", output="o"), where="ck")
+    assert err.value.where == "freeze"
+    with pytest.raises(InputError, match="freeze 'none'; this run asks for 'backbone'"):
+        check_resume_execution({}, TrainJob(manifest="m", output="o", freeze="backbone"), where="ck")
+
+
 def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
     """One step with full recompute and the distributed optimizer on two workers gives the plain
     run's loss; the contract records the execution facts; resuming without the distributed
@@ -75,6 +86,18 @@ def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
     assert feat.losses == pytest.approx(plain.losses, rel=1e-5)
     contract, _ = load_contract(*read_latest(tmp_path / "mem"))
     assert contract["execution"] == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
-                                     "micro_batch_tokens": 4096, "memory": memory.to_json()}
+                                     "micro_batch_tokens": 4096, "memory": memory.to_json(), "freeze": "none"}
     with pytest.raises(InputError, match="distributed_optimizer"):
         prepare(replace(run, distributed_optimizer=False, recompute="none", stop_after=None), log=quiet)
+
+
+def test_freeze_is_recorded_in_the_contract_and_resume_must_match(manifest, tmp_path):
+    """Through the driver and Ray workers: a head-only run records `freeze` in the contract's
+    execution facts; resuming it with another freeze setting is refused in `prepare`."""
+    run = cfg(manifest, tmp_path / "frozen", freeze="backbone", gpus=1)
+    result = train(run, log=quiet)
+    assert len(result.losses) == 1
+    contract, _ = load_contract(*read_latest(tmp_path / "frozen"))
+    assert contract["execution"]["freeze"] == "backbone"
+    with pytest.raises(InputError, match="trained with freeze 'backbone'; this run asks for 'none'"):
+        prepare(replace(run, freeze="none", stop_after=None), log=quiet)

@@ -8,6 +8,8 @@ files on disk, not only from what the job said.
 """
 
 
+import shlex
+import shutil
 from typing import Any
 
 from dagster import (
@@ -37,7 +39,10 @@ from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, t
 from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
 from value_assets.core.hashing import sha256_bytes
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.handoff import (HF_BUNDLE, MILES_BUNDLE, build_handoff, install_bundles, miles_bundle_record,
+                                       model_identity, record_rl_settings, reusable_handoff)
+from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.miles import build_miles_contract
 from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify_promotion
 from value_assets.core.publish import read_published
 from value_assets.core.report import ev_summary, report_manifest_sha
@@ -66,6 +71,7 @@ class TrainRunConfig(Config):
     recompute: str | None = job_setting(TrainJob, "recompute")
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
+    freeze: str | None = job_setting(TrainJob, "freeze")
 
 
 def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,
@@ -260,14 +266,74 @@ def ev_report(
                              metadata={**extra, **report_metadata(report, report_sha, report_path)})
 
 
-@asset(partitions_def=manifests_partitions, deps=[ev_report, "training_contract"], code_version="1",
-       group_name=GROUP, owners=OWNERS, kinds={"json"})
-def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
-    """The registry record the online RL job pins: checkpoint + contract sha (SPEC 8).
+def export_handoff(context: AssetExecutionContext, artifacts: ArtifactStore, launcher: GpuJobLauncher, ref: ContractRef,
+                   previous: dict[str, Any] | None, extras: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the record's `handoff`, whether it was reused). Exports through the GPU job (torch stays
+    out of this process) into a staging folder, installs the bundles under `handoff/`, then reads
+    them back; a failure leaves no record behind (the caller writes it only after this returns)."""
+    key = context.partition_key
+    objective = ref.contract["objective"]
+    scalar_hf = objective.get("loss_type") == "mse"
+    with fail_on_bad_input("promoted_critic: hand-off"):
+        miles_contract = build_miles_contract(ref.contract, model_identity(ref.contract, ref.sha256))
+    reused = reusable_handoff(previous, contract_sha256=ref.sha256, miles_contract=miles_contract, scalar_hf=scalar_hf)
+    if reused is not None:
+        context.log.info(f"hand-off bundles for contract {ref.sha256} already match the registry record: reused")
+        return reused, True
+    staging = artifacts.handoff_staging_dir(key, context.run.run_id)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with fail_on_bad_input("promoted_critic: hand-off config"):
+            job = HandoffJob(checkpoint=ref.checkpoint_dir, contract_sha256=ref.sha256, out_dir=staging,
+                             model_identity=miles_contract["model_identity"], scalar_hf=scalar_hf)
+        result = materialization_of(launcher.launch(context, "handoff", job, extras), "handoff")
+        names = (MILES_BUNDLE, HF_BUNDLE) if scalar_hf else (MILES_BUNDLE,)
+        with fail_on_bad_input("promoted_critic: exported bundles"):
+            miles_bundle_record(staging / MILES_BUNDLE, miles_contract)  # before anything is replaced
+            install_bundles(staging, artifacts.handoff_dir(key), names)
+            handoff = build_handoff(handoff_dir=artifacts.handoff_dir(key), miles_contract=miles_contract,
+                                    objective=objective, scalar_hf=scalar_hf)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    reported = getattr((result.metadata or {}).get("miles_contract_sha256"), "value", None)
+    if reported is not None and reported != handoff[MILES_BUNDLE]["contract_sha256"]:
+        raise Failure(description=f"the hand-off job reported Miles contract {reported}, but the installed one hashes "
+                                  f"to {handoff[MILES_BUNDLE]['contract_sha256']}")
+    return handoff, False
+
+
+def handoff_metadata(handoff: dict[str, Any], reused: bool) -> dict[str, Any]:
+    """The bundles and the exact RL-side settings, as shown on the materialization."""
+    settings = record_rl_settings({"handoff": handoff})
+    hf = handoff[HF_BUNDLE]
+    return {
+        "handoff_reused": reused,
+        "model_identity": handoff["model_identity"],
+        "miles_bundle": MetadataValue.path(handoff[MILES_BUNDLE]["dir"]),
+        "miles_contract_sha256": handoff[MILES_BUNDLE]["contract_sha256"],
+        "miles_files_sha256": handoff[MILES_BUNDLE]["files_sha256"],
+        "hf_bundle": MetadataValue.path(hf["dir"]) if hf else None,
+        "hf_files_sha256": hf["files_sha256"] if hf else None,
+        "miles_args": MetadataValue.md("```\n" + shlex.join(settings["miles_args"]) + "\n```"),
+        "verl_critic_model_path": MetadataValue.path(hf["dir"]) if hf else None,
+        "rl_settings": MetadataValue.json(settings),
+    }
+
+
+@asset(partitions_def=manifests_partitions, deps=[ev_report, "training_contract"], code_version="2",
+       group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"json"})
+def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox,
+                    launcher: GpuJobLauncher) -> MaterializeResult:
+    """The registry record the online RL job pins: checkpoint + contract sha (SPEC 8), and the
+    hand-off bundles with their shas and the RL-side settings (SPEC 10, docs/rules.md#hand-off).
 
     The decision is `ev_gate`'s (blocking) and the rules are `core.promotion.verify_promotion`'s:
     this asset reads what the lineage recorded (the contract, the report sha `ev_report` recorded
     for it, this partition's latest `ev_gate` evaluation) and hands it to them with the files.
+    Then the GPU job exports the bundles (`export_handoff`); only after they are installed and read
+    back is the record written: a failed export writes no record.
     """
     from value_assets.core.publish import atomic_write
 
@@ -285,6 +351,8 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
             verify_checkpoint=verify_checkpoint,
         )
     registry_path = artifacts.registry_path(key)
+    previous = read_registry_record(registry_path)
+    record["handoff"], reused = export_handoff(context, artifacts, launcher, ref, previous, _job_extras(context, manifest))
     atomic_write(registry_path, canonical_bytes(record))
     identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
     return MaterializeResult(
@@ -295,6 +363,18 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
             "contract_sha256": record["contract_sha256"],
             "report_sha256": record["report_sha256"],
             "manifest_sha256": record["manifest_sha256"],
+            **handoff_metadata(record["handoff"], reused),
             "record": MetadataValue.json(record),
         },
     )
+
+
+def read_registry_record(path) -> dict[str, Any] | None:
+    """The registry record at `path`, or None when there is none or it cannot be read as one."""
+    from value_assets.core.strict_json import loads
+
+    try:
+        obj = loads(path.read_bytes(), str(path))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None

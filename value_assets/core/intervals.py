@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .stats import VAR_FLOOR, SuffStats
+from .stats import VAR_FLOOR, SuffStats, decile_stats, position_deciles  # noqa: F401 (re-exported)
 
 FIELDS = ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")
 
@@ -79,28 +79,6 @@ def bootstrap_ev_interval(parts: Sequence[SuffStats], *, resamples: int = 2000, 
     alpha = (1.0 - level) / 2.0
     low, high = np.quantile(defined, [alpha, 1.0 - alpha])
     return Interval(estimate, float(low), float(high), level, resamples, undefined, units)
-
-
-def position_deciles(response_length: int) -> np.ndarray:
-    """Decile (0..9) of each response token j = 0..L-1: floor(10 j / L)."""
-    j = np.arange(response_length)
-    return (10 * j) // response_length
-
-
-def decile_stats(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """[10, 5] token-weighted sufficient statistics of one row by response decile (active tokens)."""
-    returns = np.asarray(returns, dtype=np.float64)
-    values = np.asarray(values, dtype=np.float64)
-    active = np.asarray(mask).astype(bool)
-    d = position_deciles(returns.shape[0])[active]
-    r, e = returns[active], (returns - values)[active]
-    out = np.zeros((10, 5))
-    np.add.at(out[:, 0], d, 1.0)
-    np.add.at(out[:, 1], d, r)
-    np.add.at(out[:, 2], d, r * r)
-    np.add.at(out[:, 3], d, e)
-    np.add.at(out[:, 4], d, e * e)
-    return out
 
 
 def ev_by_position(per_row: Sequence[np.ndarray]) -> list[float | None]:

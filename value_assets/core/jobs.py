@@ -38,6 +38,7 @@ TINY_LR = 2e-3
 PRETRAINED_LR = 1e-5
 SPLITS = ("heldout", "train")
 AUTO = "auto"
+FREEZE = ("none", "attention", "backbone")
 
 _MISSING = dataclasses.MISSING
 J = TypeVar("J", bound="_JobConfig")
@@ -196,6 +197,7 @@ class TrainJob(_JobConfig):
     recompute: str = setting("none", doc="Activation recompute (megatron's): 'none', 'selective' (core attention) or 'full' (every layer).")
     distributed_optimizer: bool = setting(False, doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).")
     sequence_parallel: bool = setting(False, doc="Megatron sequence parallelism (needs tensor_parallel > 1).")
+    freeze: str = setting("none", doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' critic_freeze_attention) or 'backbone' (all but the value head: head-only warm-up).")
     lr: float | None = setting(None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other.")
     warmup_steps: int = setting(0, doc="Linear warmup from 0 to lr over this many steps; 0: none.")
     weight_decay: float = setting(0.0, doc="AdamW weight decay.")
@@ -224,6 +226,11 @@ class TrainJob(_JobConfig):
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
         self.memory.check_layout(tensor_parallel=self.tensor_parallel)
+        if self.freeze not in FREEZE:
+            raise InputError("freeze", f"must be one of {FREEZE}, got {show(self.freeze)}")
+        if self.freeze == "backbone" and self.pipeline_parallel > 1:
+            raise InputError("freeze", f"'backbone' needs pipeline_parallel 1, got {self.pipeline_parallel}: only the last "
+                             "stage holds the value head, so the other stages would have nothing to train")
 
     @property
     def memory(self):
@@ -273,3 +280,27 @@ class EvaluateJob(_JobConfig):
         if self.global_batch_size is not None:
             require_int(self.global_batch_size, "global_batch_size", minimum=2)
         _common_checks(self)
+
+
+LAYER_SPECS = ("te", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffJob(_JobConfig):
+    """The hand-off export of a promoted critic (SPEC 10): the Pipes task `handoff` that
+    `promoted_critic` launches. Writes `out_dir/miles/` (Miles' `--critic-load` folder) and, with
+    `scalar_hf`, `out_dir/hf/` (the scalar Hugging Face critic, verl's `critic.model.path`)."""
+
+    checkpoint: Path = setting(doc="The contracted iter_* folder being promoted.")
+    contract_sha256: str = setting(doc="The sha256 of its contract (checked before anything is loaded).")
+    out_dir: Path = setting(doc="An empty or absent folder for the bundles.")
+    model_identity: str = setting(doc="The Miles contract's model_identity (core.handoff.model_identity).")
+    layer_spec: str = setting("te", doc="Megatron-LM layer spec of the Miles checkpoint: 'te' (Transformer Engine, Miles' default) or 'local'.")
+    scalar_hf: bool = setting(False, doc="Also export the scalar Hugging Face critic (mse critics only).")
+
+    def _validate(self) -> None:
+        require_sha(self.contract_sha256, "contract_sha256")
+        if not self.model_identity:
+            raise InputError("model_identity", "must be a non-empty string, got ''")
+        if self.layer_spec not in LAYER_SPECS:
+            raise InputError("layer_spec", f"must be one of {LAYER_SPECS}, got {show(self.layer_spec)}")

@@ -75,6 +75,28 @@ class SuffStats:
         return self.sum_e / self.n
 
 
+def position_deciles(response_length: int) -> np.ndarray:
+    """Decile (0..9) of each response token j = 0..L-1: floor(10 j / L)."""
+    j = np.arange(response_length)
+    return (10 * j) // response_length
+
+
+def decile_stats(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """[10, 5] token-weighted sufficient statistics of one row by response decile (active tokens)."""
+    returns = np.asarray(returns, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    active = np.asarray(mask).astype(bool)
+    d = position_deciles(returns.shape[0])[active]
+    r, e = returns[active], (returns - values)[active]
+    out = np.zeros((10, 5))
+    np.add.at(out[:, 0], d, 1.0)
+    np.add.at(out[:, 1], d, r)
+    np.add.at(out[:, 2], d, r * r)
+    np.add.at(out[:, 3], d, e)
+    np.add.at(out[:, 4], d, e * e)
+    return out
+
+
 def token_stats(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> SuffStats:
     """Token-weighted statistics of one row or many: arrays of equal shape, mask 0/1."""
     m = np.asarray(mask).astype(bool).reshape(-1)
@@ -119,7 +141,6 @@ class RankReport:
     def from_rows(cls, rank: int, rows: Sequence[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> "RankReport":
         """The report of `rows` = (row index, returns [L], values [L], loss mask [L]) over each row's
         response (L tokens; returns and values float64, mask 0/1)."""
-        from .intervals import decile_stats
 
         tok, traj = SuffStats(), SuffStats()
         indices, values, row_tok, row_traj, row_dec = [], [], [], [], []

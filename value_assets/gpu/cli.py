@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from value_assets.core.jobs import DATA_ROOTS_ENV, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+from value_assets.core.jobs import DATA_ROOTS_ENV, FREEZE, EvaluateJob, TrainJob, data_roots_from_env, field_doc
 from value_assets.core.report import GATE_MODES
 
 J = TypeVar("J", TrainJob, EvaluateJob)
@@ -117,6 +117,7 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "micro_batch_tokens", _int_or_auto)
     _flag(t, TrainJob, "recompute", choices=("none", "selective", "full"))
     _flag(t, TrainJob, "distributed_optimizer", bool)
+    _flag(t, TrainJob, "freeze", choices=FREEZE)
     _flag(t, TrainJob, "sequence_parallel", bool)
     _flag(t, TrainJob, "lr", float)
     _flag(t, TrainJob, "warmup_steps", int)

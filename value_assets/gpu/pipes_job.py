@@ -1,9 +1,9 @@
 """The GPU job's Dagster Pipes entry: ``python -m value_assets.gpu.pipes_job``.
 
 Dagster's launcher (local subprocess, Ray job or Kubernetes pod) starts this module with Pipes
-extras ``{"task": "train" | "canary" | "evaluate", "config": {...}, "partition_key": ...}``. The
-config is the job's settings as data: `TrainJob.to_json()` (with ``canary: true`` exactly when the
-task is ``canary``) or `EvaluateJob.to_json()`, read back with `from_json`. The job runs the
+extras ``{"task": "train" | "canary" | "evaluate" | "handoff", "config": {...}, "partition_key": ...}``.
+The config is the job's settings as data: `TrainJob.to_json()` (with ``canary: true`` exactly when
+the task is ``canary``), `EvaluateJob.to_json()` or `HandoffJob.to_json()`, read back with `from_json`. The job runs the
 driver and reports, through Pipes, one materialization per asset it produced (metadata and data
 version = the sha of what it published). While training it sends a progress line every K steps
 (`core.progress`) as a Pipes log message, which the run's event log shows as it arrives; the
@@ -20,14 +20,19 @@ from typing import Any, Callable
 from dagster_pipes import open_dagster_pipes
 
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.progress import TrainProgress
 
 
-def job_config(task: str, config: Any) -> TrainJob | EvaluateJob:
+TASKS = ("train", "canary", "evaluate", "handoff")
+
+
+def job_config(task: str, config: Any) -> TrainJob | EvaluateJob | HandoffJob:
     """The task's job config from the extras' ``config`` object; an InputError names the bad key."""
     if task == "evaluate":
         return EvaluateJob.from_json(config)
+    if task == "handoff":
+        return HandoffJob.from_json(config)
     cfg = TrainJob.from_json(config)
     if cfg.canary != (task == "canary"):
         raise InputError("canary", f"is {str(cfg.canary).lower()} in the config of a {task!r} task")
@@ -114,17 +119,35 @@ def _evaluate(pipes, cfg: EvaluateJob) -> None:
     })
 
 
+def _handoff(pipes, cfg: HandoffJob) -> None:
+    """Export the promoted checkpoint's bundles; `promoted_critic` verifies them from the files."""
+    from value_assets.core.contract import load_contract
+    from value_assets.core.handoff import HF_BUNDLE, MILES_BUNDLE
+    from value_assets.gpu.convert.export import export_checkpoint, export_miles
+
+    load_contract(cfg.checkpoint, cfg.contract_sha256)  # the very contract promoted, before any export
+    _, miles_sha = export_miles(cfg.checkpoint, cfg.out_dir / MILES_BUNDLE, cfg.model_identity, cfg.layer_spec)
+    pipes.log.info(f"wrote {cfg.out_dir / MILES_BUNDLE} (Miles contract {miles_sha})")
+    if cfg.scalar_hf:
+        export_checkpoint(cfg.checkpoint, cfg.out_dir / HF_BUNDLE, "scalar")
+        pipes.log.info(f"wrote {cfg.out_dir / HF_BUNDLE} (scalar Hugging Face critic)")
+    pipes.report_asset_materialization(asset_key="promoted_critic", data_version=miles_sha,
+                                       metadata={"miles_contract_sha256": miles_sha})
+
+
 def main() -> int:
     with open_dagster_pipes() as pipes:
         extras = pipes.extras
         task = extras.get("task")
-        if task not in ("train", "canary", "evaluate"):
-            pipes.log.error(f"unknown task {task!r}; expected train, canary or evaluate")
+        if task not in TASKS:
+            pipes.log.error(f"unknown task {task!r}; expected one of {TASKS}")
             return 2
         try:
             cfg = job_config(task, extras.get("config"))
             if isinstance(cfg, EvaluateJob):
                 _evaluate(pipes, cfg)
+            elif isinstance(cfg, HandoffJob):
+                _handoff(pipes, cfg)
             else:
                 _train(pipes, cfg)
         except InputError as exc:

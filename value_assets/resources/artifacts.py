@@ -7,6 +7,9 @@
 <root>/<partition>/critic/...                  checkpoints, contracts, `latest`
 <root>/<partition>/canary/<run id>/...         canary outputs (never promotable)
 <root>/<partition>/reports/ev-<sha12>.json (+ .sha256, + plots)
+<root>/<partition>/handoff/miles/              the promoted critic for Miles (--critic-load DIR)
+<root>/<partition>/handoff/hf/                 the scalar Hugging Face critic (mse; verl)
+<root>/<partition>/handoff/.staging-<run id>/  an export in progress (removed when it ends)
 <root>/registry/<partition>.json               promotion records
 ```
 """
@@ -52,6 +55,12 @@ class ArtifactStore(ConfigurableResource):
 
     def report_path(self, partition_key: str, contract_sha256: str) -> Path:
         return self.reports_dir(partition_key) / f"ev-{contract_sha256[:12]}.json"
+
+    def handoff_dir(self, partition_key: str) -> Path:
+        return self.partition_dir(partition_key) / "handoff"
+
+    def handoff_staging_dir(self, partition_key: str, run_id: str) -> Path:
+        return self.handoff_dir(partition_key) / f".staging-{run_id}"
 
     def registry_path(self, partition_key: str) -> Path:
         return self.root_path / "registry" / f"{partition_key}.json"

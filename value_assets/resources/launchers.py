@@ -32,13 +32,14 @@ from dagster import (
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
 
 # Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
 warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
 
 PIPES_MODULE = "value_assets.gpu.pipes_job"
-TASKS = ("train", "evaluate", "canary")
+TASKS = ("train", "evaluate", "canary", "handoff")
+_TASK_CONFIG = {"train": TrainJob, "canary": TrainJob, "evaluate": EvaluateJob, "handoff": HandoffJob}
 RUN_TAG_PREFIX = "value_assets/"
 PipesResult = MaterializeResult | AssetCheckResult
 
@@ -56,15 +57,16 @@ class GpuJobLauncher(ConfigurableResource):
         self,
         context: Any,
         task: str,
-        config: TrainJob | EvaluateJob,
+        config: TrainJob | EvaluateJob | HandoffJob,
         extras: Mapping[str, Any] | None = None,
     ) -> list[PipesResult]:
         if task not in TASKS:
             raise ValueError(f"unknown GPU task {task!r}; expected one of {TASKS}")
-        expected = EvaluateJob if task == "evaluate" else TrainJob
-        if not isinstance(config, expected) or (task != "evaluate" and config.canary != (task == "canary")):
+        expected = _TASK_CONFIG[task]
+        trains = expected is TrainJob
+        if not isinstance(config, expected) or (trains and config.canary != (task == "canary")):
             raise ValueError(f"GPU task {task!r} needs a {expected.__name__}"
-                             f"{'' if task == 'evaluate' else ' with canary=' + str(task == 'canary')}, got {config!r}")
+                             f"{' with canary=' + str(task == 'canary') if trains else ''}, got {config!r}")
         payload = {**(extras or {}), "task": task, "config": config.to_json()}
         context.log.info(f"GPU job {task} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
         tag_run(context, self.run_tags(config))
@@ -73,10 +75,12 @@ class GpuJobLauncher(ConfigurableResource):
         # report; a silent job must fail instead.
         return accept_results(context, task, invocation.get_results(implicit_materializations=False))
 
-    def run_tags(self, config: TrainJob | EvaluateJob) -> dict[str, str]:
-        """What the run launched: backbone (training; an evaluation's is the checkpoint's), GPUs,
-        launcher. Known only once the step has built the job config, hence tagged at launch."""
-        tags = {f"{RUN_TAG_PREFIX}gpus": str(config.gpus), f"{RUN_TAG_PREFIX}launcher": self.launcher_name}
+    def run_tags(self, config: TrainJob | EvaluateJob | HandoffJob) -> dict[str, str]:
+        """What the run launched: backbone (training; an evaluation's is the checkpoint's), GPUs
+        (the hand-off export runs in one process), launcher. Known only once the step has built
+        the job config, hence tagged at launch."""
+        gpus = getattr(config, "gpus", 1)
+        tags = {f"{RUN_TAG_PREFIX}gpus": str(gpus), f"{RUN_TAG_PREFIX}launcher": self.launcher_name}
         if isinstance(config, TrainJob):
             tags[f"{RUN_TAG_PREFIX}backbone"] = str(config.backbone)
         return tags

@@ -152,9 +152,11 @@ def _free_gpu_bytes() -> int:
 
 
 def execution_facts(cfg: TrainJob, dp: int, micro_batch_tokens: int) -> dict[str, Any]:
-    """How the steps were run (recorded in the contract); none of it changes the result."""
+    """How the steps were run (recorded in the contract). None of it changes the result (up to
+    summation order) except `freeze`, the parameters that did not train, which resume must match."""
     return {"tensor_parallel": cfg.tensor_parallel, "pipeline_parallel": cfg.pipeline_parallel,
-            "data_parallel": dp, "micro_batch_tokens": micro_batch_tokens, "memory": cfg.memory.to_json()}
+            "data_parallel": dp, "micro_batch_tokens": micro_batch_tokens, "memory": cfg.memory.to_json(),
+            "freeze": cfg.freeze}
 
 
 def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: str) -> None:
@@ -162,6 +164,11 @@ def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: st
     setting (and, with the distributed optimizer, tp and pp): refuse a mismatch before anything
     is reserved. Contracts without execution facts were written by the plain optimizer."""
     facts = contract.get("execution") or {}
+    frozen = facts.get("freeze", "none")  # contracts before the setting froze nothing
+    if frozen != cfg.freeze:
+        raise InputError("freeze", (
+            f"{where} was trained with freeze {frozen!r}; this run asks for {cfg.freeze!r}. Resuming would change which "
+            f"parameters train mid-plan: run with --freeze {frozen}, or train a new critic"))
     saved = bool((facts.get("memory") or {}).get("distributed_optimizer", False))
     if saved != cfg.memory.distributed_optimizer:
         raise InputError("distributed_optimizer", (
@@ -267,7 +274,8 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
     objective_json = manifest.objective.canonical()
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
                        objective=objective_json, train=True, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json()) as cluster:
+                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json(),
+                       freeze=cfg.freeze) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
             verify_checkpoint(prep.resume_dir, prep.resume_contract)  # again: the files may have changed while workers started

@@ -79,7 +79,7 @@ def _use_gpu() -> bool:
 def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any], objective: dict[str, Any],
                   train: bool, lr: float = 1e-4, weight_decay: float = 0.0, clip_grad: float = 1.0,
                   ray_address: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, log=print,
-                  memory: dict[str, Any] | None = None) -> Iterator[Cluster]:
+                  memory: dict[str, Any] | None = None, freeze: str = "none") -> Iterator[Cluster]:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -116,7 +116,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
                 num_cpus=1, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
             ).remote(rank=rank, world_size=world_size, tp=tp, pp=pp, seed=seed, backbone=backbone, objective=objective, threads=threads,
-                              memory=memory))
+                              memory=memory, freeze=freeze))
         cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
         addr, port = cluster._get([actors[0].address.remote()], timeout_s)[0]
         cluster.infos = cluster.call_all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)

@@ -41,8 +41,13 @@ def wrap_for_training(
     eps: float = 1e-8,
     clip_grad: float = 1.0,
     distributed_optimizer: bool = False,
+    freeze: str = "none",
 ) -> tuple[torch.nn.Module, Any]:
     """Wrap the critic in megatron DDP and build the Adam optimizer. Returns (ddp_model, optimizer).
+
+    `freeze` ('none', 'attention', 'backbone'; `frozen_parameter_names`): those parameters get
+    `requires_grad=False` before the wrap, so megatron DDP gives them no grad buffer or hook and
+    the optimizer (plain or distributed, which shards DDP's buffers) no state: they never change.
 
     `distributed_optimizer`: megatron's distributed optimizer (fp32 master weights and Adam
     moments sharded over the data-parallel ranks; gradients reduce-scattered, updated weights
@@ -51,6 +56,10 @@ def wrap_for_training(
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    frozen = set(frozen_parameter_names(model, freeze))
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     cfg = model.config
     ddp = DistributedDataParallel(
         config=cfg,
@@ -73,6 +82,20 @@ def wrap_for_training(
     cfg.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None, **kw)
     cfg.grad_scale_func = opt.scale_loss
     return ddp, opt
+
+
+def frozen_parameter_names(model: torch.nn.Module, freeze: str) -> list[str]:
+    """Names of the critic's parameters that `freeze` keeps fixed: 'attention': every parameter
+    of a layer's `self_attention` (QKV, output projection, q/k norms); 'backbone': every parameter
+    but the value head's (`output_layer.*`); 'none': nothing."""
+    names = [n for n, _ in model.named_parameters()]
+    if freeze == "none":
+        return []
+    if freeze == "attention":
+        return [n for n in names if ".self_attention." in n]
+    if freeze == "backbone":
+        return [n for n in names if not n.startswith("output_layer.")]
+    raise ValueError(f"freeze must be 'none', 'attention' or 'backbone', got {freeze!r}")
 
 
 def _init_adam_state(optimizer: Any) -> None:

@@ -29,7 +29,8 @@ class CriticWorker:
     """Methods are called by the driver through Ray; every collective method is called on all ranks."""
 
     def __init__(self, *, rank: int, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any],
-                 objective: dict[str, Any], threads: int | None = None, memory: dict[str, Any] | None = None):
+                 objective: dict[str, Any], threads: int | None = None, memory: dict[str, Any] | None = None,
+                 freeze: str = "none"):
         self.rank = rank
         self.world_size = world_size
         self.tp = tp
@@ -38,6 +39,7 @@ class CriticWorker:
         self.backbone_json = backbone
         self.objective = Objective.from_json(objective)
         self.memory_json = memory or {}
+        self.freeze = freeze
         self.model = None
         self.optimizer = None
         if threads:
@@ -71,7 +73,7 @@ class CriticWorker:
             from value_assets.gpu.runtime.step import wrap_for_training
 
             self.model, self.optimizer = wrap_for_training(model, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                                                           distributed_optimizer=memory.distributed_optimizer)
+                                                           distributed_optimizer=memory.distributed_optimizer, freeze=self.freeze)
         else:
             self.model = model
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),

@@ -1,0 +1,84 @@
+"""Promotion writes the hand-off (issue 10 part 5), with real Dagster and the Pipes stand-in (its
+bundles are fake-but-well-formed; tests/dagster/test_dg_engine.py checks a real export): the
+record names each bundle with its files and the Miles contract sha, the metadata shows the RL-side
+settings, re-promotion is idempotent, and a failed export writes no record."""
+
+import json
+
+import pytest
+from dagster import AssetKey
+
+from value_assets.assets.common import latest_metadata
+from value_assets.core.handoff import describe_bundle, verify_handoff
+from value_assets.core.hashing import sha256_file
+from value_assets.core.miles import read_miles_contract
+
+pytestmark = pytest.mark.integration
+
+
+def run(defs, instance, key, assets=None):
+    if assets is None:
+        return defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    return defs.get_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, partition_key=key, asset_selection=[AssetKey(a) for a in assets], raise_on_error=False)
+
+
+def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_defs, test_resources, manifests_dir,
+                                                                 tmp_path, write_manifest, register):
+    path = write_manifest(manifests_dir, "mse", standin={"ev": 0.3}, objective={"loss_type": "mse"})
+    (key,) = register(instance, test_resources, path)
+    result = run(test_defs, instance, key)
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    artifacts = tmp_path / "artifacts"
+    record = json.loads((artifacts / "registry" / f"{key}.json").read_text())
+    handoff = record["handoff"]
+    miles_dir, hf_dir = artifacts / key / "handoff" / "miles", artifacts / key / "handoff" / "hf"
+    contract, sha = read_miles_contract(miles_dir, pinned_sha256=handoff["miles"]["contract_sha256"])
+    assert sha == sha256_file(miles_dir / "value_pretrain_contract.json")
+    assert contract["model_identity"] == handoff["model_identity"] == f"value-assets:tiny@{record['contract_sha256']}"
+    assert handoff["miles"] == {**describe_bundle(miles_dir), "contract_sha256": sha}
+    assert handoff["hf"] == describe_bundle(hf_dir)
+    verify_handoff(record, "record")
+    assert not [p for p in (artifacts / key / "handoff").iterdir() if p.name.startswith(".staging")]
+
+    meta = latest_metadata(instance, "promoted_critic", key)
+    assert meta["miles_contract_sha256"] == sha and meta["miles_files_sha256"] == handoff["miles"]["files_sha256"]
+    assert str(meta["miles_bundle"]) == str(miles_dir) and str(meta["verl_critic_model_path"]) == str(hf_dir)
+    assert meta["rl_settings"]["miles_args"][:5] == ["--critic-load", str(miles_dir),
+                                                     "--critic-value-pretrain-contract-sha256", sha, "--no-load-optim"]
+    assert f"--critic-load {miles_dir}" in str(meta["miles_args"]) and meta["handoff_reused"] is False
+
+    # Re-promotion of the same contract: nothing exported again, same record content and version.
+    first_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
+    before = {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")}
+    again = run(test_defs, instance, key, ["promoted_critic"])
+    assert again.success, [e.message for e in again.all_events if e.is_failure]
+    assert latest_metadata(instance, "promoted_critic", key)["handoff_reused"] is True
+    assert {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")} == before
+    second = json.loads((artifacts / "registry" / f"{key}.json").read_text())
+    assert {k: v for k, v in second.items() if k != "promoted_at"} == {k: v for k, v in record.items() if k != "promoted_at"}
+    second_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
+    assert second_version["dagster/data_version"] == first_version["dagster/data_version"]
+
+
+def test_classification_critic_has_no_hf_bundle(instance, test_defs, test_resources, manifests_dir, tmp_path,
+                                                write_manifest, register):
+    path = write_manifest(manifests_dir, "cls", standin={"ev": 0.3})
+    (key,) = register(instance, test_resources, path)
+    assert run(test_defs, instance, key).success
+    record = json.loads((tmp_path / "artifacts" / "registry" / f"{key}.json").read_text())
+    assert record["handoff"]["hf"] is None and not (tmp_path / "artifacts" / key / "handoff" / "hf").exists()
+    assert "--value-num-bins" in latest_metadata(instance, "promoted_critic", key)["rl_settings"]["miles_args"]
+
+
+def test_a_failed_export_writes_no_record(instance, test_defs, test_resources, manifests_dir, tmp_path,
+                                         write_manifest, register):
+    path = write_manifest(manifests_dir, "broken", standin={"ev": 0.3, "handoff_exit_code": 3})
+    (key,) = register(instance, test_resources, path)
+    result = run(test_defs, instance, key)
+    assert not result.success
+    assert {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()} >= {"ev_report"}
+    assert "promoted_critic" not in {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
+    assert not (tmp_path / "artifacts" / "registry" / f"{key}.json").exists()
+    handoff = tmp_path / "artifacts" / key / "handoff"
+    assert not (handoff / "miles").exists() and not [p for p in handoff.iterdir() if p.name.startswith(".staging")]
