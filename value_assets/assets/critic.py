@@ -62,6 +62,7 @@ class TrainRunConfig(Config):
     recompute: str | None = job_setting(TrainJob, "recompute")
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
+    placement_strategy: str | None = job_setting(TrainJob, "placement_strategy")
 
 
 def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,
@@ -187,6 +188,7 @@ class EvaluateRunConfig(Config):
     gpus: int | None = job_setting(EvaluateJob, "gpus")
     tensor_parallel: int | None = job_setting(EvaluateJob, "tensor_parallel")
     pipeline_parallel: int | None = job_setting(EvaluateJob, "pipeline_parallel")
+    placement_strategy: str | None = job_setting(EvaluateJob, "placement_strategy")
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:

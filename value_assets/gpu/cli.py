@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from value_assets.core.jobs import DATA_ROOTS_ENV, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+from value_assets.core.jobs import DATA_ROOTS_ENV, PLACEMENT_STRATEGIES, EvaluateJob, TrainJob, data_roots_from_env, field_doc
 
 J = TypeVar("J", TrainJob, EvaluateJob)
 
@@ -121,6 +121,7 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "manifest_sha256")
     _data_root_flag(t)
     _flag(t, TrainJob, "ray_address")
+    _flag(t, TrainJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)
     _flag(t, TrainJob, "hf_config")
     t.add_argument("--json", action="store_true", help="print per-step metrics too")
     t.set_defaults(func=cmd_train)
@@ -132,6 +133,7 @@ def add_commands(sub) -> None:
         _flag(e, EvaluateJob, name, int)
     _data_root_flag(e)
     _flag(e, EvaluateJob, "ray_address")
+    _flag(e, EvaluateJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)
     e.set_defaults(func=cmd_evaluate)
 
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")

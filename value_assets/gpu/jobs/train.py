@@ -240,7 +240,8 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
     objective_json = manifest.objective.canonical()
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
                        objective=objective_json, train=True, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json()) as cluster:
+                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json(),
+                       placement_strategy=cfg.placement_strategy) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
             loaded = cluster.call_all("load", str(prep.resume_dir), True)
