@@ -37,14 +37,21 @@ RAY = Path(sys.executable).with_name("ray")
 HEAD_IP, SECOND_IP = "127.0.0.3", "127.0.0.2"  # the second node sorts first: rank 0 is not on the head
 ROWS, G, STEPS = 16, 8, 2
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
-
-
 def test_rank_order_groups_nodes_by_address():
     nodes = ["n-b", "n-a", "n-b", "n-c", "n-a"]
     addresses = {"n-a": "127.0.0.10", "n-b": "127.0.0.2", "n-c": "127.0.0.2"}
     # 127.0.0.2 before 127.0.0.10 (numeric); n-b before n-c on the same address; bundle order inside a node
     assert rank_order(nodes, addresses) == [0, 2, 3, 1, 4]
+
+
+def test_placement_strategy_is_a_validated_job_setting(tmp_path):
+    from value_assets.core.errors import InputError
+
+    assert TrainJob(manifest=tmp_path / "m.json", output=tmp_path / "c").placement_strategy == "PACK"
+    job = TrainJob(manifest=tmp_path / "m.json", output=tmp_path / "c", placement_strategy="STRICT_SPREAD")
+    assert TrainJob.from_json(job.to_json()) == job
+    with pytest.raises(InputError, match="placement_strategy.*SPREAD.*got 'spread'"):
+        TrainJob(manifest=tmp_path / "m.json", output=tmp_path / "c", placement_strategy="spread")
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -140,6 +147,9 @@ def _placement(instance, run_id: str) -> dict:
     raise AssertionError("the GPU job logged no placement")
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_two_node_ray_job_spreads_ranks_and_matches_one_node(instance, test_resources, manifests_dir, register, tmp_path):
     import ray
     from dagster import materialize
