@@ -44,7 +44,7 @@ def quiet(_msg: str) -> None:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"VALUE_ASSETS_LOOPBACK": "1"}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

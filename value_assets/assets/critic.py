@@ -72,6 +72,7 @@ class TrainRunConfig(Config):
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
     freeze: str | None = job_setting(TrainJob, "freeze")
+    placement_strategy: str | None = job_setting(TrainJob, "placement_strategy")
 
 
 def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,
@@ -207,6 +208,7 @@ class EvaluateRunConfig(Config):
     tensor_parallel: int | None = job_setting(EvaluateJob, "tensor_parallel")
     pipeline_parallel: int | None = job_setting(EvaluateJob, "pipeline_parallel")
     gate_mode: str | None = job_setting(EvaluateJob, "gate_mode")
+    placement_strategy: str | None = job_setting(EvaluateJob, "placement_strategy")
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:

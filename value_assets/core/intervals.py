@@ -19,7 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .stats import VAR_FLOOR, SuffStats, decile_stats, position_deciles  # noqa: F401 (re-exported)
+from .stats import VAR_FLOOR, SuffStats, decile_stats, position_deciles
+
+__all__ = ["Interval", "bootstrap_ev_interval", "decile_stats", "ev_by_position", "ev_of_sums", "position_deciles", "stats_matrix"]
 
 FIELDS = ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")
 

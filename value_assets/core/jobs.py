@@ -39,6 +39,7 @@ PRETRAINED_LR = 1e-5
 SPLITS = ("heldout", "train")
 AUTO = "auto"
 FREEZE = ("none", "attention", "backbone")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 
 _MISSING = dataclasses.MISSING
 J = TypeVar("J", bound="_JobConfig")
@@ -175,6 +176,8 @@ def _common_checks(cfg: Any) -> None:
         require_int(getattr(cfg, name), name)
     if cfg.micro_batch_tokens != AUTO:
         require_int(cfg.micro_batch_tokens, "micro_batch_tokens")
+    if cfg.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise InputError("placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {show(cfg.placement_strategy)}")
     _positive_number(cfg.timeout_s, "timeout_s")
 
 
@@ -207,6 +210,10 @@ class TrainJob(_JobConfig):
     manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
+    placement_strategy: str = setting("PACK", doc=(
+        "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "
+        "where possible), 'STRICT_PACK' (one node) or 'STRICT_SPREAD' (one slot per node). Ranks are ordered by node "
+        "address either way, so tensor-parallel groups stay inside a node."))
     hf_config: Path | None = setting(None, doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder without saved arguments.")
     timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
 
@@ -265,6 +272,10 @@ class EvaluateJob(_JobConfig):
     micro_batch_tokens: int = setting(8192, doc="Tokens packed per forward micro-batch (raised to the longest row).")
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
+    placement_strategy: str = setting("PACK", doc=(
+        "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "
+        "where possible), 'STRICT_PACK' (one node) or 'STRICT_SPREAD' (one slot per node). Ranks are ordered by node "
+        "address either way, so tensor-parallel groups stay inside a node."))
     timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
     gate_mode: str = setting("miles", doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
                                           "both weightings) or 'interval' (also the lower bound of each aggregate EV's "

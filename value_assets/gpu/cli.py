@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from value_assets.core.jobs import DATA_ROOTS_ENV, FREEZE, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+from value_assets.core.jobs import DATA_ROOTS_ENV, FREEZE, PLACEMENT_STRATEGIES, EvaluateJob, TrainJob, data_roots_from_env, field_doc
 from value_assets.core.report import GATE_MODES
 
 J = TypeVar("J", TrainJob, EvaluateJob)
@@ -125,6 +125,7 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "manifest_sha256")
     _data_root_flag(t)
     _flag(t, TrainJob, "ray_address")
+    _flag(t, TrainJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)
     _flag(t, TrainJob, "hf_config")
     t.add_argument("--json", action="store_true", help="print per-step metrics too")
     t.set_defaults(func=cmd_train)
@@ -137,6 +138,7 @@ def add_commands(sub) -> None:
     _data_root_flag(e)
     _flag(e, EvaluateJob, "ray_address")
     _flag(e, EvaluateJob, "gate_mode", choices=GATE_MODES)
+    _flag(e, EvaluateJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)
     e.set_defaults(func=cmd_evaluate)
 
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")

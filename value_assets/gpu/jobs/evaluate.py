@@ -128,7 +128,8 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
     # --- forward-only on the cluster -------------------------------------------------------------
     rank_reports: list[list[RankReport]] = []
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=contract["backbone_config"],
-                       objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log) as cluster:
+                       objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log,
+                       placement_strategy=cfg.placement_strategy) as cluster:
         verify_checkpoint(step_dir, contract)  # again, right before the workers deserialize it
         loaded = cluster.call_all("load", str(step_dir), False)
         if sorted(set(loaded)) != [contract["completed_steps"]]:

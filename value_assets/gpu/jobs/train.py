@@ -275,7 +275,7 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
                        objective=objective_json, train=True, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
                        ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json(),
-                       freeze=cfg.freeze) as cluster:
+                       freeze=cfg.freeze, placement_strategy=cfg.placement_strategy) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
             verify_checkpoint(prep.resume_dir, prep.resume_contract)  # again: the files may have changed while workers started

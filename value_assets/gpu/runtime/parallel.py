@@ -76,10 +76,11 @@ def destroy() -> None:
             torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for tests and single-host launches)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on `host` (an address of this machine; default loopback, for tests)."""
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -9,7 +9,6 @@ driver already assigned to this worker's data-parallel rank.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Sequence
 
 import numpy as np
@@ -18,11 +17,24 @@ from value_assets.core.objective import Objective
 from value_assets.core.stats import RankReport
 
 
+RENDEZVOUS_ADDR_ENV = "VALUE_ASSETS_RENDEZVOUS_ADDR"
+
+
 def node_address() -> str:
-    """An address the other ranks can reach: loopback for a single-host run, else this node's IP."""
-    if os.environ.get("VALUE_ASSETS_LOOPBACK", "1") == "1":
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    """The address the other ranks reach this worker's node by: the node's address as Ray knows
+    it (`ray.util.get_node_ip_address()`, the raylet's `--node-ip-address`), on one host and on
+    many alike; never an assumed loopback. Only rank 0's is used (the rendezvous).
+
+    `$VALUE_ASSETS_RENDEZVOUS_ADDR` in the workers' environment (e.g. the Ray job's
+    `runtime_env.env_vars`) forces the rendezvous address, for clusters whose torch.distributed
+    traffic should use another network than Ray's. It must be an address of rank 0's node.
+    """
+    forced = os.environ.get(RENDEZVOUS_ADDR_ENV)
+    if forced:
+        return forced
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 class CriticWorker:
@@ -49,12 +61,14 @@ class CriticWorker:
 
     # -- setup ------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
+        """Rank 0's rendezvous: its node's address and a port free on that address."""
         from value_assets.gpu.runtime.parallel import free_port
 
-        return node_address(), free_port()
+        host = node_address()
+        return host, free_port(host)
 
     def setup(self, master_addr: str, master_port: int, *, train: bool, lr: float, weight_decay: float,
-              clip_grad: float, timeout_s: float) -> dict[str, int]:
+              clip_grad: float, timeout_s: float) -> dict[str, Any]:
         import torch
 
         from value_assets.core.memory import MemoryConfig
@@ -78,7 +92,7 @@ class CriticWorker:
             self.model = model
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "last_stage": int(ps.is_pipeline_last_stage()),
-                "dp_size": ps.get_data_parallel_world_size()}
+                "dp_size": ps.get_data_parallel_world_size(), **placement()}
 
     def _module(self):
         return self.model.module if hasattr(self.model, "module") else self.model
@@ -148,6 +162,13 @@ class CriticWorker:
         from value_assets.gpu.runtime.parallel import destroy
 
         destroy()
+
+
+def placement() -> dict[str, str]:
+    """Where this worker runs: its Ray node's id and address (recorded in the setup infos)."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_address": ray.util.get_node_ip_address()}
 
 
 def _packing_row(r: dict[str, Any]):
