@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui test venv bench clean clean-demo
+.PHONY: demo ui test test-fast venv bench clean clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ ui: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
+
+# The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/validate.py

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ui_harness import CHROMIUM, TERMINAL_RUN_STATUSES, DagsterDev, free_port, screenshot
+from .ui_harness import CHROMIUM, TERMINAL_RUN_STATUSES, DagsterDev, free_port, screenshot
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

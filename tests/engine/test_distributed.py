@@ -6,18 +6,15 @@ bodies in dist_workers.py.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
-import dist_workers as W  # noqa: E402
+from value_assets.gpu.runtime.parallel import free_port
 
-from value_assets.gpu.runtime.parallel import free_port  # noqa: E402
+from . import dist_workers as W
 
 pytestmark = pytest.mark.integration
 

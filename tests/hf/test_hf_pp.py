@@ -12,9 +12,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import TINY, make_hf_checkpoint
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+from .hf_checkpoints import TINY, make_hf_checkpoint
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 FAMILIES = ["llama", "qwen3"]
 
@@ -26,7 +27,7 @@ def _port() -> int:
 
 
 def test_pp2_bootstrap_matches_hf(tmp_path):
-    import pp_worker
+    from . import pp_worker
 
     ids = torch.randint(0, TINY["vocab_size"], (13,), generator=torch.Generator().manual_seed(6))
     torch.save(ids, tmp_path / "ids.pt")

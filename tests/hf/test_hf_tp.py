@@ -11,9 +11,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_hf_checkpoint
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+from .hf_checkpoints import make_hf_checkpoint
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _port() -> int:
@@ -26,7 +27,7 @@ CASES = [("qwen2", 2), ("qwen3", 1)]  # (family, num_key_value_heads); tp = 2
 
 
 def test_tp2_hidden_states_match(tmp_path):
-    import tp_worker
+    from . import tp_worker
 
     models, cases = [], []
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
 
 def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]]) -> None:
     """cases: (hf folder, input ids .pt, output hidden .pt written by rank 0)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from megatron_fixture import build_gpt, final_hidden, load_backbone
-
     from value_assets.gpu.convert.hf import load_hf_backbone_state, read_hf_config
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
+
+    from .megatron_fixture import build_gpt, final_hidden, load_backbone
 
     init_distributed(rank, world, "127.0.0.1", port, tp=world)
     try:
