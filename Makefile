@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui tensorboard test venv bench clean clean-demo
+.PHONY: demo ui tensorboard test test-fast venv bench clean clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ tensorboard: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
+
+# The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/validate.py

@@ -1,4 +1,56 @@
 import os
+import select
+import subprocess
+import sys
+
+import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+# A local Ray cluster owned by a helper process: prints its GCS address, ends it when stdin closes.
+_RAY_HEAD = """
+import sys
+import ray
+ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+print(ctx.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every test that runs the GPU job in this process; `start_workers`
+    joins it instead of starting its own (it starts Ray only where none is initialized).
+
+    Started on first use, ended with the session. (tests/dagster/test_dg_ray.py owns a cluster with
+    a dashboard and skips if Ray is already up here: the job tier runs after it.)"""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """The address of one local Ray cluster for GPU jobs run as subprocesses (they join it through
+    RAY_ADDRESS instead of each starting Ray). It lives in a helper process, so Ray is not
+    initialized in this one; ended with the session, by closing the helper's stdin, then by pid."""
+    proc = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)  # Ray starts in ~5 s; far longer on a loaded machine
+        address = proc.stdout.readline().strip() if ready else ""
+        if not address:
+            raise RuntimeError(f"the Ray helper gave no address within 300 s (exit code {proc.poll()})")
+        yield address
+    finally:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)

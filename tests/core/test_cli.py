@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coretest_helpers import dumps, row
 from value_assets.cli import main
 from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.plan import build_plan
 from value_assets.core.strict_json import canonical_bytes
+
+from .coretest_helpers import dumps, row
 
 pytestmark = pytest.mark.unit
 

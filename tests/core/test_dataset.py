@@ -5,11 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from coretest_helpers import dumps, naive_stats, ref_for, row, rows_equal, write_jsonl, write_lines, write_parquet
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 from value_assets.core.rows import check_row
+
+from .coretest_helpers import dumps, naive_stats, ref_for, row, rows_equal, write_jsonl, write_lines, write_parquet
 
 pytestmark = pytest.mark.unit
 

@@ -13,10 +13,11 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from coretest_helpers import naive_stats, naive_validate, ref_for, rows_equal
 import value_assets.core.dataset as dataset_mod
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
+
+from .coretest_helpers import naive_stats, naive_validate, ref_for, rows_equal
 
 pytestmark = pytest.mark.unit
 

@@ -16,6 +16,8 @@ CLASSIFICATION = {"loss_type": "classification", "num_bins": 11, "reward_range":
                   "hl_gauss_sigma_ratio": 0.75}
 MSE = {"loss_type": "mse"}
 
+pytestmark = pytest.mark.unit
+
 
 def contract(objective):
     return {"source_manifest_sha256": SHA_A, "train_dataset_sha256": SHA_B, "objective": objective,

@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 @pytest.fixture
-def real_resources(tmp_path, manifests_dir):
+def real_resources(tmp_path, manifests_dir, ray_address):
     from value_assets.resources import ArtifactStore, ManifestInbox, SubprocessLauncher
 
+    # The four GPU jobs join one Ray cluster (tests/conftest.py) instead of each starting its own.
     return {
         "artifacts": ArtifactStore(root=str(tmp_path / "artifacts")),
         "inbox": ManifestInbox(folder=str(manifests_dir)),
-        "launcher": SubprocessLauncher(command=[sys.executable, "-m", "value_assets.gpu.pipes_job"]),
+        "launcher": SubprocessLauncher(command=[sys.executable, "-m", "value_assets.gpu.pipes_job"],
+                                       env={"RAY_ADDRESS": ray_address}),
     }
 
 

@@ -43,6 +43,8 @@ def test_rank_order_groups_nodes_by_address():
     # 127.0.0.2 before 127.0.0.10 (numeric); n-b before n-c on the same address; bundle order inside a node
     assert rank_order(nodes, addresses) == [0, 2, 3, 1, 4]
 
+pytestmark = pytest.mark.integration
+
 
 def test_placement_strategy_is_a_validated_job_setting(tmp_path):
     from value_assets.core.errors import InputError
@@ -147,7 +149,6 @@ def _placement(instance, run_id: str) -> dict:
     raise AssertionError("the GPU job logged no placement")
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_ray_job_spreads_ranks_and_matches_one_node(instance, test_resources, manifests_dir, register, tmp_path):

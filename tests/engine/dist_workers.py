@@ -35,10 +35,19 @@ def probe(model) -> torch.Tensor:
     return out
 
 
-def run(rank: int, world: int, port: int, tp: int, fn_name: str, args: tuple, pp: int = 1) -> None:
-    init_distributed(rank, world, master_port=port, tp=tp, pp=pp, seed=1234)
+def run(rank: int, world: int, port: int, calls: list[tuple[str, int, int, tuple]]) -> None:
+    """Run several bodies, in order, in one process group: `calls` holds (body name, tp, pp, args).
+
+    Each body starts from megatron parallel state built afresh at its own tp x pp and the seeds
+    `init_distributed` sets, as if it had a spawn of its own: one spawn pays the imports once."""
+    from megatron.core import parallel_state as ps
+
     try:
-        globals()[fn_name](rank, world, tp, *args)
+        for fn_name, tp, pp, args in calls:
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            init_distributed(rank, world, master_port=port, tp=tp, pp=pp, seed=1234)  # keeps the process group
+            globals()[fn_name](rank, world, tp, *args)
     finally:
         destroy()
 

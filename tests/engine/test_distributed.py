@@ -1,47 +1,90 @@
-"""Multi-process CPU tests (gloo): DP training, resume, TP re-sharding checkpoints.
+"""Multi-process CPU tests (gloo): DP training, resume, TP re-sharding checkpoints, pipeline layouts.
 
-Each test spawns ranks with torch.multiprocessing and a hard deadline; spawned ranks run the
-bodies in dist_workers.py.
+Spawned ranks run the bodies in dist_workers.py under a hard deadline. Spawns are shared: one of
+2 ranks runs the DP, resume, TP and PP=2 bodies in turn, one of 4 ranks the DPxPP and TPxPP layouts
+(each spawn costs the torch and megatron imports per rank, most of a test's time here); the tests
+then check their own body's results.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
-import dist_workers as W  # noqa: E402
+from value_assets.gpu.runtime.parallel import free_port
 
-from value_assets.gpu.runtime.parallel import free_port  # noqa: E402
+from . import dist_workers as W
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# The pipeline-layout runs: optimizer steps and rows per step.
+STEPS, ROWS_PER_STEP = 3, 6
 
 
-def spawn(world: int, tp: int, fn: str, *args, pp: int = 1, deadline_s: float = 90.0) -> None:
-    ctx = mp.spawn(W.run, args=(world, free_port(), tp, fn, args, pp), nprocs=world, join=False)
+def spawn(world: int, calls: list[tuple[str, int, int, tuple]], deadline_s: float) -> None:
+    """`world` ranks running `calls` ((body, tp, pp, args), in order) in one process group."""
+    ctx = mp.spawn(W.run, args=(world, free_port(), calls), nprocs=world, join=False)
     end = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=max(0.1, end - time.monotonic())):
             if time.monotonic() > end:
-                raise TimeoutError(f"{fn} with world {world} did not finish in {deadline_s}s")
+                raise TimeoutError(f"{[c[0] for c in calls]} with world {world} did not finish in {deadline_s}s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
 
 
-@pytest.mark.timeout(150)
-def test_dp2_matches_dp1_and_metrics_are_global(tmp_path):
+@pytest.fixture(scope="module")
+def one_stage(tmp_path_factory):
+    """The one-rank reference of the pipeline layouts, in this process: it writes the whole model's
+    initial state (`init.pt`) the layouts start from, trains, and its parameters are read back."""
+    root = tmp_path_factory.mktemp("one-stage")
+    (root / "ck").mkdir()
+    in_process(W.train_layout, ROWS_PER_STEP, STEPS, str(root / "ck"), str(root / "init.pt"), str(root / "r"))
+    in_process(W.load_params, str(root / "ck"), str(root / "params.pt"))
+    return root
+
+
+def _layout(root, name: str, one_stage) -> tuple:
+    (root / f"{name}-ck").mkdir()
+    return (ROWS_PER_STEP, STEPS, str(root / f"{name}-ck"), str(one_stage / "init.pt"), str(root / name))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, one_stage):
+    """One spawn of 2 ranks: DP=2 training, the interrupted and resumed run, TP=2 re-sharding, PP=2."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    for name in ("resume-ck", "tp-ck"):
+        (root / name).mkdir()
+    spawn(2, [
+        ("train_dp", 1, 1, (4, 3, str(root / "dp2.pt"))),
+        ("train_resume", 1, 1, (4, 3, 2, str(root / "resume-ck"), str(root / "resume.pt"))),
+        ("tp_reshard", 2, 1, (str(root / "tp-ck"), str(root / "tp.pt"))),
+        ("train_layout", 1, 2, _layout(root, "pp2", one_stage)),
+    ], deadline_s=600.0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, one_stage):
+    """One spawn of 4 ranks: pipeline stages with data-parallel, then with tensor-parallel peers."""
+    root = tmp_path_factory.mktemp("four-ranks")
+    spawn(4, [
+        ("train_layout", 1, 2, _layout(root, "dp2xpp2", one_stage)),
+        ("train_layout", 2, 2, _layout(root, "tp2xpp2", one_stage)),
+    ], deadline_s=600.0)
+    return root
+
+
+def test_dp2_matches_dp1_and_metrics_are_global(tmp_path, two_ranks):
     """Gradients sum over DP ranks with per-rank division by the GLOBAL row count, so DP=2 takes
     the same steps as DP=1 on the whole batch (up to summation order)."""
     in_process(W.train_dp, 4, 3, str(tmp_path / "dp1.pt"))
-    spawn(2, 1, "train_dp", 4, 3, str(tmp_path / "dp2.pt"))
-    a, b = torch.load(tmp_path / "dp1.pt"), torch.load(tmp_path / "dp2.pt")
+    a, b = torch.load(tmp_path / "dp1.pt"), torch.load(two_ranks / "dp2.pt")
     for ha, hb in zip(a["history"], b["history"]):
         assert ha["rows"] == hb["rows"] == 4
         assert ha["active_targets"] == hb["active_targets"]
@@ -52,12 +95,8 @@ def test_dp2_matches_dp1_and_metrics_are_global(tmp_path):
     assert a["history"][-1]["loss"] < a["history"][0]["loss"]
 
 
-@pytest.mark.timeout(150)
-def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path):
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    spawn(2, 1, "train_resume", 4, 3, 2, str(ck), str(tmp_path / "r.pt"))
-    r = torch.load(tmp_path / "r.pt")
+def test_resume_is_bitwise_equal_to_uninterrupted_run(two_ranks):
+    r = torch.load(two_ranks / "resume.pt")
     assert r["start"] == 2 and len(r["resumed"]) == 1  # only step 3 ran after the resume
     assert r["resumed"][0]["loss"] == r["full"][-1]["loss"]
     assert r["resumed"][0]["grad_norm"] == r["full"][-1]["grad_norm"]
@@ -65,12 +104,8 @@ def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path):
         assert torch.equal(r["resumed_params"][name], p), name
 
 
-@pytest.mark.timeout(150)
-def test_tp2_checkpoint_reloads_at_tp1_and_tp2(tmp_path):
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    spawn(2, 2, "tp_reshard", str(ck), str(tmp_path / "r.pt"))
-    r = torch.load(tmp_path / "r.pt")
+def test_tp2_checkpoint_reloads_at_tp1_and_tp2(two_ranks):
+    r = torch.load(two_ranks / "tp.pt")
     saved = r["saved"]
     assert saved.shape[-1] == W.OBJ.num_bins and r["iter1"] == r["iter2"] == 7
     assert not torch.allclose(r["init1"], saved)  # the load really changed something
@@ -78,32 +113,26 @@ def test_tp2_checkpoint_reloads_at_tp1_and_tp2(tmp_path):
     torch.testing.assert_close(r["tp1"], saved, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, tp, pp", [(2, 1, 2), (4, 1, 2), (4, 2, 2)], ids=["pp2", "dp2xpp2", "tp2xpp2"])
-def test_pipeline_layouts_match_one_stage(tmp_path, world, tp, pp):
+def test_pipeline_layouts_match_one_stage(request, one_stage, world, tp, pp):
     """Pipeline stages (1F1B over variable-length packed micro-batches), also with data- or
     tensor-parallel peers in each stage, take the same steps as one rank: same initial weights,
     same losses, grad norms and forward-only values, and (after re-sharding the checkpoint to one
     rank) the same trained parameters."""
-    steps, rows_per_step = 3, 6
-    for name in ("one", "many"):
-        (tmp_path / name).mkdir()
-    init = str(tmp_path / "init.pt")
-    in_process(W.train_layout, rows_per_step, steps, str(tmp_path / "one"), init, str(tmp_path / "r1"))
-    spawn(world, tp, "train_layout", rows_per_step, steps, str(tmp_path / "many"), init, str(tmp_path / "r2"), pp=pp,
-          deadline_s=200.0)
-    one = torch.load(tmp_path / "r1.0")
-    ranks = [torch.load(tmp_path / f"r2.{r}") for r in range(world)]
+    layout = request.node.callspec.id
+    root = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    one = torch.load(one_stage / "r.0")
+    ranks = [torch.load(root / f"{layout}.{r}") for r in range(world)]
     per_stage = world // pp
     assert [r["first_stage"] for r in ranks] == [True] * per_stage + [False] * (world - per_stage)
     assert [r["last_stage"] for r in ranks] == [False] * (world - per_stage) + [True] * per_stage
     if tp == 1:
         for r in ranks:
             assert r["init_keys_match"] and r["init_equal"]  # each stage holds its part of the same model
-    assert len(one["history"]) == steps
+    assert len(one["history"]) == STEPS
     for r in ranks:
         for h1, h2 in zip(one["history"], r["history"], strict=True):
-            assert h2["rows"] == h1["rows"] == rows_per_step and h2["tokens"] == h1["tokens"]
+            assert h2["rows"] == h1["rows"] == ROWS_PER_STEP and h2["tokens"] == h1["tokens"]
             assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)  # metrics reach every rank and stage
             assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
         if not r["last_stage"]:
@@ -113,13 +142,13 @@ def test_pipeline_layouts_match_one_stage(tmp_path, world, tp, pp):
         for rid, v in one["values"].items():
             torch.testing.assert_close(r["values"][rid], v, rtol=1e-4, atol=1e-5)
     assert one["history"][-1]["loss"] < one["history"][0]["loss"]
-    in_process(W.load_params, str(tmp_path / "one"), str(tmp_path / "p1.pt"))
-    in_process(W.load_params, str(tmp_path / "many"), str(tmp_path / "p2.pt"))
-    a, b = torch.load(tmp_path / "p1.pt"), torch.load(tmp_path / "p2.pt")
+    params = root / f"{layout}-params.pt"
+    in_process(W.load_params, str(root / f"{layout}-ck"), str(params))
+    a, b = torch.load(one_stage / "params.pt"), torch.load(params)
     assert sorted(a) == sorted(b)
     for name, p in a.items():
         torch.testing.assert_close(b[name], p, rtol=1e-4, atol=1e-5, msg=name)
-    init_w = torch.load(init)["decoder.layers.1.mlp.linear_fc2.weight"]
+    init_w = torch.load(one_stage / "init.pt")["decoder.layers.1.mlp.linear_fc2.weight"]
     assert not torch.allclose(a["decoder.layers.1.mlp.linear_fc2.weight"], init_w)  # training moved the second stage
 
 

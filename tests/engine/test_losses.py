@@ -10,6 +10,8 @@ from value_assets.core import targets as ref
 from value_assets.core.objective import Objective
 from value_assets.gpu.model import losses as L
 
+pytestmark = pytest.mark.unit
+
 OBJ = Objective()
 
 

@@ -4,16 +4,13 @@ for evaluation at another layout. Two spawns in all (each costs ~8 s of imports)
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
-import memory_workers as MW  # noqa: E402
+from . import memory_workers as MW  # noqa: E402
 
 from value_assets.gpu.model.packing import pack_rows  # noqa: E402
 from value_assets.gpu.runtime.parallel import free_port  # noqa: E402

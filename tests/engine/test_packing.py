@@ -5,6 +5,8 @@ import pytest
 
 from value_assets.gpu.model.packing import Row, pack_rows, response_slices
 
+pytestmark = pytest.mark.unit
+
 
 def _rows(seed=0, n=9):
     rng = np.random.default_rng(seed)

@@ -17,6 +17,8 @@ from value_assets.gpu.model.rope import (
     packed_cos_sin,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _cpu_compat():

@@ -44,6 +44,20 @@ def test_packed_bf16_attention_matches_per_sequence_sdpa(single_rank):
     assert (out - ref).abs().max().item() < 3e-2  # bf16 inputs, fp32 reference
 
 
+def test_varlen_kernel_matches_sdpa_loop_on_cuda():
+    """The varlen kernel (bf16 on CUDA) against the SDPA loop path in float32."""
+    from value_assets.gpu.model.attention import packed_causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bounds = torch.tensor([0, 17, 18, 80], dtype=torch.int32, device="cuda")
+    q = torch.randn(80, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(80, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(80, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    got = packed_causal_attention(q, k, v, bounds, 0.125).float()
+    ref = packed_causal_attention(q.float(), k.float(), v.float(), bounds, 0.125)  # SDPA loop path
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     from value_assets.core.objective import Objective
     from value_assets.gpu.model.critic import BackboneConfig, build_critic

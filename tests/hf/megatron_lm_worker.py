@@ -14,7 +14,6 @@ and the layer offsets `TransformerBlock` passes. Strict: any missing or unexpect
 from __future__ import annotations
 
 import pickle
-import sys
 from pathlib import Path
 
 import torch
@@ -54,10 +53,9 @@ def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str, int, 
 
 def check(rank: int, world: int, cases: list[tuple[str, str, str, int, str, str]]) -> None:
     """The load and forward of `run`, in an already initialised process group of TP `world`."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from megatron_fixture import build_gpt, final_hidden
+    from .megatron_fixture import build_gpt, final_hidden
 
     from value_assets.gpu.convert import names
     from value_assets.gpu.convert.hf import read_hf_config

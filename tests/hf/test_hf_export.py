@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from conftest import make_hf_checkpoint
 
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
@@ -19,6 +18,8 @@ from value_assets.gpu.convert.hf import (
     load_hf_value_head,
     read_hf_config,
 )
+
+from .hf_checkpoints import make_hf_checkpoint
 
 pytestmark = pytest.mark.unit
 ATOL = 1e-4
@@ -42,7 +43,7 @@ def critic_state(folder, k, padded_vocab_size=None):
     ("qwen3", Objective(num_bins=7, target_type="two_hot")),
 ])
 def test_export_round_trip_logits(tmp_path, megatron_single_rank, family, objective):
-    from megatron_fixture import build_gpt, final_hidden, load_backbone
+    from .megatron_fixture import build_gpt, final_hidden, load_backbone
     from transformers import AutoModelForTokenClassification
 
     src, out = tmp_path / "src", tmp_path / "out"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_checkpoint
+from .hf_checkpoints import make_hf_checkpoint
 
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective

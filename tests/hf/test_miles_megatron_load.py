@@ -12,7 +12,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_hf_checkpoint
+from .hf_checkpoints import make_hf_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -49,7 +49,7 @@ def _export(tmp_path, hf, k, specs):
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatron_loads_the_export_strictly(tmp_path, world):
     """TP=1 runs in this process (one rank); TP=2 spawns two gloo processes."""
-    import megatron_lm_worker
+    from . import megatron_lm_worker
 
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from jobtest_helpers import WEIGHT_ATOL, max_weight_difference
+from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference
 
 from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
@@ -38,17 +38,6 @@ STEPS = 8
 
 def quiet(_msg: str) -> None:
     pass
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

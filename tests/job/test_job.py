@@ -1,7 +1,9 @@
 """The GPU job end to end on CPU: local Ray, two workers, the tiny backbone, the demo data.
 
-One module-scoped Ray cluster serves every run. The learnable run trains once (the fixture); the
-other tests reuse its critic folder or train their own small variants.
+One Ray cluster serves every run (`ray_cluster`, tests/conftest.py). The learnable run trains once
+(the `learned` fixture); the tests that need a real checkpoint reuse its critic folder or train their
+own small variants. Refusals that need only a folder with a contract get one from `write_contract`
+over an empty save folder (`contracted`), never from a training.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from jobtest_helpers import WEIGHT_ATOL, max_weight_difference
+from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference
 
-from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, load_contract, read_latest
+from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, build_contract, iter_dirname, load_contract, read_latest, write_contract
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.publish import verify_published
@@ -31,17 +33,6 @@ FRACTION_OF_OPTIMAL = 0.5
 
 def quiet(_msg: str) -> None:
     pass
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +169,29 @@ def _retarget_contract(critic: Path, **changes) -> None:
 
 
 @pytest.fixture
+def contracted(data, tmp_path):
+    """The learnable run's folder as its last save publishes it, without training: the contract the
+    job writes (same builder, same fields from `prepare`) over an empty iter_0000064 folder."""
+    cfg = base_cfg(data["learnable"], tmp_path / "contracted")
+    prep = prepare(cfg, log=quiet)
+    step_dir = cfg.output / iter_dirname(prep.plan.num_steps)
+    step_dir.mkdir(parents=True)
+    write_contract(cfg.output, build_contract(
+        manifest_sha256=prep.manifest.sha256, train_sha256=prep.train.sha256, objective=prep.manifest.objective.canonical(),
+        plan=prep.plan, completed_steps=prep.plan.num_steps, model=prep.backbone_identity,
+        backbone_config=prep.backbone_cfg.to_json(), checkpoint=step_dir.name))
+    return cfg
+
+
+def test_the_contracted_stand_in_matches_a_trained_folder(contracted, learned):
+    """`contracted` binds exactly what training binds: the trained folder's contract, field for field."""
+    trained_dir, trained_sha = read_latest(learned[0].output)
+    built_dir, built_sha = read_latest(contracted.output)
+    assert built_dir.name == trained_dir.name == "iter_0000064"
+    assert load_contract(built_dir, pinned_sha256=built_sha)[0] == load_contract(trained_dir, pinned_sha256=trained_sha)[0]
+
+
+@pytest.fixture
 def learned_copy(learned, tmp_path):
     cfg, _, _ = learned
     dst = tmp_path / "critic"
@@ -189,14 +203,14 @@ def learned_copy(learned, tmp_path):
     ({"seed": 1}, "batch plan differs"),
     ({"global_batch_size": 16}, "batch plan differs"),
 ])
-def test_resume_refuses_another_plan(learned_copy, change, message):
+def test_resume_refuses_another_plan(contracted, change, message):
     with pytest.raises(InputError, match=message):
-        prepare(replace(learned_copy, **change), log=quiet)
+        prepare(replace(contracted, **change), log=quiet)
 
 
-def test_resume_refuses_another_manifest(learned_copy, data):
+def test_resume_refuses_another_manifest(contracted, data):
     with pytest.raises(InputError, match="trained from manifest"):
-        prepare(replace(learned_copy, manifest=data["shuffled"]), log=quiet)
+        prepare(replace(contracted, manifest=data["shuffled"]), log=quiet)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -204,14 +218,14 @@ def test_resume_refuses_another_manifest(learned_copy, data):
     ({"objective": {"loss_type": "mse", "num_bins": 51, "reward_range": [0.0, 1.0], "target_type": "hl_gauss", "hl_gauss_sigma_ratio": 0.75}}, "objective differs"),
     ({"completed_steps": 999}, "beyond the plan"),
 ])
-def test_resume_refuses_a_contract_that_does_not_match(learned_copy, changes, message):
-    _retarget_contract(learned_copy.output, **changes)
+def test_resume_refuses_a_contract_that_does_not_match(contracted, changes, message):
+    _retarget_contract(contracted.output, **changes)
     with pytest.raises(InputError, match=message):
-        prepare(learned_copy, log=quiet)
+        prepare(contracted, log=quiet)
 
 
-def test_epochs_may_be_extended(learned_copy):
-    prep = prepare(replace(learned_copy, epochs=2), log=quiet)
+def test_epochs_may_be_extended(contracted):
+    prep = prepare(replace(contracted, epochs=2), log=quiet)
     assert prep.start_step == 64 and prep.plan.num_steps == 128
 
 
@@ -250,7 +264,7 @@ def test_invalid_data_reserves_nothing_and_writes_nothing(data, tmp_path, monkey
     assert not out.exists()
 
 
-def test_canary_runs_one_step_and_publishes_a_receipt_not_a_contract(ray_cluster, learned, data, tmp_path):
+def test_canary_runs_one_step_and_publishes_a_receipt_not_a_contract(ray_cluster, contracted, data, tmp_path):
     out = tmp_path / "critic"
     result = train(base_cfg(data["learnable"], out, canary=True), log=quiet)
     assert result.completed_steps == 1 and result.contract_sha256 is None
@@ -262,9 +276,8 @@ def test_canary_runs_one_step_and_publishes_a_receipt_not_a_contract(ray_cluster
     assert receipt["source_manifest_sha256"] == result.manifest_sha256
     assert receipt["batch_plan_sha256"] == result.plan_sha256
     # the canary refuses a folder that already holds a contract
-    cfg, _, _ = learned
     with pytest.raises(InputError, match="already holds a contracted checkpoint"):
-        prepare(replace(cfg, canary=True), log=quiet)
+        prepare(replace(contracted, canary=True), log=quiet)
 
 
 def test_exported_critic_reproduces_the_report(learned, data, tmp_path):
@@ -342,13 +355,12 @@ def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypa
     assert not (tmp_path / "critic").exists()
 
 
-def test_evaluation_refuses_a_layout_the_backbone_cannot_take(learned, data, tmp_path, monkeypatch):
+def test_evaluation_refuses_a_layout_the_backbone_cannot_take(contracted, data, tmp_path, monkeypatch):
     from value_assets.gpu.runtime import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
-    cfg, result, _ = learned
     report = tmp_path / "ev.json"
     with pytest.raises(InputError, match="4 stages do not split the backbone's 2 layers evenly"):
-        evaluate(EvaluateJob(checkpoint=cfg.output, manifest=data["learnable"], contract_sha256=result.contract_sha256,
+        evaluate(EvaluateJob(checkpoint=contracted.output, manifest=data["learnable"], contract_sha256=read_latest(contracted.output)[1],
                             report=report, gpus=4, pipeline_parallel=4), log=quiet)
     assert not report.exists()

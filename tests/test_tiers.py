@@ -1,0 +1,75 @@
+"""Every test module declares exactly one tier (STYLE.md item 7), module-wide, in `pytestmark`:
+
+- unit: fast and self-contained: no Ray, no spawned ranks, no Dagster run; `make test-fast`;
+- integration: Dagster runs, local Ray, spawned ranks, the GPU job on CPU;
+- gpu: needs CUDA; skipped elsewhere, run on the accelerator machine.
+
+A tier given to a single test inside a module would hide it from the module's tier, so none is.
+The test folders are packages: helpers are imported relatively, never through `sys.path`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "gpu")
+
+
+def _test_modules() -> list[Path]:
+    return sorted(TESTS.rglob("test_*.py"))
+
+
+def _tier_marks(node: ast.AST) -> list[str]:
+    """`pytest.mark.<tier>` attributes anywhere inside `node` (bare or called)."""
+    found = []
+    for sub in ast.walk(node):
+        if (isinstance(sub, ast.Attribute) and sub.attr in TIERS and isinstance(sub.value, ast.Attribute)
+                and sub.value.attr == "mark" and isinstance(sub.value.value, ast.Name) and sub.value.value.id == "pytest"):
+            found.append(sub.attr)
+    return found
+
+
+def tiers_of(path: Path) -> tuple[list[str], list[str]]:
+    """(tiers named by the module's `pytestmark`, tiers named anywhere else in the module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    module_level, elsewhere = [], []
+    for stmt in tree.body:
+        targets = [t.id for t in getattr(stmt, "targets", []) if isinstance(t, ast.Name)]
+        if isinstance(stmt, ast.Assign) and targets == ["pytestmark"]:
+            module_level += _tier_marks(stmt.value)
+        else:
+            elsewhere += _tier_marks(stmt)
+    return module_level, elsewhere
+
+
+def test_the_suite_has_test_modules_in_every_folder():
+    folders = {p.parent.name for p in _test_modules()}
+    assert {"core", "dagster", "engine", "gpu", "hf", "job"} <= folders, folders
+
+
+@pytest.mark.parametrize("path", _test_modules(), ids=lambda p: str(p.relative_to(TESTS)))
+def test_module_declares_exactly_one_tier(path):
+    module_level, elsewhere = tiers_of(path)
+    assert len(module_level) == 1, f"{path.name}: pytestmark names tiers {module_level}; exactly one of {TIERS} is required"
+    assert not elsewhere, f"{path.name}: tier marks outside pytestmark: {elsewhere} (split the module instead)"
+
+
+def test_folders_are_packages_without_path_hacks():
+    folders = {p.parent for p in TESTS.rglob("*.py")}
+    assert all((f / "__init__.py").is_file() for f in folders), sorted(str(f) for f in folders if not (f / "__init__.py").is_file())
+    for path in sorted(set(TESTS.rglob("*.py")) - {Path(__file__).resolve()}):
+        text = path.read_text()
+        assert "sys.path.insert" not in text and "from conftest import" not in text, path.name
+
+
+def test_the_checker_sees_tiers(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text("import pytest\npytestmark = [pytest.mark.integration, pytest.mark.timeout(9)]\n"
+                    "@pytest.mark.gpu\ndef test_a():\n    pass\n")
+    assert tiers_of(path) == (["integration"], ["gpu"])
