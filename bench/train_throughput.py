@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._flops import FORMULA, flops_per_token, matmul_params, s_eff  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # bf16 dense matmul, measured on this workplace's H200 (PLATFORM.md)
+PEAK_TFLOPS = 790.0  # bf16 dense matmul, measured on this workplace's H200 (docs/operations.md)
 CUDA = torch.cuda.is_available()
 
 
@@ -121,7 +121,7 @@ def pad_groups(rows, budget: int) -> list[list]:
 
 
 def pad_batch(rows) -> dict[str, torch.Tensor]:
-    """Right-padded [B, T] input_ids / attention_mask / returns / mask (SPEC 4 alignment)."""
+    """Right-padded [B, T] input_ids / attention_mask / returns / mask (docs/rules.md#critic alignment)."""
     T = max(len(r.tokens) - 1 for r in rows)
     B = len(rows)
     ids = torch.zeros(B, T, dtype=torch.long)

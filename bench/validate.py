@@ -4,7 +4,7 @@ Generates a JSONL dataset of about --gb gigabytes (and the same rows as Parquet)
 each in a fresh process so peak memory (max RSS) is per measurement:
 
 * `sha256sum` over each file (coreutils; the floor any validator that hashes must pay),
-* our `validate_dataset` (hash + every SPEC 2 check),
+* our `validate_dataset` (hash + every docs/rules.md#dataset check),
 * a plain-stdlib reference validator (json.loads per line, Python loops over every value),
 
 Targets: JSONL <= 3x sha256sum, Parquet <= 1.5x, >= 5x faster than the stdlib reference, and peak

@@ -2,7 +2,7 @@
 
 Each check is a plain function over files (returning passed + metadata) wrapped by
 `@asset_check`. Every check carries `partitions_def` so that one manifest's result never stands
-for another's (PLATFORM.md: without it a pass leaks across partitions).
+for another's (docs/operations.md: without it a pass leaks across partitions).
 """
 
 
@@ -29,7 +29,7 @@ from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
 # Partitioned checks are "preview" in 1.13 but required here: without them one manifest's pass
-# would stand for every manifest (PLATFORM.md). Known and intended, so not repeated on every load.
+# would stand for every manifest (docs/operations.md). Known and intended, so not repeated on every load.
 warnings.filterwarnings("ignore", message="Specifying a partitions_def on an AssetCheckSpec")
 
 
@@ -106,7 +106,7 @@ def contract_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactS
 # ---------------------------------------------------------------- ev_gate
 
 def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
-    """Record `decide_gate` over the report (SPEC 7), naming the report sha it was decided on.
+    """Record `decide_gate` over the report (docs/rules.md#evaluation), naming the report sha it was decided on.
 
     The report's own `passed` is not trusted: the gate is recomputed from the per-batch sufficient
     statistics, and a stated verdict or aggregate that disagrees fails it. Promotion requires this
@@ -122,7 +122,7 @@ def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
 
 
 @asset_check(asset=ev_report, name="ev_gate", blocking=True, partitions_def=manifests_partitions,
-             description="SPEC 7 gate on heldout EV (token and trajectory); blocks promotion.")
+             description="docs/rules.md#evaluation gate on heldout EV (token and trajectory); blocks promotion.")
 def ev_gate(context: AssetCheckExecutionContext):
     recorded = latest_metadata(context.instance, "ev_report", context.partition_key)
     if not recorded or "report_path" not in recorded:

@@ -14,7 +14,7 @@ variables so the same image serves every deployment:
 | VALUE_ASSETS_GPU_IMAGE | kubernetes | required: the GPU job image |
 | VALUE_ASSETS_K8S_NAMESPACE, VALUE_ASSETS_K8S_PVCS (`claim=/mount,...`), VALUE_ASSETS_GPUS | kubernetes | |
 
-This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/test_layers.py).
+This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/test_dg_layers.py loads it; tests/test_imports.py checks every module statically).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The manifest sensor: a folder of manifests becomes partitions and runs.
 
 Per tick, every ``*.json`` file directly in the watched folder is hashed. A file whose
-(path, sha) the cursor has not seen is loaded (manifest only, SPEC 1: no dataset is read):
+(path, sha) the cursor has not seen is loaded (manifest only, docs/rules.md#manifest: no dataset is read):
 - valid: it is registered (snapshot + registration under the artifacts root), its partition
   ``<stem>-<sha12>`` is added, and a run of the full job is requested with run_key = partition
   key (so a lost cursor never starts a second run for the same content);

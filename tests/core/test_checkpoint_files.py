@@ -1,4 +1,4 @@
-"""SPEC 6: the contract binds every file of its save; loaders verify before deserializing; resume
+"""docs/rules.md#contract: the contract binds every file of its save; loaders verify before deserializing; resume
 finds the newest verified contracted save; `value-assets verify` (torch-free)."""
 
 import os

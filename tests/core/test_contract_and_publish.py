@@ -1,4 +1,4 @@
-"""SPEC 5/6 contracts and resume rules; SPEC 7/9 write-once publication (incl. concurrency)."""
+"""docs/rules.md#training-run, docs/rules.md#contract contracts and resume rules; docs/rules.md#evaluation, docs/rules.md#bad-input-and-safety write-once publication (incl. concurrency)."""
 
 import json
 import multiprocessing as mp

@@ -1,4 +1,4 @@
-"""SPEC 6: a contract names only bytes that were trained on. Every JSONL row read after validation is
+"""docs/rules.md#contract: a contract names only bytes that were trained on. Every JSONL row read after validation is
 checked against the digest of the line that was validated."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""SPEC 2: dataset rules for JSONL and Parquet, located errors, random access and statistics."""
+"""docs/rules.md#dataset: dataset rules for JSONL and Parquet, located errors, random access and statistics."""
 
 import json
 

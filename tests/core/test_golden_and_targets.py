@@ -1,4 +1,4 @@
-"""Golden values from SPEC 3, 4 and 7, and target distributions against naive loops."""
+"""Golden values from docs/rules.md#batch-plan, 4 and 7, and target distributions against naive loops."""
 
 import math
 

@@ -1,5 +1,5 @@
 """Inputs that used to crash with a traceback, pass validation but break training, or cost memory
-without bound; and the Miles-compatible leniencies (SPEC 2 item 7, SPEC 10). Each test names the
+without bound; and the Miles-compatible leniencies (docs/rules.md#dataset item 7, docs/rules.md#hand-off). Each test names the
 defect it holds fixed: a located InputError (exit 2 from the command line, nothing written)."""
 
 import json

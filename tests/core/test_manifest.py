@@ -1,4 +1,4 @@
-"""SPEC 1 (manifest) and the data-root rule of SPEC 9."""
+"""docs/rules.md#manifest (manifest) and the data-root rule of docs/rules.md#bad-input-and-safety."""
 
 import json
 import os

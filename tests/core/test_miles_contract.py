@@ -1,4 +1,4 @@
-"""core/miles.py: the SPEC 10 contract, checked by the rules of Miles' `load_value_pretrain_contract`."""
+"""core/miles.py: the docs/rules.md#hand-off contract, checked by the rules of Miles' `load_value_pretrain_contract`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC 3 batch plans, exact-coverage planner, topology, round-robin; SPEC 7 mixed-label batches."""
+"""docs/rules.md#batch-plan batch plans, exact-coverage planner, topology, round-robin; docs/rules.md#evaluation mixed-label batches."""
 
 import random
 from collections import Counter

@@ -1,4 +1,4 @@
-"""The trust rules of SPEC 7 and 8 as plain functions, on files, without Dagster: `decide_gate`,
+"""The trust rules of docs/rules.md#evaluation and docs/rules.md#promotion as plain functions, on files, without Dagster: `decide_gate`,
 when a published report is reused, and every refusal of promotion."""
 
 import os

@@ -1,4 +1,4 @@
-"""SPEC 7 statistics: mergeable float64 sums, EV against numpy/sklearn/naive references, rank-report
+"""docs/rules.md#evaluation statistics: mergeable float64 sums, EV against numpy/sklearn/naive references, rank-report
 refusals, AUROC and the gate."""
 
 import math

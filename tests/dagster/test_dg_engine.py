@@ -89,7 +89,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert record["contract_sha256"] == latest_metadata(instance, "training_contract", good_key)["contract_sha256"]
     assert record["report_sha256"] == latest_metadata(instance, "ev_report", good_key)["report_sha256"]
 
-    # The hand-off (SPEC 10): a real Miles export of the promoted critic, which core's reader (Miles'
+    # The hand-off (docs/rules.md#hand-off): a real Miles export of the promoted critic, which core's reader (Miles'
     # rules) accepts at the sha the record pins; every file is the one recorded.
     from value_assets.core.handoff import verify_handoff
     from value_assets.core.miles import read_miles_contract

@@ -1,6 +1,6 @@
 """Issue 9, defects 1 and 7, with real Dagster: a real instance, real job runs, the Pipes stand-in
 in a subprocess, real files. Each test forges or breaks what an attacker or a full disk would, then
-asserts that nothing is reused or promoted that the lineage did not evaluate and gate (SPEC 8), and
+asserts that nothing is reused or promoted that the lineage did not evaluate and gate (docs/rules.md#promotion), and
 that an identical retry after a full disk completes.
 
 The rules themselves are tested without Dagster in tests/core/test_promotion.py.

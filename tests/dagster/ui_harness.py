@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
-# PLATFORM.md: these flags render the Dagster UI headless in this container.
+# docs/operations.md: these flags render the Dagster UI headless in this container.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TERMINAL_RUN_STATUSES = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 def _reset_signals() -> None:
-    # PLATFORM.md: started from a script, `dagster dev` inherits ignored SIGINT/SIGTERM and then
+    # docs/operations.md: started from a script, `dagster dev` inherits ignored SIGINT/SIGTERM and then
     # never stops on them; reset them before exec.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

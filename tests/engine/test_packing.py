@@ -1,4 +1,4 @@
-"""Packing and SPEC 4 alignment against a naive reference."""
+"""Packing and docs/rules.md#critic alignment against a naive reference."""
 
 import numpy as np
 import pytest

@@ -4,7 +4,7 @@ Kept private to tests/hf so these tests do not depend on the engine's model modu
 group, `initialize_model_parallel(1, 1)`, `torch.cuda.current_device` pointed at the CPU (rotary
 `inv_freq` and attention scratch tensors allocate on "the current device"), and a local-spec
 GPTModel built from a `read_hf_config` dict. The critic here is that backbone plus a Linear value
-head on the final-norm hidden states, which is what SPEC 4 prescribes.
+head on the final-norm hidden states, which is what docs/rules.md#critic prescribes.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ ATOL = 1e-4
 
 
 def critic_state(folder, k, padded_vocab_size=None):
-    """A fresh critic as SPEC 4 builds it: the HF backbone plus a Linear(hidden -> K) value head."""
+    """A fresh critic as docs/rules.md#critic builds it: the HF backbone plus a Linear(hidden -> K) value head."""
     cfg = read_hf_config(folder)
     state = load_hf_backbone_state(folder, padded_vocab_size=padded_vocab_size)
     head = torch.nn.Linear(cfg["hidden_size"], k)

@@ -128,7 +128,7 @@ def contract_metadata(ref: ContractRef) -> dict[str, Any]:
                   group_name=GROUP, owners=OWNERS, kinds=TRAIN_KINDS, description="The trained critic: the latest contracted save."),
         AssetSpec("training_contract", deps=["critic_checkpoint"], code_version="1", group_name=GROUP,
                   owners=OWNERS, kinds=TRAIN_KINDS,
-                  description="The contract binding that save to manifest, dataset, objective and plan (SPEC 6)."),
+                  description="The contract binding that save to manifest, dataset, objective and plan (docs/rules.md#contract)."),
     ],
     partitions_def=manifests_partitions,
     pool=GPU_POOL,
@@ -172,7 +172,7 @@ def canary_receipt(
     context: AssetExecutionContext, config: TrainRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
     launcher: GpuJobLauncher,
 ) -> MaterializeResult:
-    """One planned step end to end; writes a non-promotable receipt and no contract (SPEC 5)."""
+    """One planned step end to end; writes a non-promotable receipt and no contract (docs/rules.md#training-run)."""
     key = context.partition_key
     with fail_on_bad_input("canary_receipt"):
         manifest = partition_manifest(context, artifacts, inbox)
@@ -231,11 +231,11 @@ def ev_report(
     context: AssetExecutionContext, config: EvaluateRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
     launcher: GpuJobLauncher,
 ) -> MaterializeResult:
-    """Forward-only EV evaluation of the latest contracted critic on heldout rows (SPEC 7).
+    """Forward-only EV evaluation of the latest contracted critic on heldout rows (docs/rules.md#evaluation).
 
     A failing gate still materializes its report; `ev_gate` (blocking) then stops promotion.
     A published report is reused instead of re-evaluated only when its sha is the one an evaluation
-    of this lineage recorded for this contract (SPEC 8); any other report at the path is refused
+    of this lineage recorded for this contract (docs/rules.md#promotion); any other report at the path is refused
     with a message naming it (`core.promotion.decide_reuse`).
     """
     key = context.partition_key
@@ -328,8 +328,8 @@ def handoff_metadata(handoff: dict[str, Any], reused: bool) -> dict[str, Any]:
        group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"json"})
 def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox,
                     launcher: GpuJobLauncher) -> MaterializeResult:
-    """The registry record the online RL job pins: checkpoint + contract sha (SPEC 8), and the
-    hand-off bundles with their shas and the RL-side settings (SPEC 10, docs/rules.md#hand-off).
+    """The registry record the online RL job pins: checkpoint + contract sha (docs/rules.md#promotion), and the
+    hand-off bundles with their shas and the RL-side settings (docs/rules.md#hand-off, docs/rules.md#hand-off).
 
     The decision is `ev_gate`'s (blocking) and the rules are `core.promotion.verify_promotion`'s:
     this asset reads what the lineage recorded (the contract, the report sha `ev_report` recorded

@@ -1,6 +1,6 @@
 """CPU assets: the registered manifest, its validated datasets and the published batch plan.
 
-All run in the Dagster process, before any accelerator is reserved (SPEC 5: a run on invalid data
+All run in the Dagster process, before any accelerator is reserved (docs/rules.md#training-run: a run on invalid data
 never reserves one).
 """
 
@@ -23,7 +23,7 @@ from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
 GROUP = "data"
-# A kind is static and a manifest's dataset may be either format (SPEC 2).
+# A kind is static and a manifest's dataset may be either format (docs/rules.md#dataset).
 DATASET_KINDS = {"jsonl", "parquet"}
 
 
@@ -90,7 +90,7 @@ def _validate(context, artifacts, inbox, split: str) -> MaterializeResult:
 @asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP, owners=OWNERS,
        kinds=DATASET_KINDS)
 def train_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
-    """The train split, fully validated (SPEC 2), with its statistics and label counts."""
+    """The train split, fully validated (docs/rules.md#dataset), with its statistics and label counts."""
     return _validate(context, artifacts, inbox, "train")
 
 
@@ -105,7 +105,7 @@ PLAN_SETTINGS = ("global_batch_size", "epochs", "seed")
 
 
 class PlanConfig(Config):
-    """The batch plan (SPEC 3): `TrainJob`'s plan settings (unset: its defaults). Training reads
+    """The batch plan (docs/rules.md#batch-plan): `TrainJob`'s plan settings (unset: its defaults). Training reads
     these back from the published plan, never from its own config."""
 
     global_batch_size: int | None = job_setting(TrainJob, "global_batch_size")

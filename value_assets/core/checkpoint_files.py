@@ -1,4 +1,4 @@
-"""The contract's binding of a checkpoint's bytes (SPEC 6), and its verification.
+"""The contract's binding of a checkpoint's bytes (docs/rules.md#contract), and its verification.
 
 A save is described file by file (relative path, size, sha256, sorted by path) once it is complete
 and before its contract is published; the description goes into the contract as

@@ -1,4 +1,4 @@
-"""Training contracts (SPEC 6) and the resume rules (SPEC 5) as pure functions.
+"""Training contracts (docs/rules.md#contract) and the resume rules (docs/rules.md#training-run) as pure functions.
 
 A contract binds a saved checkpoint to the manifest, the train data, the objective and the batch
 plan it was trained with. It is canonical JSON; its sha is the sha of those bytes.

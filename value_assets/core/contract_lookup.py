@@ -21,7 +21,7 @@ class ContractRef:
 
     @property
     def checkpoint_dir(self) -> Path:
-        """The save folder the contract sits in (SPEC 6: one contract next to each save)."""
+        """The save folder the contract sits in (docs/rules.md#contract: one contract next to each save)."""
         return self.path.parent
 
 

@@ -1,4 +1,4 @@
-"""Dataset validation (SPEC 2) for JSONL and Parquet, streaming with bounded memory.
+"""Dataset validation (docs/rules.md#dataset) for JSONL and Parquet, streaming with bounded memory.
 
 Two paths give the same verdict:
 
@@ -182,7 +182,7 @@ def _rows_with(flat_bad: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def check_columns(c: Columns, objective: Objective, vocab_size: int | None, max_seq_len: int | None):
-    """SPEC 2 rules 3-7 with numpy over a batch.
+    """docs/rules.md#dataset rules 3-7 with numpy over a batch.
 
     Returns (first bad row or None, facts) with facts = (token lengths, active counts, labels).
     """
@@ -612,7 +612,7 @@ def sniff_format(path: Path) -> str:
 def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int | None = None,
                      max_seq_len: int | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
                      progress: Progress | None = None) -> Dataset:
-    """Run every SPEC 2 check on one split; return the validated dataset or raise InputError.
+    """Run every docs/rules.md#dataset check on one split; return the validated dataset or raise InputError.
 
     `max_row_bytes` bounds one row (see DEFAULT_MAX_ROW_BYTES); a longer row is refused, located.
     """

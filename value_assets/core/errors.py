@@ -1,6 +1,6 @@
 """The one error type for bad input.
 
-Every rule of SPEC.md that rejects input raises `InputError`. Its message names the offending
+Every rule of docs/rules.md that rejects input raises `InputError`. Its message names the offending
 value and where it came from (``path:line``, ``path:row N``, or a field path), so the command
 line can print it as is and exit with status 2.
 """

@@ -1,4 +1,4 @@
-"""The hand-off to RL (SPEC 10): what a promoted critic's bundles are, and what the RL side sets.
+"""The hand-off to RL (docs/rules.md#hand-off): what a promoted critic's bundles are, and what the RL side sets.
 
 Torch-free: promotion (the Dagster process) and `value-assets handoff` use it; the bundles
 themselves are written by the GPU job's `handoff` task (`gpu/convert/export.py`).

@@ -13,7 +13,7 @@ CHUNK = 1 << 22
 
 
 def is_sha(value: object) -> bool:
-    """True for a lowercase 64-hex SHA-256 string (SPEC's *sha*)."""
+    """True for a lowercase 64-hex SHA-256 string (a sha (docs/rules.md#terms))."""
     return isinstance(value, str) and _SHA_RE.fullmatch(value) is not None
 
 

@@ -183,7 +183,7 @@ def _common_checks(cfg: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainJob(_JobConfig):
-    """One training run (SPEC 5): `value-assets train`, the `critic_training` and `canary_receipt`
+    """One training run (docs/rules.md#training-run): `value-assets train`, the `critic_training` and `canary_receipt`
     assets, and the Pipes tasks `train` / `canary`."""
 
     manifest: Path = setting(doc="Manifest JSON (miles.value-pretrain.v1) naming the train (and heldout) data.")
@@ -255,7 +255,7 @@ class TrainJob(_JobConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class EvaluateJob(_JobConfig):
-    """One forward-only evaluation (SPEC 7): `value-assets evaluate`, the `ev_report` asset and the
+    """One forward-only evaluation (docs/rules.md#evaluation): `value-assets evaluate`, the `ev_report` asset and the
     Pipes task `evaluate`."""
 
     checkpoint: Path = setting(doc="A contracted iter_* folder, or a critic folder (its latest).")
@@ -263,7 +263,7 @@ class EvaluateJob(_JobConfig):
     contract_sha256: str = setting(doc="The sha256 of the checkpoint's contract (checked before anything is loaded).")
     report: Path = setting(doc="Report path (write-once); its three plots are published beside it.")
     split: str = setting("heldout", doc="The split to evaluate: 'heldout' (the gate) or 'train'.")
-    num_batches: int = setting(8, doc="B mixed-label batches (SPEC 7).")
+    num_batches: int = setting(8, doc="B mixed-label batches (docs/rules.md#evaluation).")
     global_batch_size: int | None = setting(None, doc="G rows per evaluation batch (G x B <= rows); unset: min(64, rows / B), rounded down to a multiple of the data-parallel size.")
     seed: int = setting(0, doc="Seed of the mixed-label batch selection.")
     gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
@@ -298,7 +298,7 @@ LAYER_SPECS = ("te", "local")
 
 @dataclass(frozen=True, kw_only=True)
 class HandoffJob(_JobConfig):
-    """The hand-off export of a promoted critic (SPEC 10): the Pipes task `handoff` that
+    """The hand-off export of a promoted critic (docs/rules.md#hand-off): the Pipes task `handoff` that
     `promoted_critic` launches. Writes `out_dir/miles/` (Miles' `--critic-load` folder) and, with
     `scalar_hf`, `out_dir/hf/` (the scalar Hugging Face critic, verl's `critic.model.path`)."""
 

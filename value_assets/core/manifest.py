@@ -1,4 +1,4 @@
-"""The manifest (SPEC 1): pins train/held-out datasets by sha and names the value objective.
+"""The manifest (docs/rules.md#manifest): pins train/held-out datasets by sha and names the value objective.
 
 Compatible with Miles `miles.value-pretrain.v1` manifests. Loading reads only the manifest file;
 datasets are opened by `value_assets.core.dataset`.

@@ -1,4 +1,4 @@
-"""The Miles hand-off contract (SPEC 10): build it from ours, read it back by Miles' own rules.
+"""The Miles hand-off contract (docs/rules.md#hand-off): build it from ours, read it back by Miles' own rules.
 
 Pure JSON, no torch: the export job writes it, promotion can re-read it.
 
@@ -37,7 +37,7 @@ def miles_iter_dirname(iteration: int) -> str:
 
 
 def build_miles_contract(contract: Mapping[str, Any], model_identity: str) -> dict[str, Any]:
-    """The SPEC 10 contract for a checkpoint that our `value-assets.training-contract.v1`
+    """The docs/rules.md#hand-off contract for a checkpoint that our `value-assets.training-contract.v1`
     `contract` describes. `model_identity`: the non-empty string the RL run knows the critic by."""
     if not isinstance(model_identity, str) or not model_identity:
         raise InputError("--model-identity", f"must be a non-empty string, got {show(model_identity)}")
@@ -60,7 +60,7 @@ def build_miles_contract(contract: Mapping[str, Any], model_identity: str) -> di
 
 
 def check_miles_contract(obj: Any, where: str) -> None:
-    """Miles' `load_value_pretrain_contract` rules, plus: exactly the SPEC 10 keys."""
+    """Miles' `load_value_pretrain_contract` rules, plus: exactly the docs/rules.md#hand-off keys."""
     if not isinstance(obj, dict):
         raise InputError(where, f"must be a JSON object, got {show(obj)}")
     if sorted(obj) != sorted(MILES_KEYS):
@@ -96,7 +96,7 @@ def miles_contract_bytes(obj: Mapping[str, Any]) -> bytes:
 
 def read_miles_contract(folder: str | Path, pinned_sha256: str | None = None) -> tuple[dict[str, Any], str]:
     """(contract, sha) of `folder/value_pretrain_contract.json`, the way the RL side reads it: the
-    pinned sha is checked before parsing; then Miles' rules, exactly the SPEC 10 keys, canonical
+    pinned sha is checked before parsing; then Miles' rules, exactly the docs/rules.md#hand-off keys, canonical
     bytes, and `completed_steps` equal to the iteration in `latest_checkpointed_iteration.txt`."""
     root = Path(folder)
     p = root / MILES_CONTRACT_NAME

@@ -1,4 +1,4 @@
-"""Mixed-label evaluation batches (SPEC 7): every batch holds at least two labels, so that each
+"""Mixed-label evaluation batches (docs/rules.md#evaluation): every batch holds at least two labels, so that each
 batch's Var(R) > 0 and a per-batch EV exists."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def mixed_label_batches(labels: Sequence[float], global_batch_size: int, num_bat
     """Pick `num_batches` disjoint batches of `global_batch_size` row indices from rows with `labels`.
 
     One `random.Random(seed)` drives every shuffle, in this order: each label group (sorted-label
-    order), the leftover pool, then each batch. Golden value (SPEC 7): labels [0,1] x 6, G=4, B=3,
+    order), the leftover pool, then each batch. Golden value (docs/rules.md#evaluation): labels [0,1] x 6, G=4, B=3,
     seed=17 -> (3,0,8,2), (7,1,6,9), (11,4,10,5).
     """
     g, b = global_batch_size, num_batches

@@ -1,4 +1,4 @@
-"""The value objective (SPEC 1): loss type, value support and target distribution.
+"""The value objective (docs/rules.md#manifest): loss type, value support and target distribution.
 
 `Objective.from_json` applies the defaults and the strict type rules; `canonical()` is the
 five-field form that contracts store and resume compares. Besides the types, construction refuses
@@ -74,7 +74,7 @@ class Objective:
             self._check_support(where)
 
     def _check_support(self, where: str) -> None:
-        """The support linspace(low, high, K), its bin width and the HL-Gauss sigma, as SPEC 4 derives
+        """The support linspace(low, high, K), its bin width and the HL-Gauss sigma, as docs/rules.md#critic derives
         them, must be finite, positive and strictly increasing: a range too narrow for K float bins
         gives equal centres and zero-width bins (division by zero in the targets)."""
         low, high = self.reward_range
@@ -102,7 +102,7 @@ class Objective:
     @classmethod
     def from_json(cls, obj: Any, where: str = "objective", *, ignore_unknown: bool = False) -> "Objective":
         """Build from a JSON object. Unknown keys are refused, except with `ignore_unknown` (a Miles
-        manifest: Miles' loader ignores them, SPEC 10); contracts keep exactly the five fields."""
+        manifest: Miles' loader ignores them, docs/rules.md#hand-off); contracts keep exactly the five fields."""
         if not isinstance(obj, Mapping):
             raise InputError(where, f"must be an object, got {show(obj)}")
         unknown = cls.unknown_keys(obj)

@@ -1,4 +1,4 @@
-"""Batch plans (SPEC 3): the Miles-compatible shuffle, the exact-coverage planner, topology checks.
+"""Batch plans (docs/rules.md#batch-plan): the Miles-compatible shuffle, the exact-coverage planner, topology checks.
 
 A plan is an artifact with its own sha: the canonical JSON of seed, G, epochs, algorithm and the
 step -> row indices table.
@@ -113,7 +113,7 @@ def choose_exact_coverage(num_rows: int, gpus: int, max_global_batch_size: int) 
 
 
 def data_parallel_size(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
-    """GPUs / (tp x pp); the GPUs must divide into whole model-parallel groups (SPEC 3)."""
+    """GPUs / (tp x pp); the GPUs must divide into whole model-parallel groups (docs/rules.md#batch-plan)."""
     total = require_int(total_gpus, "gpus")
     tp = require_int(tensor_parallel, "tensor_parallel")
     pp = require_int(pipeline_parallel, "pipeline_parallel")
@@ -124,7 +124,7 @@ def data_parallel_size(*, total_gpus: int, tensor_parallel: int = 1, pipeline_pa
 
 def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                    global_batch_size: int, micro_batch_size: int = 1) -> int:
-    """Check SPEC 3 topology rules before launch; return the data-parallel size."""
+    """Check docs/rules.md#batch-plan topology rules before launch; return the data-parallel size."""
     dp = data_parallel_size(total_gpus=total_gpus, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     g = require_int(global_batch_size, "global_batch_size")
     mb = require_int(micro_batch_size, "micro_batch_size")
@@ -136,7 +136,7 @@ def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parall
 
 
 def assign_to_ranks(batch: tuple[int, ...] | list[int], dp: int) -> list[list[int]]:
-    """Rows of a batch go to dp ranks round-robin by position (SPEC 5)."""
+    """Rows of a batch go to dp ranks round-robin by position (docs/rules.md#training-run)."""
     return [list(batch[r::dp]) for r in range(dp)]
 
 

@@ -1,4 +1,4 @@
-"""Trust in a published EV report: when it is reused, and when its critic is promoted (SPEC 8).
+"""Trust in a published EV report: when it is reused, and when its critic is promoted (docs/rules.md#promotion).
 
 Plain rules over what the lineage recorded (passed in by the Dagster layer, which reads them from
 its instance) and the files on disk. A file that merely agrees with its own `.sha256` sidecar proves
@@ -31,7 +31,7 @@ PROMOTION_SCHEMA = "value-assets.promotion.v1"
 
 VerifyCheckpoint = Callable[[Path, dict[str, Any]], Any]
 """`verify_checkpoint(step_dir, contract)`: raises InputError unless every file of the save matches
-the contract (SPEC 6). Provided by the checkpoint-binding work; promotion calls it when given."""
+the contract (docs/rules.md#contract). Provided by the checkpoint-binding work; promotion calls it when given."""
 
 
 class PromotionRefused(Exception):
@@ -101,7 +101,7 @@ def verify_promotion(
     gate: GateRecord | None,
     verify_checkpoint: VerifyCheckpoint | None = None,
 ) -> dict[str, Any]:
-    """Re-verify at promotion time (SPEC 8) and return the registry record; refuse otherwise.
+    """Re-verify at promotion time (docs/rules.md#promotion) and return the registry record; refuse otherwise.
 
     `recorded_report_sha256` is the sha `ev_report` recorded for this contract's report, `gate` the
     latest `ev_gate` evaluation of this partition. The gate must be this partition's, blocking,

@@ -1,4 +1,4 @@
-"""The EV report document (SPEC 7): per-batch statistics, aggregates, EV by response position,
+"""The EV report document (docs/rules.md#evaluation): per-batch statistics, aggregates, EV by response position,
 bootstrap intervals, the gate and its criteria.
 
 `decide_gate` is the one place the gate is decided: the report builder, the `ev_gate` check and
@@ -129,7 +129,7 @@ def _same_interval(stated: Any, recomputed: dict[str, Any]) -> bool:
 
 
 def decide_gate(report: dict[str, Any]) -> GateDecision:
-    """Decide the SPEC 7 gate from a report's split, gate mode and per-batch sufficient statistics.
+    """Decide the docs/rules.md#evaluation gate from a report's split, gate mode and per-batch sufficient statistics.
 
     Passes only on the heldout split when, for both weightings, the EV of the statistics summed over
     all batches is > 0 and positive-EV batches are a strict majority. In mode "interval" (read from

@@ -1,4 +1,4 @@
-"""One trajectory row (SPEC 2) and the exact, per-row rules.
+"""One trajectory row (docs/rules.md#dataset) and the exact, per-row rules.
 
 `check_row` is the reference implementation of the row rules: the fast columnar validator in
 `dataset.py` must accept exactly what this accepts, and it falls back to this function to name the
@@ -53,7 +53,7 @@ def format_label(value: float) -> str:
 
 
 def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | None = None, max_seq_len: int | None = None) -> Row:
-    """Apply SPEC 2 rules 3-7 to one parsed JSON row; raise InputError(where, ...) on the first break."""
+    """Apply docs/rules.md#dataset rules 3-7 to one parsed JSON row; raise InputError(where, ...) on the first break."""
     if not isinstance(obj, dict):
         raise InputError(where, f"row must be a JSON object, got {show(obj)}")
     sid = obj.get("sample_id")
@@ -115,7 +115,7 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
         if len(mask) != rl:
             raise InputError(where, f"loss_mask has {len(mask)} values, expected response_length = {rl}")
         for i, m in enumerate(mask):
-            # As Miles' loader: 0/1, 0.0/1.0 and false/true, all read as 0/1 (SPEC 2 item 7).
+            # As Miles' loader: 0/1, 0.0/1.0 and false/true, all read as 0/1 (docs/rules.md#dataset item 7).
             if type(m) not in _MASK_TYPES or m not in (0, 1):
                 raise InputError(where, f"loss_mask[{i}] must be 0 or 1 (0.0/1.0 and false/true are read as 0/1), got {show(m)}")
         if not any(mask):

@@ -1,4 +1,4 @@
-"""Explained variance from float64 sufficient statistics, rank-report checks and the gate (SPEC 7).
+"""Explained variance from float64 sufficient statistics, rank-report checks and the gate (docs/rules.md#evaluation).
 
 Statistics are summed across rows, ranks and batches, and divided once at the end; EVs are never
 averaged.

@@ -1,4 +1,4 @@
-"""Strict JSON: duplicate keys, NaN and +-Infinity are errors (SPEC 1 and 2).
+"""Strict JSON: duplicate keys, NaN and +-Infinity are errors (docs/rules.md#manifest and docs/rules.md#dataset).
 
 Python's `json` accepts all three by default (keeping the last of duplicate keys, reading NaN and
 1e999 as floats); these wrappers refuse them, so that what we accept reads the same in every
@@ -159,5 +159,5 @@ def finite_float(value: object) -> float | None:
 
 
 def canonical_bytes(obj: Any) -> bytes:
-    """Canonical JSON (SPEC 6): sorted keys, compact separators, UTF-8, trailing newline."""
+    """Canonical JSON (docs/rules.md#contract): sorted keys, compact separators, UTF-8, trailing newline."""
     return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")

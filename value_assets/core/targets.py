@@ -1,7 +1,7 @@
-"""Target distributions over the value support (SPEC 4), numpy float64 reference.
+"""Target distributions over the value support (docs/rules.md#critic), numpy float64 reference.
 
 The GPU code computes the same in torch; tests hold both to these functions and to the golden
-values of SPEC 4.
+values of docs/rules.md#critic.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def add_commands(sub) -> None:
                         "(default: %(default)s)")
     x.set_defaults(func=cmd_export_hf)
 
-    m = sub.add_parser("export-miles", help="export a critic checkpoint for Miles' --critic-load (SPEC 10); prints the contract sha")
+    m = sub.add_parser("export-miles", help="export a critic checkpoint for Miles' --critic-load (docs/rules.md#hand-off); prints the contract sha")
     m.add_argument("--checkpoint", required=True, help="critic folder or one of its contracted iter_* saves")
     m.add_argument("--out", required=True, help="new (or empty) output folder: Miles' --critic-load")
     m.add_argument("--model-identity", required=True, help="the name the RL run knows the critic by (the contract's model_identity)")

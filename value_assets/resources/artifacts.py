@@ -1,4 +1,4 @@
-"""Where artifacts live: one configurable root, laid out as in DESIGN.md.
+"""Where artifacts live: one configurable root, laid out as in docs/architecture.md.
 
 ```
 <root>/<partition>/registration.json          which manifest file and sha the partition is
@@ -72,7 +72,7 @@ class ManifestInbox(ConfigurableResource):
     folder: str = Field(default="manifests", description="Folder scanned for `*.json` manifests.")
     data_roots: list[str] = Field(
         default_factory=list,
-        description="When non-empty, dataset paths outside these folders are refused (SPEC 9).",
+        description="When non-empty, dataset paths outside these folders are refused (docs/rules.md#bad-input-and-safety).",
     )
 
     @property

@@ -183,7 +183,7 @@ class RayJobLauncher(GpuJobLauncher):
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
         from dagster_ray import PipesRayJobClient  # heavy; only where this launcher is used
 
-        # Fresh per launch: the client caches its JobSubmissionClient (PLATFORM.md).
+        # Fresh per launch: the client caches its JobSubmissionClient (docs/operations.md).
         client = PipesRayJobClient(address=self.address, timeout=self.timeout_s, poll_interval=self.poll_interval_s)
         return client.run(context=context, submit_job_params=self.submit_params(task), extras=extras)
 

@@ -1,4 +1,4 @@
-"""Where a fresh critic's backbone comes from (SPEC 4 bootstrap).
+"""Where a fresh critic's backbone comes from (docs/rules.md#critic bootstrap).
 
 `resolve_backbone` runs on the driver (CPU, before anything is reserved): it reads the backbone's
 shape and identity. `load_backbone_into` runs on each worker: it loads every backbone tensor

@@ -73,7 +73,7 @@ def export_checkpoint(checkpoint: Path, out: Path, fmt: str = "token-classificat
 
 
 def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: str = "te") -> tuple[Path, str]:
-    """`export-miles`: SPEC 10's `OUT/latest_checkpointed_iteration.txt`, `OUT/iter_{N:07d}/` and
+    """`export-miles`: docs/rules.md#hand-off's `OUT/latest_checkpointed_iteration.txt`, `OUT/iter_{N:07d}/` and
     `OUT/value_pretrain_contract.json` (written last: it is what publishes the hand-off).
     Returns (OUT, the Miles contract's sha)."""
     from value_assets.core.miles import (MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract,

@@ -6,7 +6,7 @@ Engine) layer spec, optionally sliced for one tensor-parallel rank. Every backbo
 and every expected one found, or an `InputError` names the tensor. Out: `export_critic_to_hf` writes a
 trained critic as a `transformers` token-classification checkpoint (`<Family>ForTokenClassification`,
 value head = `score` with bias) plus `value_head.json`. transformers' generic token-classification
-head is `nn.Linear(hidden, num_labels)` with bias on by default, so SPEC 4's head (bias on, float32)
+head is `nn.Linear(hidden, num_labels)` with bias on by default, so docs/rules.md#critic's head (bias on, float32)
 maps onto it one to one, and `AutoModelForTokenClassification` loads the critic with no custom code.
 
 Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
@@ -20,7 +20,7 @@ Why our own converter and not a bridge (checked 2026-12-02 on PyPI):
   output layer. Using it would mean patching around it in both environments.
 - The mapping for three dense families is ~150 lines of tensor reshapes that we can test exactly
   against `transformers` on CPU (tests/hf), runs unchanged on megatron-core 0.16 and 0.19, and
-  keeps the strictness SPEC 4 demands (no silent partial loads). Other families or MoE: add a
+  keeps the strictness docs/rules.md#critic demands (no silent partial loads). Other families or MoE: add a
   family in `convert/hf_config.py` and a mapping here, or revisit a bridge when TE is available.
 
 Both directions walk the one name table `names.HF_TABLE` (local name <- HF names, how the pieces
@@ -360,7 +360,7 @@ def _hf_config_dict(cfg: Any, num_labels: int, dtype: torch.dtype) -> dict[str, 
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
         "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "tie_word_embeddings": False,  # the critic's embeddings are untied (SPEC 4)
+        "tie_word_embeddings": False,  # the critic's embeddings are untied (docs/rules.md#critic)
         "num_labels": num_labels,
         "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
         "label2id": {f"LABEL_{i}": i for i in range(num_labels)},

@@ -15,7 +15,7 @@ maps its separate norms onto them when it saves. The specs differ in the `_extra
 (no weights) their modules save (`names.EXTRA_STATE`). Unfused norm names are read too.
 
 Reading (`bootstrap`): the tensors are read with torch.distributed.checkpoint without a process
-group, its index through `safe_pickle` (SPEC 9); only backbone tensors are taken, strictly: a
+group, its index through `safe_pickle` (docs/rules.md#bad-input-and-safety); only backbone tensors are taken, strictly: a
 missing or unexpected name is an error that lists them; the LM head (`output_layer.weight`) and a
 critic head are read past (the critic adds its own), `_extra_state` objects and optimizer / RNG
 state are ignored. The architecture comes from the saved `args` where present, else from a

@@ -3,7 +3,7 @@
 A torch_dist folder (`iter_NNNNNNN/`) holds `common.pt` (torch.save of the non-sharded entries:
 Megatron-LM's saved arguments as an `argparse.Namespace`, the iteration, the checkpoint version)
 and `.metadata` (torch.distributed.checkpoint's index, a plain pickle). Both are pickles, and an
-actor checkpoint is input we did not write (SPEC 9: nothing arbitrary is unpickled).
+actor checkpoint is input we did not write (docs/rules.md#bad-input-and-safety: nothing arbitrary is unpickled).
 
 Why a restricted unpickler and not `torch.load(weights_only=True)` with an allow-list: real
 Megatron-LM argument namespaces also hold enum members and small objects of Megatron's own

@@ -1,4 +1,4 @@
-"""Forward-only evaluation and the EV report (SPEC 7).
+"""Forward-only evaluation and the EV report (docs/rules.md#evaluation).
 
 No optimizer exists on the workers, no step is taken, dropout is off (eval mode). The workers are
 data parallel, with tensor and pipeline parallelism inside each replica (any layout: the
@@ -71,7 +71,7 @@ class _Prepared:
 
 
 def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
-    """Every CPU-side check of SPEC 7, before anything is reserved: the contract (pinned), the
+    """Every CPU-side check of docs/rules.md#evaluation, before anything is reserved: the contract (pinned), the
     manifest and objective it binds, the split's data, the layout against the backbone, the
     batch selection and the write-once report path. Writes nothing. (The settings' own rules
     are `EvaluateJob`'s.)"""

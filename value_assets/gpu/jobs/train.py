@@ -1,8 +1,8 @@
-"""The training job (SPEC 5): validate on the CPU, then train on a Ray placement group.
+"""The training job (docs/rules.md#training-run): validate on the CPU, then train on a Ray placement group.
 
 Everything that can refuse a run is checked before the cluster is reserved: manifest, data,
 objective, topology, the resume contract. Then one optimizer step per planned batch, checkpoints
-at `save_interval` and at the end, each published by its contract (SPEC 6) once its files are
+at `save_interval` and at the end, each published by its contract (docs/rules.md#contract) once its files are
 complete. Canary mode runs the first step only and writes a non-promotable receipt instead.
 """
 
@@ -75,7 +75,7 @@ class _Prepared:
 
 
 def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
-    """Every CPU-side check of SPEC 5, before anything is reserved. Writes nothing."""
+    """Every CPU-side check of docs/rules.md#training-run, before anything is reserved. Writes nothing."""
     from value_assets.gpu.convert.bootstrap import resolve_backbone
 
     manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)

@@ -5,7 +5,7 @@ Architecture only; parallel setup lives in `parallel.py`, training in `train.py`
 - Local (non-Transformer-Engine) layer spec, with `PackedCoreAttention` as core attention so
   packed variable-length rows run on PyTorch fused kernels.
 - The LM output layer is replaced by `ValueHead` (Linear hidden -> K, bias, weight N(0, 0.02),
-  bias 0, computed in float32) on the last pipeline stage only (SPEC 4). Embeddings untied.
+  bias 0, computed in float32) on the last pipeline stage only (docs/rules.md#critic). Embeddings untied.
 - Forward returns per-token head outputs, float32 [t, K] for a packed row of t tokens.
 - Packed forwards (`critic_forward`) apply RoPE vectorized in `PackedCoreAttention` from per-token
   cos / sin gathered once per micro-batch by `position_ids` (see `rope.py`), and carry a host copy

@@ -1,4 +1,4 @@
-"""Value targets, predictions, loss and per-step metrics in torch (SPEC 4).
+"""Value targets, predictions, loss and per-step metrics in torch (docs/rules.md#critic).
 
 Targets match `value_assets.core.targets` (numpy float64) to 1e-6: they are computed in float64
 and cast. Loss reduction: mean over each row's active tokens, then sum over rows divided by the

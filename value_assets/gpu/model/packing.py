@@ -1,4 +1,4 @@
-"""Rows -> packed micro-batches under a token budget, with SPEC 4 target alignment.
+"""Rows -> packed micro-batches under a token budget, with docs/rules.md#critic target alignment.
 
 A row (one trajectory) is tokens [L], response_length r, returns [r], loss_mask [r]. The value for
 response token j is read at absolute position `P + j - 1` with P = L - r (the state before token j

@@ -229,7 +229,7 @@ def evaluate_rows(
 ) -> dict[int, dict[str, np.ndarray]]:
     """Forward-only (eval mode, no grad). Returns {row_id: {"values": float64 [r],
     "returns": float64 [r], "mask": float64 [r]}}, values[j] = V at the position that predicts
-    response token j (SPEC 4). With pipeline stages, only the last stage has values; the other
+    response token j (docs/rules.md#critic). With pipeline stages, only the last stage has values; the other
     stages return {} (they still run their part of every forward)."""
     from megatron.core import parallel_state as ps
 

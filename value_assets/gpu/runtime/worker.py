@@ -142,7 +142,7 @@ class CriticWorker:
         return optimizer_step(self.model, self.optimizer, mbs, global_rows, self.objective)
 
     def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any] | None:
-        """Float64 sufficient statistics over this rank's rows (SPEC 7), with its rank and row
+        """Float64 sufficient statistics over this rank's rows (docs/rules.md#evaluation), with its rank and row
         indices, totals and per-row statistics (`RankReport.from_rows`); None on pipeline stages
         before the last (they only pass activations on)."""
         from megatron.core import parallel_state as ps
