@@ -10,6 +10,8 @@ The test folders are packages: helpers are imported relatively, never through `s
 
 from __future__ import annotations
 
+import re
+
 import ast
 from pathlib import Path
 
@@ -66,6 +68,11 @@ def test_folders_are_packages_without_path_hacks():
     for path in sorted(set(TESTS.rglob("*.py")) - {Path(__file__).resolve()}):
         text = path.read_text()
         assert "sys.path.insert" not in text and "from conftest import" not in text, path.name
+        # A sibling helper is imported relatively (`from .helpers import x`): a bare `import helpers`
+        # only works when some other test happened to put the folder on sys.path.
+        siblings = {p.stem for p in path.parent.glob("*.py")} - {"__init__"}
+        bare = re.findall(r"^\s*(?:from|import) (\w+)\b", text, re.M)
+        assert not siblings & set(bare), f"{path.name} imports sibling test module(s) {sorted(siblings & set(bare))} without a dot"
 
 
 def test_the_checker_sees_tiers(tmp_path):

@@ -2,7 +2,7 @@
 checked against the digest of the line that was validated."""
 
 import pytest
-from coretest_helpers import ref_for, row, write_jsonl
+from .coretest_helpers import ref_for, row, write_jsonl
 
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError

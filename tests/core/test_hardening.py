@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import value_assets.core.dataset as dataset_mod
-from coretest_helpers import dumps, ref_for, row, write_jsonl, write_lines, write_parquet
+from .coretest_helpers import dumps, ref_for, row, write_jsonl, write_lines, write_parquet
 from value_assets.cli import main
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError

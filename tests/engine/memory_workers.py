@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_workers import BACKBONE, OBJ, _reinit, make_rows, probe
+from .dist_workers import BACKBONE, OBJ, _reinit, make_rows, probe
 from value_assets.core.memory import MemoryConfig
 from value_assets.gpu.model.critic import build_critic, init_layout_invariant
 from value_assets.gpu.model.packing import pack_rows
