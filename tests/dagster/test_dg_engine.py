@@ -98,7 +98,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert record["handoff"]["miles"]["dir"] == str(miles_dir)
     miles, miles_sha = read_miles_contract(miles_dir, pinned_sha256=record["handoff"]["miles"]["contract_sha256"])
     assert miles["completed_steps"] == 64 and (miles_dir / "iter_0000064" / ".metadata").is_file()
-    assert miles["model_identity"] == f"value-assets:tiny@{record['contract_sha256']}"
+    assert miles["model_identity"] == f"value-assets:tiny-random@{record['contract_sha256']}"
     verify_handoff(record, "registry record")
     assert latest_metadata(instance, "promoted_critic", good_key)["miles_contract_sha256"] == miles_sha
     assert not (artifacts / bad_key / "handoff" / "miles").exists()

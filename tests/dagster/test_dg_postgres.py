@@ -176,8 +176,8 @@ def test_daemon_sensor_and_gpu_pool_on_postgres(tmp_path, postgres_url, write_ma
         finished = wait_for("both runs finished", lambda: (lambda rs: len(rs) == 2 and rs)(
             instance.get_runs(filters=RunsFilter(statuses=list(done)))), 240, on_timeout=daemon_log, process=daemon)
         assert {r.status for r in finished} == {DagsterRunStatus.SUCCESS}, daemon_log()
-        # Four GPU steps in all (train + evaluate per run), one at a time.
-        assert len(list(gate.glob("started-*"))) == 4
+        # Six GPU steps in all (train, evaluate and the promotion's hand-off export per run), one at a time.
+        assert len(list(gate.glob("started-*"))) == 6
         spans = []
         for run in finished:
             for step in ("critic_training", "ev_report"):

@@ -198,5 +198,5 @@ def test_head_only_warmup_changes_only_the_head_and_the_loss_decreases(tmp_path)
 
 @pytest.mark.timeout(150)
 def test_frozen_attention_is_bitwise_unchanged_with_the_distributed_optimizer(tmp_path):
-    spawn(2, 1, "train_frozen", "attention", True, 4, 3, str(tmp_path / "r.pt"))
+    spawn(2, [("train_frozen", 1, 1, ("attention", True, 4, 3, str(tmp_path / "r.pt")))], deadline_s=120)
     _check_frozen(torch.load(tmp_path / "r.pt"), "attention")

@@ -22,7 +22,8 @@ from value_assets.core.errors import InputError
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import canonical_bytes
 from value_assets.core.jobs import EvaluateJob, TrainJob
-from value_assets.gpu.jobs.train import RECEIPT_NAME, prepare, train
+from value_assets.core.checkpoint_files import describe_folder
+from value_assets.gpu.jobs.train import RECEIPT_NAME, execution_facts, prepare, train
 from value_assets.gpu.jobs.evaluate import evaluate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -176,10 +177,12 @@ def contracted(data, tmp_path):
     prep = prepare(cfg, log=quiet)
     step_dir = cfg.output / iter_dirname(prep.plan.num_steps)
     step_dir.mkdir(parents=True)
+    (step_dir / "common.pt").write_bytes(b"stand-in: never loaded by the refusal tests")
     write_contract(cfg.output, build_contract(
         manifest_sha256=prep.manifest.sha256, train_sha256=prep.train.sha256, objective=prep.manifest.objective.canonical(),
         plan=prep.plan, completed_steps=prep.plan.num_steps, model=prep.backbone_identity,
-        backbone_config=prep.backbone_cfg.to_json(), checkpoint=step_dir.name))
+        backbone_config=prep.backbone_cfg.to_json(), checkpoint=step_dir.name, checkpoint_files=describe_folder(step_dir),
+        execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens)))
     return cfg
 
 
@@ -188,7 +191,10 @@ def test_the_contracted_stand_in_matches_a_trained_folder(contracted, learned):
     trained_dir, trained_sha = read_latest(learned[0].output)
     built_dir, built_sha = read_latest(contracted.output)
     assert built_dir.name == trained_dir.name == "iter_0000064"
-    assert load_contract(built_dir, pinned_sha256=built_sha)[0] == load_contract(trained_dir, pinned_sha256=trained_sha)[0]
+    built, trained = (load_contract(d, pinned_sha256=sha)[0] for d, sha in ((built_dir, built_sha), (trained_dir, trained_sha)))
+    # Every field but the file list, which binds the stand-in's one file instead of the real shards.
+    assert {k: v for k, v in built.items() if k != "checkpoint_files"} == {k: v for k, v in trained.items() if k != "checkpoint_files"}
+    assert [f["path"] for f in built["checkpoint_files"]] == ["common.pt"] and trained["checkpoint_files"]
 
 
 @pytest.fixture

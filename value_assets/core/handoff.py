@@ -32,7 +32,10 @@ HF_BUNDLE = "hf"
 
 def model_identity(contract: Mapping[str, Any], contract_sha256: str) -> str:
     """The Miles `model_identity` of the critic that `contract` (with sha `contract_sha256`) binds."""
-    backbone = (contract.get("model") or {}).get("backbone") or "unknown"
+    model = contract.get("model") or {}
+    # The training job records {"kind": "tiny-random" | "huggingface" | ..., ...}; older records
+    # and the test stand-in name the backbone directly.
+    backbone = model.get("backbone") or model.get("kind") or "unknown"
     return f"value-assets:{backbone}@{contract_sha256}"
 
 
