@@ -35,11 +35,13 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_address():
     """The address of one local Ray cluster for GPU jobs run as subprocesses (they join it through
     RAY_ADDRESS instead of each starting Ray). It lives in a helper process, so Ray is not
-    initialized in this one; ended with the session, by closing the helper's stdin, then by pid."""
+    initialized in this one; ended with the module (by closing the helper's stdin, then by pid), so
+    it never overlaps tests/dagster/test_dg_ray.py's own cluster: two local Rays on one machine
+    compete for the dashboard agent's fixed port and Ray job submission then finds no agent."""
     proc = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)  # Ray starts in ~5 s; far longer on a loaded machine
