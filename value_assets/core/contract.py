@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .checkpoint_files import CONTRACT_NAME, verify_checkpoint
 from .errors import InputError, show
-from .hashing import require_sha, sha256_bytes
+from .hashing import read_pinned, require_sha, sha256_bytes
 from .plan import BatchPlan
 from .publish import atomic_write
 from .strict_json import canonical_bytes, is_int, loads
@@ -89,15 +89,7 @@ def load_contract(path: str | Path, pinned_sha256: str | None = None) -> tuple[d
     p = Path(path)
     if p.is_dir():
         p = p / CONTRACT_NAME
-    if pinned_sha256 is not None:
-        require_sha(pinned_sha256, "pinned contract sha256")
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise InputError(str(p), "contract file does not exist") from None
-    sha = sha256_bytes(data)
-    if pinned_sha256 is not None and sha != pinned_sha256:
-        raise InputError(str(p), f"contract sha256 is {sha}, but {pinned_sha256} was pinned")
+    data, sha = read_pinned(p, pinned_sha256, "contract")
     obj = loads(data, str(p))
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         raise InputError(str(p), f"not a {SCHEMA} document")

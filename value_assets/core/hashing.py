@@ -34,3 +34,18 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_pinned(path: Path, pinned_sha256: str | None, what: str) -> tuple[bytes, str]:
+    """(bytes, sha) of a small document, with a pinned sha checked before anything parses it.
+    `what` names the document in the errors ("contract", "Miles contract")."""
+    if pinned_sha256 is not None:
+        require_sha(pinned_sha256, f"pinned {what} sha256")
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError(str(path), f"{what} file does not exist") from None
+    sha = sha256_bytes(data)
+    if pinned_sha256 is not None and sha != pinned_sha256:
+        raise InputError(str(path), f"{what.split()[-1]} sha256 is {sha}, but {pinned_sha256} was pinned")
+    return data, sha

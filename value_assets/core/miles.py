@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import InputError, show
-from .hashing import is_sha, require_sha, sha256_bytes
+from .hashing import is_sha, read_pinned
 from .objective import Objective
 from .strict_json import canonical_bytes, is_int, loads
 
@@ -100,15 +100,7 @@ def read_miles_contract(folder: str | Path, pinned_sha256: str | None = None) ->
     bytes, and `completed_steps` equal to the iteration in `latest_checkpointed_iteration.txt`."""
     root = Path(folder)
     p = root / MILES_CONTRACT_NAME
-    if pinned_sha256 is not None:
-        require_sha(pinned_sha256, "pinned Miles contract sha256")
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise InputError(str(p), "Miles contract file does not exist") from None
-    sha = sha256_bytes(data)
-    if pinned_sha256 is not None and sha != pinned_sha256:
-        raise InputError(str(p), f"contract sha256 is {sha}, but {pinned_sha256} was pinned")
+    data, sha = read_pinned(p, pinned_sha256, "Miles contract")
     obj = loads(data, str(p))
     check_miles_contract(obj, str(p))
     if data != canonical_bytes(obj):
