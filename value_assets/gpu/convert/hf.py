@@ -465,7 +465,7 @@ def export_critic_to_openrlhf(
     *,
     head_prefix: str = "output_layer",
     objective: Any = None,
-    dtype: torch.float32 = torch.float32,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """An mse critic in OpenRLHF's critic layout (openrlhf/models/model.py `_get_critic_model`):
     the base model under `model.*`, the head `score.weight` [1, hidden] with no bias (OpenRLHF
