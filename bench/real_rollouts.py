@@ -278,13 +278,15 @@ def cmd_study(args) -> None:
         device = "cpu"
     methods = [_metrics("per-task mean", held_rows, [np.full(r.response_length, task_mean[task_of(r)]) for r in held_rows],
                         prompt_of, args.resamples, args.seed)]
-    for tag, lr, epochs in [("shuffled", args.lrs[0], args.epochs)] + [("real", lr, args.epochs) for lr in args.lrs]:
-        name = f"{tag}-lr{lr:g}-e{epochs}"
+    plan = [("shuffled", args.lrs[0], args.epochs, "none")] + [("real", lr, args.epochs, "none") for lr in args.lrs]
+    plan += [("real", lr, args.epochs, "backbone") for lr in args.freeze_lrs]
+    for tag, lr, epochs, freeze in plan:
+        name = f"{tag}{'-freeze-' + freeze if freeze != 'none' else ''}-lr{lr:g}-e{epochs}"
         cdir = work / f"critic-{name}"
         t0 = time.time()
         tr = _va("train", str(manifests[tag]), "--output", str(cdir), "--backbone", args.model, "--gpus", "1",
                  "--global-batch-size", str(args.batch_size), "--epochs", str(epochs), "--lr", str(lr),
-                 "--warmup-steps", str(args.warmup), "--micro-batch-tokens", "16384")
+                 "--warmup-steps", str(args.warmup), "--micro-batch-tokens", "16384", "--freeze", freeze)
         if tr.returncode:
             sys.stderr.write(tr.stderr[-3000:])
             raise SystemExit(f"train {name} failed")
@@ -293,10 +295,18 @@ def cmd_study(args) -> None:
         ev = _va("evaluate", "--checkpoint", str(cdir), "--manifest", str(manifests[tag]), "--contract-sha256", contract,
                  "--report", str(work / f"ev-{name}.json"), "--global-batch-size", str(g), "--num-batches", str(nb), "--gpus", "1")
         gate = _last_json(ev.stdout)
-        run = {"name": name, "manifest": tag, "lr": lr, "epochs": epochs, "train_s": round(train_s, 1),
+        # The same batches under the stricter rule: the bootstrap interval's lower bound must be > 0.
+        ev_iv = _va("evaluate", "--checkpoint", str(cdir), "--manifest", str(manifests[tag]), "--contract-sha256", contract,
+                    "--report", str(work / f"ev-{name}-interval.json"), "--global-batch-size", str(g), "--num-batches", str(nb),
+                    "--gpus", "1", "--gate-mode", "interval")
+        gate_iv = _last_json(ev_iv.stdout)
+        report_iv = json.loads((work / f"ev-{name}-interval.json").read_text())
+        lows = {w: (report_iv.get("intervals") or {}).get(w, {}).get("low") for w in ("token", "trajectory")}
+        run = {"name": name, "manifest": tag, "lr": lr, "epochs": epochs, "freeze": freeze, "train_s": round(train_s, 1),
                "gate_passed": gate["passed"], "report_token_ev": gate["token_ev"], "report_trajectory_ev": gate["trajectory_ev"],
-               "report_auroc": gate["auroc"]}
-        print(f"{name}: gate {'PASSED' if gate['passed'] else 'FAILED'} token EV {gate['token_ev']:.4f} "
+               "report_auroc": gate["auroc"], "interval_gate_passed": gate_iv["passed"], "interval_low": lows}
+        print(f"{name}: gate {'PASSED' if gate['passed'] else 'FAILED'}, interval gate "
+              f"{'PASSED' if gate_iv['passed'] else 'FAILED'} (lower bounds {lows}); token EV {gate['token_ev']:.4f} "
               f"trajectory EV {gate['trajectory_ev']:.4f} ({train_s:.0f}s)", flush=True)
         if tag == "real":
             hf = work / f"hf-{name}"
@@ -333,10 +343,14 @@ def _table(results) -> str:
     for m in results["methods"]:
         au = "n/a" if m["auroc"] is None else f"{m['auroc']:.3f}"
         lines.append(f"| {m['method']} | {_fmt_iv(m['token_ev'])} | {_fmt_iv(m['trajectory_ev'])} | {au} | {m['ece']:.3f} |")
-    lines += ["", "| run | gate | report token EV | report trajectory EV | train s |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| run | gate (miles) | gate (interval) | report token EV | report trajectory EV | interval lower bounds (token, trajectory) | train s |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    verdict = {True: "PASSED", False: "FAILED", None: "-"}
     for r in results["runs"]:
-        lines.append(f"| {r['name']} | {'PASSED' if r['gate_passed'] else 'FAILED'} | {r['report_token_ev']:.4f} | "
-                     f"{r['report_trajectory_ev']:.4f} | {r['train_s']} |")
+        low = r.get("interval_low") or {}
+        lows = ", ".join("n/a" if low.get(w) is None else f"{low[w]:.4f}" for w in ("token", "trajectory")) if low else "-"
+        lines.append(f"| {r['name']} | {verdict[r['gate_passed']]} | {verdict[r.get('interval_gate_passed')]} | {r['report_token_ev']:.4f} | "
+                     f"{r['report_trajectory_ev']:.4f} | {lows} | {r['train_s']} |")
     return "\n".join(lines)
 
 
@@ -402,6 +416,8 @@ def main() -> None:
     s.add_argument("--work", required=True)
     s.add_argument("--out")
     s.add_argument("--lrs", type=float, nargs="+", default=[2e-5, 1e-4])
+    s.add_argument("--freeze-lrs", type=float, nargs="*", default=[1e-3],
+                   help="learning rates of the `--freeze backbone` critics (only the value head trains)")
     s.add_argument("--epochs", type=int, default=2)
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--warmup", type=int, default=10)
