@@ -16,10 +16,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from value_assets.core.jobs import PLACEMENT_STRATEGIES
+from value_assets.core.warm_cluster import POOL_ENV
 
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -46,7 +48,7 @@ class Cluster:
     def placement(self) -> dict[str, Any]:
         """Where the ranks run (JSON): the rendezvous and each rank's node id and address."""
         return {"rendezvous": self.rendezvous,
-                "ranks": [{k: info[k] for k in ("rank", "node_id", "node_address")} for info in self.infos]}
+                "ranks": [{k: info[k] for k in ("rank", "node_id", "node_address", "pid")} for info in self.infos]}
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` with the same arguments on every rank; results in rank order."""
@@ -123,11 +125,133 @@ def _bundle_ranks(pg, world_size: int) -> list[int]:
     return rank_order([table[b] for b in range(world_size)], addresses)
 
 
+POOL_NAMESPACE = "value_assets_pools"
+_LEASE_TIMEOUT_S = 30.0
+
+
+class WorkerPool:
+    """Workers kept alive between jobs on a cluster that outlives them (docs/operations.md#warm-workers).
+
+    Named, detached actors `<name>-w<rank>` in one detached placement group `<name>-pg`, in the Ray
+    namespace `value_assets_pools`. A job takes the pool's lease (held by rank 0's worker), checks
+    that every worker answers, gives each its rank and settings (`configure`) and, when it ends
+    cleanly, `release`s them: process group, parallel state, model and optimizer are gone, torch and
+    megatron stay imported. A pool of another shape (world size, bundle, strategy) is replaced; a
+    pool whose lease a live job holds is waited for, like any reservation; a job that
+    fails ends the pool, so the next starts from fresh processes.
+    """
+
+    def __init__(self, name: str, actors: list[Any], token: str, reused: bool):
+        self.name, self.actors, self.token, self.reused = name, actors, token, reused
+
+    @staticmethod
+    def destroy(name: str) -> None:
+        """Kill every worker of pool `name` and remove its placement group (whatever its shape)."""
+        import ray
+        from ray.util.placement_group import get_placement_group, remove_placement_group
+
+        prefix = f"{name}-w"
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") == POOL_NAMESPACE and str(entry.get("name", "")).startswith(prefix):
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(entry["name"], namespace=POOL_NAMESPACE), no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_placement_group(get_placement_group(f"{name}-pg"))
+
+    @staticmethod
+    def _existing(name: str, world_size: int, bundle: dict[str, float], strategy: str) -> list[Any] | None:
+        """The pool's workers in rank order if a pool of exactly this shape exists, else None."""
+        import ray
+        from ray.util.placement_group import get_placement_group, placement_group_table
+
+        try:
+            table = placement_group_table(get_placement_group(f"{name}-pg"))
+            actors = [ray.get_actor(f"{name}-w{rank}", namespace=POOL_NAMESPACE) for rank in range(world_size)]
+        except ValueError:  # no such group or actor
+            return None
+        bundles = table.get("bundles") or {}
+        shape_ok = (table.get("strategy") == strategy and table.get("state") == "CREATED" and len(bundles) == world_size
+                    and all({k: float(v) for k, v in b.items()} == {k: float(v) for k, v in bundle.items()} for b in bundles.values()))
+        with contextlib.suppress(ValueError):
+            ray.get_actor(f"{name}-w{world_size}", namespace=POOL_NAMESPACE)
+            shape_ok = False  # a larger pool than this job's
+        return actors if shape_ok else None
+
+    @classmethod
+    def acquire(cls, name: str, *, world_size: int, bundle: dict[str, float], strategy: str, timeout_s: float,
+                log) -> "WorkerPool":
+        """The pool for this job, made or reused, with its lease held (waiting up to `timeout_s`
+        while another live job holds it)."""
+        import socket
+        import uuid
+
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from value_assets.gpu.runtime.worker import CriticWorker
+
+        holder = {"token": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname()}
+        actors = cls._existing(name, world_size, bundle, strategy)
+        if actors is not None:
+            deadline = time.monotonic() + timeout_s
+            try:
+                waited = False
+                while not ray.get(actors[0].acquire_lease.remote(holder), timeout=_LEASE_TIMEOUT_S):
+                    # Its workers hold the cluster's slots: wait for the job using them, as for any reservation.
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"worker pool {name} stayed in use by another job for {timeout_s:.0f} s")
+                    if not waited:
+                        log(f"worker pool {name} is in use by another job: waiting up to {timeout_s:.0f} s")
+                        waited = True
+                    time.sleep(1.0)
+                ray.get([a.ping.remote() for a in actors], timeout=_LEASE_TIMEOUT_S)
+                return cls(name, actors, holder["token"], reused=True)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+                log(f"worker pool {name} does not answer ({type(exc).__name__}): replaced")
+        cls.destroy(name)
+        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy, name=f"{name}-pg", lifetime="detached")
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            cls.destroy(name)
+            raise ClusterError(f"could not reserve {world_size} x {bundle} ({strategy}) for worker pool {name} within "
+                               f"{timeout_s:.0f} s (cluster resources: {ray.cluster_resources()})")
+        remote_cls = ray.remote(CriticWorker)
+        actors = [remote_cls.options(
+            name=f"{name}-w{rank}", namespace=POOL_NAMESPACE, lifetime="detached", max_restarts=0,
+            num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
+        ).remote() for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size))]
+        if not ray.get(actors[0].acquire_lease.remote(holder), timeout=timeout_s):
+            raise ClusterError(f"worker pool {name}: a new pool refused its first lease")
+        return cls(name, actors, holder["token"], reused=False)
+
+    def finish(self, ok: bool) -> None:
+        """After the job: release the workers and return the lease, or, after a failure (or a
+        worker that cannot release), end the pool."""
+        import ray
+
+        if ok:
+            try:
+                ray.get([a.release.remote() for a in self.actors], timeout=60)
+                ray.get(self.actors[0].return_lease.remote(self.token), timeout=_LEASE_TIMEOUT_S)
+                return
+            except Exception:  # noqa: BLE001 - a pool that cannot be released is ended below
+                pass
+        self.destroy(self.name)
+
+
 @contextlib.contextmanager
 def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any], objective: dict[str, Any],
                   train: bool, lr: float = 1e-4, weight_decay: float = 0.0, clip_grad: float = 1.0,
                   ray_address: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, log=print,
                   memory: dict[str, Any] | None = None, freeze: str = "none", placement_strategy: str = "PACK") -> Iterator[Cluster]:
+    """Workers for one job, wired and set up; ended (or, with a pool, released) on exit.
+
+    With `$VALUE_ASSETS_WORKER_POOL` set and a Ray cluster that outlives this driver (joined by
+    address, or already initialized in this process), the workers come from that pool
+    (`WorkerPool`): no process start and no torch/megatron import after the first job.
+    """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -138,6 +262,8 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
     reaper = None
     pg = None
     actors: list[Any] = []
+    pool: WorkerPool | None = None
+    ok = False
     try:
         ray_address = ray_address or os.environ.get("RAY_ADDRESS")  # set inside a submitted Ray job
         if not ray.is_initialized():
@@ -154,29 +280,43 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}")
-        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
-            raise ClusterError(f"could not reserve {world_size} x {bundle} ({placement_strategy}) within {timeout_s:.0f} s "
-                               f"(cluster resources: {ray.cluster_resources()})")
         threads = None if use_gpu else max(1, (os.cpu_count() or 1) // world_size)
-        remote_cls = ray.remote(CriticWorker)
-        for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size)):
-            actors.append(remote_cls.options(
-                num_cpus=1, num_gpus=1 if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
-            ).remote(rank=rank, world_size=world_size, tp=tp, pp=pp, seed=seed, backbone=backbone, objective=objective, threads=threads,
-                              memory=memory, freeze=freeze))
-        cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
-        addr, port = cluster._get([actors[0].address.remote()], timeout_s)[0]
+        job = dict(world_size=world_size, tp=tp, pp=pp, seed=seed, backbone=backbone, objective=objective, threads=threads,
+                   memory=memory, freeze=freeze)
+        pool_name = os.environ.get(POOL_ENV) or None
+        # A pool only on a cluster this driver did not start (one it started ends with it).
+        if pool_name and not (started_ray and not ray_address):
+            pool = WorkerPool.acquire(pool_name, world_size=world_size, bundle=bundle, strategy=placement_strategy,
+                                      timeout_s=timeout_s, log=log)
+        if pool is not None:
+            cluster = Cluster(workers=pool.actors, infos=[], timeout_s=timeout_s)
+            cluster.call_each("configure", [((), {**job, "rank": rank}) for rank in range(world_size)], timeout_s)
+        else:
+            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
+            ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+            if not ready:
+                raise ClusterError(f"could not reserve {world_size} x {bundle} ({placement_strategy}) within {timeout_s:.0f} s "
+                                   f"(cluster resources: {ray.cluster_resources()})")
+            remote_cls = ray.remote(CriticWorker)
+            for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size)):
+                actors.append(remote_cls.options(
+                    num_cpus=1, num_gpus=1 if use_gpu else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
+                ).remote(rank=rank, **job))
+            cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
+        addr, port = cluster._get([cluster.workers[0].address.remote()], timeout_s)[0]
         cluster.rendezvous = f"{addr}:{port}"
         cluster.infos = cluster.call_all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
         nodes = len({info["node_id"] for info in cluster.infos})
+        source = "" if pool is None else f", pool {pool.name} ({'reused' if pool.reused else 'new'})"
         log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, pp {pp}, {'GPU' if use_gpu else 'CPU'} bundles "
-            f"on {nodes} node(s) ({placement_strategy}), rendezvous {addr}:{port}")
+            f"on {nodes} node(s) ({placement_strategy}), rendezvous {addr}:{port}{source}")
         log("placement " + json.dumps(cluster.placement(), sort_keys=True))
         yield cluster
+        ok = True
     finally:
+        if pool is not None:
+            pool.finish(ok)
         if actors:
             try:
                 ray.get([a.shutdown.remote() for a in actors], timeout=60)

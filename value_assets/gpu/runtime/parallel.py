@@ -50,8 +50,9 @@ def init_distributed(
     from megatron.core import parallel_state as ps
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", master_addr)
-        os.environ.setdefault("MASTER_PORT", str(master_port))
+        # Assigned, not defaulted: a pooled worker joins a new rendezvous for every job.
+        os.environ["MASTER_ADDR"] = master_addr
+        os.environ["MASTER_PORT"] = str(master_port)
         torch.distributed.init_process_group(
             backend=backend,
             init_method=f"tcp://{master_addr}:{master_port}",

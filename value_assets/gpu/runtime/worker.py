@@ -40,9 +40,18 @@ def node_address() -> str:
 class CriticWorker:
     """Methods are called by the driver through Ray; every collective method is called on all ranks."""
 
-    def __init__(self, *, rank: int, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any],
-                 objective: dict[str, Any], threads: int | None = None, memory: dict[str, Any] | None = None,
-                 freeze: str = "none"):
+    def __init__(self, **job: Any):
+        self.model = None
+        self.optimizer = None
+        self._lease: dict[str, Any] | None = None
+        if job:
+            self.configure(**job)
+
+    def configure(self, *, rank: int, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any],
+                  objective: dict[str, Any], threads: int | None = None, memory: dict[str, Any] | None = None,
+                  freeze: str = "none") -> int:
+        """Take on one job's rank and settings (a fresh worker in its constructor, a pooled one per
+        job, after `release`); returns this process's id."""
         self.rank = rank
         self.world_size = world_size
         self.tp = tp
@@ -58,6 +67,7 @@ class CriticWorker:
             import torch
 
             torch.set_num_threads(threads)
+        return os.getpid()
 
     # -- setup ------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -92,7 +102,7 @@ class CriticWorker:
             self.model = model
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "last_stage": int(ps.is_pipeline_last_stage()),
-                "dp_size": ps.get_data_parallel_world_size(), **placement()}
+                "dp_size": ps.get_data_parallel_world_size(), "pid": os.getpid(), **placement()}
 
     def _module(self):
         return self.model.module if hasattr(self.model, "module") else self.model
@@ -162,6 +172,54 @@ class CriticWorker:
         from value_assets.gpu.runtime.parallel import destroy
 
         destroy()
+
+    # -- pooled use (cluster.start_workers with a worker pool) --------------------------------
+    def ping(self) -> int:
+        return os.getpid()
+
+    def release(self) -> None:
+        """End this job's part and keep the process (torch and megatron stay imported): the process
+        group and megatron's parallel state are destroyed, the model and optimizer dropped, so the
+        next `configure` + `setup` starts exactly as a fresh worker does."""
+        import gc
+
+        import torch
+
+        try:
+            self.shutdown()
+        finally:
+            self.model = None
+            self.optimizer = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def acquire_lease(self, holder: dict[str, Any]) -> bool:
+        """The pool's lease (kept by its first worker): granted when free, or when its holder, a
+        process on this host, has died without returning it."""
+        if self._lease is not None and self._lease["token"] != holder["token"] and _alive(self._lease):
+            return False
+        self._lease = dict(holder)
+        return True
+
+    def return_lease(self, token: str) -> None:
+        if self._lease is not None and self._lease["token"] == token:
+            self._lease = None
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether a lease holder still runs (same host: by pid; another host: assumed alive)."""
+    import socket
+
+    if holder.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def placement() -> dict[str, str]:

@@ -1,0 +1,146 @@
+"""Warm workers (`cluster.WorkerPool`): jobs on a cluster that outlives them reuse the same worker
+processes, and a reused worker trains bitwise like a fresh one. A failed job ends the pool; a pool
+another live job holds is waited for (and refused after the job's timeout); a job of another shape
+replaces it."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+
+from value_assets.core.demo_data import make_demo_data
+from value_assets.core.jobs import TrainJob
+from value_assets.gpu.jobs.train import train
+from value_assets.gpu.runtime.cluster import POOL_ENV, POOL_NAMESPACE, WorkerPool
+from value_assets.gpu.runtime.worker import CriticWorker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+class Log(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+    def pids(self) -> list[int]:
+        placement = [json.loads(m[len("placement "):]) for m in self if m.startswith("placement ")]
+        assert len(placement) == 1, self
+        return [r["pid"] for r in placement[0]["ranks"]]
+
+    def source(self) -> str:
+        up = [m for m in self if m.startswith("workers up:")]
+        assert len(up) == 1, self
+        return up[0].split("pool ", 1)[1] if "pool " in up[0] else "fresh"
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return make_demo_data(tmp_path_factory.mktemp("data"), seed=0)
+
+
+@pytest.fixture
+def pool(ray_cluster, monkeypatch):
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(POOL_ENV, name)
+    yield name
+    WorkerPool.destroy(name)
+
+
+def run(manifest, out, log, **kw):
+    settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, save_interval=32, gpus=2, lr=2e-3, stop_after=3)
+    return train(TrainJob(manifest=manifest, output=out, **(settings | kw)), log=log)
+
+
+def pool_workers_alive(name: str) -> bool:
+    import ray
+
+    return any(e.get("namespace") == POOL_NAMESPACE and str(e.get("name", "")).startswith(f"{name}-w")
+               for e in ray.util.list_named_actors(all_namespaces=True))
+
+
+def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(ray_cluster, manifest, tmp_path, monkeypatch):
+    monkeypatch.delenv(POOL_ENV, raising=False)
+    fresh_log = Log()
+    fresh = run(manifest, tmp_path / "fresh", fresh_log)
+    assert fresh_log.source() == "fresh"
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(POOL_ENV, name)
+    try:
+        first_log, second_log = Log(), Log()
+        first = run(manifest, tmp_path / "first", first_log)
+        second = run(manifest, tmp_path / "second", second_log)
+        assert first_log.source() == f"{name} (new)" and second_log.source() == f"{name} (reused)"
+        assert second_log.pids() == first_log.pids() and set(first_log.pids()).isdisjoint(fresh_log.pids())
+        for result in (first, second):
+            assert result.losses == fresh.losses  # bitwise: nothing of the last job survives `release`
+            assert result.state_sha256 == fresh.state_sha256
+        assert pool_workers_alive(name)  # kept for the next job
+    finally:
+        WorkerPool.destroy(name)
+    assert not pool_workers_alive(name)
+
+
+def test_a_failed_job_ends_the_pool_and_the_next_starts_fresh_processes(pool, manifest, tmp_path):
+    first = Log()
+    run(manifest, tmp_path / "a", first)
+
+    def fail(step, _metrics):
+        if step == 2:
+            raise RuntimeError("planted failure")
+
+    failed = Log()
+    with pytest.raises(RuntimeError, match="planted failure"):
+        train(TrainJob(manifest=manifest, output=tmp_path / "b", backbone="tiny", global_batch_size=32, epochs=1, gpus=2, lr=2e-3,
+                       stop_after=3), log=failed, on_step=fail)
+    assert failed.source() == f"{pool} (reused)"
+    assert not pool_workers_alive(pool)
+    after = Log()
+    run(manifest, tmp_path / "c", after)
+    assert after.source() == f"{pool} (new)" and set(after.pids()).isdisjoint(first.pids())
+
+
+def test_a_pool_held_by_a_live_job_is_waited_for_and_another_shape_replaces_it(pool, manifest, tmp_path):
+    import socket
+
+    import ray
+
+    from value_assets.gpu.runtime.cluster import ClusterError
+
+    first = Log()
+    run(manifest, tmp_path / "a", first)
+    rank0 = ray.get_actor(f"{pool}-w0", namespace=POOL_NAMESPACE)
+    other = {"token": "another-job", "pid": os.getpid(), "host": socket.gethostname()}  # a live holder
+    assert ray.get(rank0.acquire_lease.remote(other))
+    busy = Log()
+    with pytest.raises(ClusterError, match=f"worker pool {pool} stayed in use by another job for 3 s"):
+        run(manifest, tmp_path / "b", busy, timeout_s=3)
+    assert any("is in use by another job: waiting up to 3 s" in m for m in busy)
+    assert not (tmp_path / "b").exists()  # nothing written
+    assert pool_workers_alive(pool) and ray.get(rank0.ping.remote()) == first.pids()[0]  # the holder's pool is intact
+    ray.get(rank0.return_lease.remote("another-job"))
+    again = Log()
+    run(manifest, tmp_path / "c", again)
+    assert again.source() == f"{pool} (reused)" and again.pids() == first.pids()
+    one = Log()
+    run(manifest, tmp_path / "d", one, gpus=1)
+    assert one.source() == f"{pool} (new)" and len(one.pids()) == 1
+    with pytest.raises(ValueError):
+        ray.get_actor(f"{pool}-w1", namespace=POOL_NAMESPACE)  # the two-worker pool is gone
+
+
+def test_the_lease_passes_on_only_when_its_holder_is_gone():
+    worker = CriticWorker()
+    live = {"token": "a", "pid": os.getpid(), "host": __import__("socket").gethostname()}
+    assert worker.acquire_lease(live) and worker.acquire_lease(live)  # its own holder again
+    assert not worker.acquire_lease({**live, "token": "b"})
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    worker.return_lease("a")
+    assert worker.acquire_lease({**live, "token": "c", "pid": int(dead.stdout)})
+    assert worker.acquire_lease({**live, "token": "d"})  # "c"'s process has exited
+    worker.return_lease("wrong token")
+    assert not worker.acquire_lease({**live, "token": "e"})
