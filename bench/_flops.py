@@ -11,7 +11,9 @@ Per real token (padding never counts):
                                                        d_attn = num_attention_heads * head_dim)
     training FLOPs/token = 3 * forward = 6*N + 12*L*d_attn*s_eff   (backward = 2x forward)
 
-No recomputation is counted (neither system recomputes activations).
+Recomputation is never counted: it is not useful work, so a row with activation recompute shows
+an MFU below the GPU's achieved FLOP rate (full recompute runs one more forward, a third more work
+than the 3 forwards counted; recomputing the first K of L layers, K/L of that).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Iterable
 
 FORMULA = ("FLOPs/real token: train = 6*N + 12*L*d_attn*s_eff, forward = 2*N + 4*L*d_attn*s_eff; "
            "N = non-embedding matmul weights (qkv, o, gate/up/down, value head), "
-           "s_eff = sum_seq s(s+1)/2 / tokens (mean causal context); padding FLOPs not counted")
+           "s_eff = sum_seq s(s+1)/2 / tokens (mean causal context); padding and recomputed FLOPs not counted")
 
 
 def matmul_params(backbone, head_size: int) -> int:

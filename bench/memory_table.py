@@ -27,6 +27,7 @@ SETTINGS = [
     ("1 GPU", Layout(), MemoryConfig(), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="selective"), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="full"), True),
+    ("1 GPU", Layout(), MemoryConfig(recompute="full", recompute_layers=4), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(distributed_optimizer=True), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(recompute="full", distributed_optimizer=True), True),
     ("8 GPUs dp4 tp2", Layout(dp=4, tp=2), MemoryConfig(recompute="full", distributed_optimizer=True,
@@ -67,7 +68,7 @@ def table() -> str:
                 if meas is not None:
                     cell = f"**{cell}** (measured {meas})"
                 cells.append(cell)
-            rc = memory.recompute if train else "-"
+            rc = (memory.recompute if memory.recompute_layers is None else f"full, first {memory.recompute_layers} layers") if train else "-"
             lines.append("| " + " | ".join([model, label, rc, "yes" if memory.distributed_optimizer else "-",
                                             "yes" if memory.sequence_parallel else "-"] + cells) + " |")
     return "\n".join(lines)
@@ -81,7 +82,7 @@ def main() -> int:
           "formula: value_assets/core/memory.py; calibrated on the bold measured points (H200, 1 GPU, "
           "bench/train_throughput.py: training micro-batches <= 16k tokens, evaluation <= 32k). Selective "
           "recompute saves little with flash attention (only the roped q, k); full recompute keeps one "
-          "layer input per layer. Pipeline stages under 1F1B hold as many activations as one micro-batch "
+          "layer input per layer, and with --recompute-layers K only for the first K layers of each stage. Pipeline stages under 1F1B hold as many activations as one micro-batch "
           "through all layers, so pp splits weights but not activations.")
     return 0
 

@@ -19,20 +19,34 @@ denominator is 790 TFLOP/s, the bf16 matmul rate measured on this workplace's H2
 
     python bench/train_throughput.py                      # both shapes, all modes (H200)
     python bench/train_throughput.py --profile            # + torch.profiler of ours-train, 1.5B
-    python bench/train_throughput.py --smoke              # tiny model on CPU, 2 steps
+    python bench/train_throughput.py --rows all --profile 0.5b,1.5b@32k   # + the rows below, 2 profiles
+    python bench/train_throughput.py --smoke --rows all --profile tiny,tiny@224   # tiny model on CPU
 
 Long-row and bigger-critic rows (`--rows long`; `--rows all` = today's rows, then these):
 
   1.5b@8k / @16k / @32k  ours train on rows of exactly 8k / 16k / 32k tokens (prompt 1024, the rest
                response), micro-batches of max(--micro-batch-tokens, row) tokens, --long-global-batch
                rows per step; activation recompute: the least that the memory model
-               (value_assets/core/memory.py) predicts to fit 85 % of the GPU (--long-recompute overrides)
+               (value_assets/core/memory.py) predicts to fit 85 % of the GPU, trying none, selective,
+               full of the first K = 1 .. L-1 layers (megatron's block method), full (--long-recompute
+               and --long-recompute-layers override). Recomputed FLOPs are not counted in MFU.
+  1.5b dist-opt  ours train on the 4k mix with the distributed optimizer (one GPU: dp 1, so nothing
+               is sharded; the path runs on the GPU, its peak and speed beside the plain 1.5b row)
   3b           a Qwen2.5-3B-shaped critic (hidden 2048, 36 layers, 16 heads, 2 KV groups, ffn 11008)
                on today's 4k length mix, ours eval / fwd / train; micro-batch: the largest the memory
                model fits (`--micro-batch-tokens auto`), at most --micro-batch-tokens
+  hf @8k .. @32k  the Hugging Face critic's train on the same long rows (no recompute, one row per
+               padded micro-batch at 16k and up, --long-hf-global-batch rows per step): the floor,
+               run last; where it runs out of memory its row says OOM (with the peak reached)
 
 Every ours row also prints the memory model's predicted peak beside the measured one. A row that
 runs out of memory prints OOM and the next row runs.
+
+`--profile ROWS` profiles ours-train of the rows labelled in ROWS (as in the table's model column)
+and prints, besides the top kernels, the profiled wall time grouped by kind: matmul (gemm) kernels,
+attention kernels, elementwise / normalization / other kernels, the optimizer step, copies,
+communication, and the idle / launch gaps where no kernel runs (on CPU: op self time, and the
+time outside any op); also the part that is recomputed forward. The groups go to --json too.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -51,7 +66,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from value_assets.core.memory import GIB, RECOMPUTE, Layout, MemoryConfig, ModelShape, auto_micro_batch_tokens, predict_peak
+from value_assets.core.memory import (GIB, RECOMPUTE, Layout, MemoryConfig, ModelShape, auto_micro_batch_tokens,
+                                     more_recompute, predict_peak)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -176,12 +192,15 @@ def timed(fn_warm: Callable[[], None], fn_run: Callable[[], None]) -> float:
 class Results:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.profiles: list[dict[str, Any]] = []  # profile_steps' summaries
 
     def add(self, model: str, system: str, mode: str, *, seconds: Optional[float] = None,
             tokens: int = 0, flops_tok: float = 0.0, steps: int = 1, error: Optional[str] = None,
             **extra: Any) -> None:
         rec: dict[str, Any] = dict(model=model, system=system, mode=mode, error=error, **extra)
-        if error is None and seconds:
+        if error == "OOM":
+            rec["peak_gib"] = peak_gib()  # where it ran out
+        elif seconds:
             tps = tokens / seconds
             tflops = tps * flops_tok / 1e12
             rec.update(tokens_per_s=tps, tflops=tflops, mfu=tflops / PEAK_TFLOPS,
@@ -199,19 +218,19 @@ class Results:
         return None
 
     def table(self) -> str:
-        hdr = (f"{'model':<9} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+        w = max([9] + [len(r["model"]) for r in self.rows])
+        hdr = (f"{'model':<{w}} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
                f"{'pred GiB':>9} {'step s':>8}  notes")
         lines = [hdr, "-" * len(hdr)]
         for r in self.rows:
-            if r.get("error"):
-                pred = "-" if r.get("pred_gib") is None else f"{r['pred_gib']:.1f}"
-                lines.append(f"{r['model']:<9} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {'-':>9} "
-                             f"{pred:>9} {'-':>8}  {r['error']}  {r.get('notes', '')}")
-                continue
             pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
             pred = "-" if r.get("pred_gib") is None else f"{r['pred_gib']:.1f}"
+            if r.get("error"):
+                lines.append(f"{r['model']:<{w}} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {pk:>9} "
+                             f"{pred:>9} {'-':>8}  {r['error']}  {r.get('notes', '')}")
+                continue
             lines.append(
-                f"{r['model']:<9} {r['system']:<6} {r['mode']:<6} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.1f} "
+                f"{r['model']:<{w}} {r['system']:<6} {r['mode']:<6} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.1f} "
                 f"{100 * r['mfu']:>5.1f}% {pk:>9} {pred:>9} {r['step_time_s']:>8.3f}  {r.get('notes', '')}")
         return "\n".join(lines)
 
@@ -222,8 +241,16 @@ def predicted_gib(bb, obj, memory: MemoryConfig, tokens: int, train: bool) -> fl
     return predict_peak(ModelShape.of(bb, obj.head_size), Layout(), memory, tokens, train=train, bf16=CUDA) / GIB
 
 
+def recompute_note(memory: MemoryConfig, num_layers: int) -> str:
+    """'recompute full', or 'recompute full (4/28 layers)' for the first K layers."""
+    if memory.recompute_layers is None:
+        return f"recompute {memory.recompute}"
+    return f"recompute full ({memory.recompute_layers}/{num_layers} layers)"
+
+
 def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
-             memory: MemoryConfig = MemoryConfig(), modes: tuple[str, ...] = ("eval", "fwd", "train")) -> None:
+             memory: MemoryConfig = MemoryConfig(), modes: tuple[str, ...] = ("eval", "fwd", "train"),
+             profile_n: int = 2) -> None:
     from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.critic import build_critic, critic_forward
     from value_assets.gpu.model.packing import pack_rows
@@ -240,7 +267,9 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
     n_mb = np.mean([len(m) for m in mbs[args.warmup:]])
     train_note = f"{n_mb:.1f} packed mb/step of <= {args.micro_batch_tokens} tok"
     if memory.recompute != "none":
-        train_note += f", recompute {memory.recompute}"
+        train_note += ", " + recompute_note(memory, bb.num_layers)
+    if memory.distributed_optimizer:
+        train_note += ", distributed optimizer (dp 1)"
     eval_note = f"packed mb <= {args.eval_micro_batch_tokens} tok"
     pred_train = predicted_gib(bb, obj, memory, args.micro_batch_tokens, True)
     pred_eval = predicted_gib(bb, obj, memory, args.eval_micro_batch_tokens, False)
@@ -303,7 +332,9 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
             res.add(name, "ours", "train", seconds=dt, tokens=real, flops_tok=f_train, pred_gib=pred_train,
                     steps=len(timed_b), notes=train_note)
             if profile:
-                profile_steps(lambda: steps(mbs[args.warmup:args.warmup + 2]), f"ours train {name}")
+                n = min(profile_n, len(mbs) - args.warmup)
+                res.profiles.append(profile_steps(lambda: steps(mbs[args.warmup:args.warmup + n]),
+                                                  f"ours train {name}", n, opt))
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 traceback.print_exc()
@@ -324,16 +355,150 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
         free_memory()
 
 
-def profile_steps(fn: Callable[[], None], label: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
+OPTIMIZER_RANGE = "bench: optimizer.step"
+PROFILE_GROUPS = ("matmul (gemm)", "attention", "elementwise / norm / other", "optimizer step", "memcpy / memset",
+                  "communication")
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv", "aten::_scaled_mm"}
+_ATTN = re.compile(r"flash|fmha|attention|attn|scaled_dot_product|sdpa", re.I)
+_GEMM = re.compile(r"gemm|nvjet|cublas|cutlass|xmma|wgmma|sm\d\d_|ampere_|hopper_", re.I)
+_COPY = re.compile(r"memcpy|memset", re.I)
+_COMM = re.compile(r"nccl|gloo|c10d::|all_reduce|allreduce|reduce_scatter|all_gather", re.I)
+_SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _ancestry(evt) -> list[str]:
+    names = []
+    while evt is not None:
+        names.append(evt.name)
+        evt = evt.cpu_parent
+    return names
+
+
+def _group(name: str, chain: list[str]) -> str:
+    """The profile group of a kernel (CUDA) or op (CPU) `name` launched under the op `chain`
+    (innermost first)."""
+    if OPTIMIZER_RANGE in chain:
+        return "optimizer step"
+    if _ATTN.search(name) or any(_ATTN.search(n) for n in chain):
+        return "attention"
+    if _COMM.search(name):
+        return "communication"
+    if _COPY.search(name):
+        return "memcpy / memset"
+    if _GEMM.search(name) or (chain and chain[0] in _MATMUL_OPS) or name in _MATMUL_OPS:
+        return "matmul (gemm)"
+    return "elementwise / norm / other"
+
+
+def _recomputed(chain: list[str]) -> bool:
+    """Forward work re-run in backward: below megatron's CheckpointFunction backward, not below a
+    backward node of its own."""
+    for i, n in enumerate(chain):
+        if "CheckpointFunctionBackward" in n:
+            return i > 0
+        if "Backward" in n:
+            return False
+    return False
+
+
+def _merged_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return busy
+
+
+def profile_groups(prof, wall_s: float) -> dict[str, Any]:
+    """Where a profiled stretch's wall time went, as seconds and % of wall: on CUDA the kernels'
+    device time by group (each kernel attributed through the op that launched it and that op's
+    parents: the optimizer is `OPTIMIZER_RANGE`) and the idle/launch gaps (wall minus the union
+    of kernel intervals); on CPU the ops' self time by group and the time outside any op."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
+    recomputed = host_sync = 0.0
+    if CUDA:
+        device = [e for e in events if e.device_type == DeviceType.CUDA and e.name != OPTIMIZER_RANGE
+                  and not getattr(e, "is_user_annotation", False)]
+        linked = 0.0
+        for e in events:
+            if e.device_type != DeviceType.CPU:
+                continue
+            if e.name in _SYNC:
+                host_sync += e.self_cpu_time_total
+            if not e.kernels:
+                continue
+            chain = _ancestry(e)
+            for k in e.kernels:
+                groups[_group(k.name, chain)] += k.duration
+                recomputed += k.duration if _recomputed(chain) else 0.0
+                linked += k.duration
+        total = sum(e.time_range.end - e.time_range.start for e in device)
+        if linked < 0.5 * total:  # kernels not linked to their ops (another torch): by kernel name only
+            groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
+            for e in device:
+                groups[_group(e.name, [])] += e.time_range.end - e.time_range.start
+        busy = _merged_us([(e.time_range.start, e.time_range.end) for e in device])
+        rest = "idle / launch gaps (no kernel running)"
+    else:
+        busy = 0.0
+        for e in events:
+            if e.device_type != DeviceType.CPU:
+                continue
+            chain = _ancestry(e)
+            groups[_group(e.name, chain)] += e.self_cpu_time_total
+            recomputed += e.self_cpu_time_total if _recomputed(chain) else 0.0
+            busy += e.self_cpu_time_total
+        rest = "outside ops (Python, idle)"
+    seconds = {g: v / 1e6 for g, v in groups.items()}
+    seconds[rest] = max(0.0, wall_s - busy / 1e6)
+    return {"wall_s": wall_s, "device": "cuda" if CUDA else "cpu", "seconds": seconds,
+            "percent_of_wall": {g: 100 * v / wall_s for g, v in seconds.items()},
+            "recomputed_forward_s": recomputed / 1e6, "host_sync_s": host_sync / 1e6}
+
+
+def print_profile_groups(summary: dict[str, Any], label: str) -> None:
+    wall = summary["wall_s"]
+    print(f"---- where the time goes: {label}, % of wall {wall:.3f}s "
+          f"({'kernel device time' if summary['device'] == 'cuda' else 'op self CPU time'}) ----")
+    for g, v in summary["seconds"].items():
+        print(f"  {g:<40} {100 * v / wall:6.1f}%  {v:8.3f}s")
+    if summary["recomputed_forward_s"]:
+        print(f"  {'(of which recomputed forward)':<40} {100 * summary['recomputed_forward_s'] / wall:6.1f}%  "
+              f"{summary['recomputed_forward_s']:8.3f}s")
+    if summary["host_sync_s"]:
+        print(f"  host blocked in CUDA syncs (CPU side): {summary['host_sync_s']:.3f}s")
+
+
+def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = None) -> dict[str, Any]:
+    """torch.profiler over `fn` (`steps` optimizer steps): the top ops and kernels, and the time
+    grouped by kind (`profile_groups`), which is returned. `opt.step` is marked as the optimizer."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    step, had_step = getattr(opt, "step", None), "step" in vars(opt) if opt is not None else False
+    if step is not None:
+        def marked(*a, **kw):
+            with record_function(OPTIMIZER_RANGE):
+                return step(*a, **kw)
+        opt.step = marked
     sync()
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        fn()
-        sync()
-    wall = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            fn()
+            sync()
+        wall = time.perf_counter() - t0
+    finally:
+        if step is not None:
+            if had_step:
+                opt.step = step
+            else:
+                del opt.step  # the class's method again
     ka = prof.key_averages()
     table = None
     for sort in (("self_device_time_total", "self_cuda_time_total") if CUDA else ("self_cpu_time_total",)):
@@ -342,30 +507,22 @@ def profile_steps(fn: Callable[[], None], label: str) -> None:
             break
         except Exception:  # noqa: BLE001  (key names differ between torch versions)
             continue
-    print(f"\n==== profile: {label}, 2 steps, wall {wall:.3f}s (profiler overhead included) ====")
+    print(f"\n==== profile: {label}, {steps} step(s), wall {wall:.3f}s (profiler overhead included) ====")
     print(table)
-    try:  # host side: syncs (aten::item / _local_scalar_dense, cudaStreamSynchronize) show here
-        print(ka.table(sort_by="self_cpu_time_total", row_limit=10))
-    except Exception:  # noqa: BLE001
-        pass
     if CUDA:
-        from torch.autograd import DeviceType
-
-        dev = 0.0  # kernels/memcpys only (device-side events), so nothing is counted twice
-        for e in ka:
-            if getattr(e, "device_type", None) == DeviceType.CUDA:
-                v = getattr(e, "self_device_time_total", None)
-                if v is None:
-                    v = getattr(e, "self_cuda_time_total", 0.0)
-                dev += float(v or 0.0)
-        print(f"sum of self device time {dev / 1e6:.3f}s over wall {wall:.3f}s: GPU busy ~{100 * dev / 1e6 / wall:.0f}% "
-              "(the rest is host/launch/sync gaps)")
+        try:  # host side: syncs (aten::item / _local_scalar_dense, cudaStreamSynchronize) show here
+            print(ka.table(sort_by="self_cpu_time_total", row_limit=10))
+        except Exception:  # noqa: BLE001
+            pass
+    summary = profile_groups(prof, wall)
+    print_profile_groups(summary, label)
     print("=" * 80, flush=True)
+    return {"row": label, "steps": steps, **summary}
 
 
 # --------------------------------------------------------------------------------------- HF
 
-def run_hf(name: str, bb, obj, batches, args, res: Results) -> None:
+def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ...] = ("fwd", "train")) -> None:
     from transformers import AutoModel, Qwen2Config
 
     from value_assets.gpu.model.losses import predicted_values, token_losses
@@ -393,7 +550,7 @@ def run_hf(name: str, bb, obj, batches, args, res: Results) -> None:
         rope_theta=bb.rotary_base, rms_norm_eps=bb.norm_epsilon, tie_word_embeddings=False,
         use_cache=False, attention_dropout=0.0,
     )
-    model = head = opt = None
+    model = head = opt = params = None
     try:
         t0 = time.perf_counter()
         with torch.device(dev):
@@ -415,30 +572,32 @@ def run_hf(name: str, bb, obj, batches, args, res: Results) -> None:
             return {k: v.to(dev, non_blocking=True) for k, v in p.items()}
 
         # -- forward-only
-        reset_peak()
-        try:
-            model.eval()
+        def fwd(gs_list):
+            with torch.no_grad():
+                for gs in gs_list:
+                    for p in gs:
+                        d = to_dev(p)
+                        v = predicted_values(forward(d), obj)
+                        v.cpu()
 
-            def fwd(gs_list):
-                with torch.no_grad():
-                    for gs in gs_list:
-                        for p in gs:
-                            d = to_dev(p)
-                            v = predicted_values(forward(d), obj)
-                            v.cpu()
-
-            dt = timed(lambda: fwd(egroups[:args.warmup]), lambda: fwd(egroups[args.warmup:]))
-            res.add(name, "hf", "fwd", seconds=dt, tokens=real, flops_tok=f_fwd, steps=len(timed_b),
-                    notes=eval_note)
-        except Exception as exc:  # noqa: BLE001
-            if not is_oom(exc):
-                traceback.print_exc()
-            res.add(name, "hf", "fwd", error=("OOM" if is_oom(exc) else type(exc).__name__))
-        finally:
-            model.train()
-            free_memory()
+        for mode in [m for m in ("fwd",) if m in modes]:
+            reset_peak()
+            try:
+                model.eval()
+                dt = timed(lambda: fwd(egroups[:args.warmup]), lambda: fwd(egroups[args.warmup:]))
+                res.add(name, "hf", mode, seconds=dt, tokens=real, flops_tok=f_fwd, steps=len(timed_b),
+                        notes=eval_note)
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom(exc):
+                    traceback.print_exc()
+                res.add(name, "hf", mode, error=("OOM" if is_oom(exc) else type(exc).__name__), notes=eval_note)
+            finally:
+                model.train()
+                free_memory()
 
         # -- training
+        if "train" not in modes:
+            return
         reset_peak()
         try:
             params = list(model.parameters()) + list(head.parameters())
@@ -467,15 +626,15 @@ def run_hf(name: str, bb, obj, batches, args, res: Results) -> None:
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 traceback.print_exc()
-            res.add(name, "hf", "train", error=("OOM" if is_oom(exc) else type(exc).__name__))
+            res.add(name, "hf", "train", error=("OOM" if is_oom(exc) else type(exc).__name__), notes=train_note)
     except Exception as exc:  # noqa: BLE001  (build failed)
         if not is_oom(exc):
             traceback.print_exc()
-        for mode in ("fwd", "train"):
+        for mode in modes:
             if not any((r["model"], r["system"], r["mode"]) == (name, "hf", mode) for r in res.rows):
                 res.add(name, "hf", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
     finally:
-        model = head = opt = None  # noqa: F841
+        model = head = opt = params = None  # noqa: F841  (params hold the grads: drop them before emptying the cache)
         free_memory()
 
 
@@ -493,16 +652,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--global-batch", type=int, default=64, help="rows per optimizer step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps")
-    ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler over 2 steps of ours-train on the 1.5B shape (or the last model)")
+    ap.add_argument("--profile", nargs="?", const="", default=None, metavar="ROWS",
+                    help="torch.profiler of ours-train: 2 steps (1 of a long-row row) of each row labelled in the "
+                         "comma list ROWS (e.g. 0.5b,1.5b@32k,'1.5b dist-opt'); bare: the 1.5B shape (or the last "
+                         "model). Prints the top kernels and the step time grouped by kind (matmul, attention, "
+                         "elementwise/norm, optimizer, idle gaps), also written to --json")
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--rows", choices=("default", "long", "all"), default="default",
-                    help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows and a 3b "
-                         "critic on 4k rows (ours); all: both")
+                    help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows (ours, and hf "
+                         "train as the floor), 1.5b with the distributed optimizer and a 3b critic on 4k rows "
+                         "(ours); all: both")
     ap.add_argument("--long-steps", type=int, default=2, help="timed steps of the long-row rows")
     ap.add_argument("--long-global-batch", type=int, default=16, help="rows per step of the long-row rows")
     ap.add_argument("--long-recompute", choices=("auto",) + RECOMPUTE, default="auto",
                     help="recompute of the long-row rows (auto: the least the memory model fits)")
+    ap.add_argument("--long-recompute-layers", type=int, default=None, metavar="K",
+                    help="with --long-recompute full: recompute only the first K layers")
+    ap.add_argument("--long-hf-global-batch", type=int, default=4,
+                    help="rows per step of the hf long-row rows (1 warm-up and --long-hf-steps timed steps)")
+    ap.add_argument("--long-hf-steps", type=int, default=1, help="timed steps of the hf long-row rows")
     args = ap.parse_args(argv)
 
     from value_assets.core.objective import Objective
@@ -527,6 +695,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for n in names:
         if n not in presets:
             ap.error(f"unknown model {n!r}; choose from 0.5b, 1.5b")
+    if args.profile is None:
+        args.profile_rows = set()
+    elif not args.profile.strip():
+        args.profile_rows = {"1.5b" if "1.5b" in names else names[-1]}
+    else:
+        args.profile_rows = {r.strip() for r in args.profile.split(",") if r.strip()}
+    args.systems_list = systems
     obj = Objective()  # classification, 51 bins, HL-Gauss (the default objective)
 
     dev_name = torch.cuda.get_device_name() if CUDA else "CPU (smoke; MFU meaningless)"
@@ -551,9 +726,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"fwd {flops_per_token(bb, obj.head_size, lens, train=False) / 1e9:.2f} GFLOP/tok")
             data_lines.append(line)
             print(f"== {line}", flush=True)
-            want_profile = args.profile and (name == "1.5b" or (name == names[-1] and "1.5b" not in names))
             if "ours" in systems:
-                run_ours(name, bb, obj, batches, args, res, want_profile)
+                run_ours(name, bb, obj, batches, args, res, name in args.profile_rows)
             if "hf" in systems:
                 run_hf(name, bb, obj, batches, args, res)
         if args.rows in ("long", "all"):
@@ -588,38 +762,56 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ot and of_:
             parts.append(f"fwd/train {of_ / ot:.2f}x")
         print("  " + ", ".join(parts))
+    floor = hf_floor_line(res)
+    if floor:
+        print("  " + floor)
+    for p in res.profiles:
+        top = sorted(p["percent_of_wall"].items(), key=lambda kv: -kv[1])
+        print(f"  profile {p['row']}: " + ", ".join(f"{g} {v:.0f}%" for g, v in top if v >= 0.5))
+    missing = args.profile_rows - {p["row"].removeprefix("ours train ") for p in res.profiles}
+    if missing:
+        print(f"  --profile: no ours-train row ran with the label(s) {', '.join(sorted(missing))}")
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(
-            {"device": dev_name, "peak_tflops": PEAK_TFLOPS, "formula": FORMULA, "args": vars(args),
-             "data": data_lines, "results": res.rows}, indent=2))
+            {"device": dev_name, "peak_tflops": PEAK_TFLOPS, "formula": FORMULA,
+             "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
+             "data": data_lines, "results": res.rows, "profiles": res.profiles}, indent=2))
     return 0
 
 
 def pick_recompute(bb, obj, tokens: int, args, index: int) -> MemoryConfig:
-    """The least recompute the memory model fits in 85 % of this GPU (--long-recompute overrides;
-    on CPU (smoke) the three settings in turn, so each path runs)."""
+    """The least recompute the memory model fits in 85 % of this GPU, trying none, selective, full
+    of the first K = 1 .. L-1 layers, full (--long-recompute overrides; on CPU (smoke) selective,
+    full of the first layer and full in turn, so each path runs)."""
     if args.long_recompute != "auto":
-        return MemoryConfig(recompute=args.long_recompute)
+        return MemoryConfig(recompute=args.long_recompute, recompute_layers=args.long_recompute_layers)
     if not CUDA:
-        return MemoryConfig(recompute=RECOMPUTE[index % len(RECOMPUTE)])
+        return (MemoryConfig(recompute="selective"), MemoryConfig(recompute="full", recompute_layers=1),
+                MemoryConfig(recompute="full"))[index % 3]
     total = torch.cuda.get_device_properties(0).total_memory
-    for rc in RECOMPUTE:
-        mem = MemoryConfig(recompute=rc)
-        if predict_peak(ModelShape.of(bb, obj.head_size), Layout(), mem, tokens) <= 0.85 * total:
+    shape = ModelShape.of(bb, obj.head_size)
+    for mem in [MemoryConfig()] + more_recompute(shape, Layout(), MemoryConfig()):
+        if predict_peak(shape, Layout(), mem, tokens) <= 0.85 * total:
             return mem
     return MemoryConfig(recompute="full")  # predicted not to fit: run it anyway and report OOM
 
 
 def run_long_rows(args, presets, obj, res: Results) -> list[str]:
-    """1.5b on rows of 8k / 16k / 32k tokens (train) and the 3b critic on the 4k mix (all modes)."""
+    """1.5b on rows of 8k / 16k / 32k tokens (ours train), 1.5b with the distributed optimizer and
+    the 3b critic on the 4k mix, then the hf critic's train on the long rows (the floor; last, so
+    that its out-of-memory failures cannot disturb the rows before)."""
     lines = []
+    systems = args.systems_list
     steps, warm = (2, 1) if args.smoke else (args.long_steps, 1)
     lengths, prompt, big = ((96, 160, 224), 32, "tiny") if args.smoke else ((8192, 16384, 32768), 1024, "3b")
-    bb = presets["tiny" if args.smoke else "1.5b"]()
-    for i, length in enumerate(lengths):
-        label = f"{'tiny' if args.smoke else '1.5b'}@{length // 1024 or length}{'k' if length >= 1024 else ''}"
+    base = "tiny" if args.smoke else "1.5b"
+    bb = presets[base]()
+    labels = [f"{base}@{length // 1024 or length}{'k' if length >= 1024 else ''}" for length in lengths]
+    for i, (label, length) in enumerate(zip(labels, lengths)):
+        if "ours" not in systems:
+            break
         run_args = argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm,
                                          "global_batch": args.long_global_batch if not args.smoke else 4,
                                          "micro_batch_tokens": max(args.micro_batch_tokens, length - 1)})
@@ -629,31 +821,78 @@ def run_long_rows(args, presets, obj, res: Results) -> list[str]:
         lens = [n for b in batches[warm:] for n in model_lens(b)]
         line = (f"{label}: {len(lens)} timed rows of {length} tokens, {sum(lens) / steps:,.0f} tokens/step, "
                 f"s_eff {s_eff(lens):.0f}, train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} "
-                f"GFLOP/tok (recompute not counted), recompute {mem.recompute}")
+                f"GFLOP/tok (recompute not counted in MFU), {recompute_note(mem, bb.num_layers)}")
         lines.append(line)
         print(f"== {line}", flush=True)
-        run_ours(label, bb, obj, batches, run_args, res, False, memory=mem, modes=("train",))
-    bb = presets[big]()
-    batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
-    longest = max(n for b in batches for n in model_lens(b))
-    mbt = args.micro_batch_tokens
-    if CUDA:
-        free = torch.cuda.mem_get_info()[0]
-        try:
-            mbt = min(mbt, auto_micro_batch_tokens(ModelShape.of(bb, obj.head_size), Layout(), MemoryConfig(),
-                                                   free_bytes=free, longest_row=longest))
-        except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
-            print(f"  memory model: {exc}", flush=True)
-    run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})
-    lens = [n for b in batches[args.warmup:] for n in model_lens(b)]
-    label = "3b" if not args.smoke else "tiny-3b"
-    line = (f"{label}: {len(lens)} timed rows (mean {np.mean(lens):.0f}, max {max(lens)}), micro-batch {mbt} tokens "
-            f"(auto), N {matmul_params(bb, obj.head_size) / 1e9:.3f}B, "
-            f"train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok")
-    lines.append(line)
-    print(f"== {line}", flush=True)
-    run_ours(label, bb, obj, batches, run_args, res, False)
+        run_ours(label, bb, obj, batches, run_args, res, label in args.profile_rows, memory=mem, modes=("train",),
+                 profile_n=1)
+    if "ours" in systems:
+        # The distributed optimizer on one GPU (dp 1: nothing to shard): its path runs on the GPU,
+        # with its peak and throughput beside the plain 1.5b row.
+        label = f"{base} dist-opt"
+        batches = make_batches(warm + steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
+        lens = [n for b in batches[warm:] for n in model_lens(b)]
+        line = (f"{label}: {len(lens)} timed rows of the 4k mix (mean {np.mean(lens):.0f}, max {max(lens)}), "
+                f"distributed optimizer, dp 1, {warm} warm-up + {steps} timed steps")
+        lines.append(line)
+        print(f"== {line}", flush=True)
+        run_args = argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm})
+        run_ours(label, bb, obj, batches, run_args, res, label in args.profile_rows,
+                 memory=MemoryConfig(distributed_optimizer=True), modes=("train",))
+
+        bbig = presets[big]()
+        batches = make_batches(args.warmup + args.steps, args.global_batch, bbig.vocab_size, args.seed, args.smoke)
+        longest = max(n for b in batches for n in model_lens(b))
+        mbt = args.micro_batch_tokens
+        if CUDA:
+            free = torch.cuda.mem_get_info()[0]
+            try:
+                mbt = min(mbt, auto_micro_batch_tokens(ModelShape.of(bbig, obj.head_size), Layout(), MemoryConfig(),
+                                                       free_bytes=free, longest_row=longest))
+            except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
+                print(f"  memory model: {exc}", flush=True)
+        run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})
+        lens = [n for b in batches[args.warmup:] for n in model_lens(b)]
+        label = "3b" if not args.smoke else "tiny-3b"
+        line = (f"{label}: {len(lens)} timed rows (mean {np.mean(lens):.0f}, max {max(lens)}), micro-batch {mbt} tokens "
+                f"(auto), N {matmul_params(bbig, obj.head_size) / 1e9:.3f}B, "
+                f"train {flops_per_token(bbig, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok")
+        lines.append(line)
+        print(f"== {line}", flush=True)
+        run_ours(label, bbig, obj, batches, run_args, res, label in args.profile_rows)
+    if "hf" in systems:
+        g = args.long_hf_global_batch if not args.smoke else 2
+        hf_steps = args.long_hf_steps if not args.smoke else 1
+        for label, length in zip(labels, lengths):
+            mbt = max(args.micro_batch_tokens, length - 1)
+            run_args = argparse.Namespace(**{**vars(args), "steps": hf_steps, "warmup": 1, "global_batch": g,
+                                             "micro_batch_tokens": mbt, "eval_micro_batch_tokens": mbt})
+            batches = fixed_length_batches(1 + hf_steps, g, bb.vocab_size, args.seed, length, prompt)
+            line = (f"{label} hf: {hf_steps * g} timed rows of {length} tokens, padded micro-batches of <= {mbt} "
+                    "tokens, no recompute (the Hugging Face floor)")
+            lines.append(line)
+            print(f"== {line}", flush=True)
+            run_hf(label, bb, obj, batches, run_args, res, modes=("train",))
     return lines
+
+
+def hf_floor_line(res: Results) -> Optional[str]:
+    """Where the Hugging Face critic's training runs on the long rows, and from which length it
+    runs out of memory."""
+    parts, oom = [], None
+    for r in res.rows:
+        if r["system"] != "hf" or r["mode"] != "train" or "@" not in r["model"]:
+            continue
+        length = r["model"].split("@")[-1]
+        if r.get("error"):
+            parts.append(f"{length} {r['error']}")
+            oom = oom or (length if r["error"] == "OOM" else None)
+        else:
+            parts.append(f"{length} {r['tokens_per_s']:,.0f} tok/s")
+    if not parts:
+        return None
+    return ("hf floor (train, no recompute): " + ", ".join(parts)
+            + (f"; out of memory from {oom} tokens" if oom else "; no out-of-memory"))
 
 
 def _varlen_available() -> bool:

@@ -38,7 +38,8 @@ def test_every_field_is_documented_and_frozen(cls):
     (TrainJob, dict(backbone="/ckpt/actor", global_batch_size=64, epochs=3, seed=-7, save_interval=10, gpus=8,
                     tensor_parallel=2, pipeline_parallel=2, micro_batch_tokens=8192, lr=3e-4, warmup_steps=5,
                     weight_decay=0.01, clip_grad=0.5, canary=True, stop_after=4, manifest_sha256=SHA,
-                    data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60, freeze="attention")),
+                    data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60, freeze="attention",
+                    recompute="full", recompute_layers=3)),
     (TrainJob, {}),
     (EvaluateJob, dict(split="train", num_batches=4, global_batch_size=2, seed=9, gpus=4, tensor_parallel=2,
                        pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5,
@@ -85,6 +86,8 @@ def test_json_round_trip(cls, settings):
     (TrainJob, "data_roots", "/data", "got '/data'"),
     (TrainJob, "manifest", "", "got ''"),
     (TrainJob, "output", None, "is required, got None"),
+    (TrainJob, "recompute_layers", 0, "must be an integer >= 1, got 0"),
+    (TrainJob, "recompute_layers", 2, "needs recompute 'full', got recompute 'none'"),
     (TrainJob, "freeze", "embeddings", "must be one of ('none', 'attention', 'backbone'), got 'embeddings'"),
     (EvaluateJob, "contract_sha256", "xyz", "got 'xyz'"),
     (EvaluateJob, "split", "test", "must be 'heldout' or 'train', got 'test'"),
@@ -205,6 +208,18 @@ def test_cli_freeze_flag_reaches_the_config():
 
     args = build_parser().parse_args(["train", "m.json", "--output", "critic", "--freeze", "backbone"])
     assert config_from_args(TrainJob, args) == make(TrainJob, freeze="backbone")
+
+
+def test_cli_recompute_layers_reach_the_memory_config():
+    from value_assets.gpu.cli import config_from_args
+
+    args = build_parser().parse_args(["train", "m.json", "--output", "critic", "--recompute", "full", "--recompute-layers", "4"])
+    cfg = config_from_args(TrainJob, args)
+    assert cfg == make(TrainJob, recompute="full", recompute_layers=4)
+    assert (cfg.memory.recompute, cfg.memory.recompute_layers) == ("full", 4)
+    with pytest.raises(InputError) as err:
+        make(TrainJob, recompute="selective", recompute_layers=4)
+    assert err.value.where == "recompute_layers" and "got recompute 'selective'" in err.value.message
 
 
 def test_handoff_job_round_trip_and_rules():

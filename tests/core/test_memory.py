@@ -9,7 +9,7 @@ import pytest
 from value_assets.core.errors import InputError
 from value_assets.core.memory import (
     GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, ModelShape, activation_bytes, auto_micro_batch_tokens,
-    max_tokens, predict_peak, static_bytes,
+    max_tokens, more_recompute, predict_peak, static_bytes,
 )
 
 pytestmark = pytest.mark.unit
@@ -29,6 +29,76 @@ def test_memory_config_refuses_unknown_values_naming_the_flag():
         MemoryConfig("full")  # keyword-only
     m = MemoryConfig(recompute="full", distributed_optimizer=True)
     assert MemoryConfig.from_json(m.to_json()) == m
+
+
+def test_recompute_layers_rules_name_the_field():
+    for kw, needle in ((dict(recompute_layers=2), "needs recompute 'full', got recompute 'none'"),
+                       (dict(recompute="selective", recompute_layers=2), "got recompute 'selective'"),
+                       (dict(recompute="full", recompute_layers=0), "must be an integer >= 1"),
+                       (dict(recompute="full", recompute_layers=True), "must be an integer >= 1")):
+        with pytest.raises(InputError) as err:
+            MemoryConfig(**kw)
+        assert err.value.where == "recompute_layers" and needle in err.value.message
+    m = MemoryConfig(recompute="full", recompute_layers=14)
+    m.check_layers(num_layers=28, pipeline_parallel=2)  # megatron counts layers per stage
+    with pytest.raises(InputError, match=r"recompute_layers: .*at most 14 \(28 layers over 2 stage\(s\)\), got 15"):
+        MemoryConfig(recompute="full", recompute_layers=15).check_layers(num_layers=28, pipeline_parallel=2)
+    MemoryConfig(recompute="full").check_layers(num_layers=28, pipeline_parallel=28)
+    assert MemoryConfig.from_json(m.to_json()) == m and m.to_json()["recompute_layers"] == 14
+    # unset: the JSON (and so the contract's execution facts) is what it was before the setting
+    assert MemoryConfig(recompute="full").to_json() == {"recompute": "full", "distributed_optimizer": False,
+                                                        "sequence_parallel": False}
+    assert MemoryConfig.from_json({"recompute": "full", "distributed_optimizer": False}).recompute_layers is None
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_partial_recompute_lies_between_none_and_full(pp):
+    lay, t = Layout(pp=pp), 32768
+    per_stage = S15.num_layers // pp
+    act = {k: activation_bytes(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t)
+           for k in range(1, per_stage + 1)}
+    none = activation_bytes(S15, lay, MemoryConfig(), t)
+    full = activation_bytes(S15, lay, MemoryConfig(recompute="full"), t)
+    assert act[per_stage] == full  # every layer of the stage: plain full
+    assert none > act[1] and all(act[k] > act[k + 1] > full for k in range(1, per_stage - 2))
+    assert act[per_stage - 2] > act[per_stage - 1] > 0.95 * full  # all but one: plain full less one input
+    # linear in K, from `none` at K = 0: each recomputed layer (pp in flight) keeps only its input
+    assert 2 * act[1] - act[2] == pytest.approx(none, rel=1e-6)
+    assert act[1] - act[2] == pytest.approx((none - full) / (S15.num_layers - 1) * pp, rel=0.05)
+    # the predicted peak follows, and the auto micro-batch grows with K
+    peaks = [predict_peak(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t) for k in (1, 2)]
+    assert predict_peak(S15, lay, MemoryConfig(), t) > peaks[0] > peaks[1] > predict_peak(S15, lay, MemoryConfig(recompute="full"), t)
+    sizes = [auto_micro_batch_tokens(S15, lay, m, free_bytes=80 * GIB, longest_row=1024)
+             for m in (MemoryConfig(), MemoryConfig(recompute="full", recompute_layers=2), MemoryConfig(recompute="full"))]
+    assert sizes[0] < sizes[1] < sizes[2]
+
+
+def test_more_recompute_is_ordered_cheapest_first():
+    names = [(m.recompute, m.recompute_layers) for m in more_recompute(S15, Layout(pp=4), MemoryConfig())]
+    assert names == [("selective", None)] + [("full", k) for k in range(1, 7)] + [("full", None)]
+    assert [m.recompute_layers for m in more_recompute(S15, Layout(pp=4), MemoryConfig(recompute="full", recompute_layers=5))] == [6, None]
+    assert more_recompute(S15, Layout(), MemoryConfig(recompute="full")) == []
+
+
+def test_hints_name_the_least_recompute_layers_that_fit_before_full():
+    def hints(free_gib, memory=MemoryConfig()):
+        with pytest.raises(InputError) as err:
+            auto_micro_batch_tokens(S15, Layout(), memory, free_bytes=free_gib * GIB, longest_row=32767)
+        situation, hints = str(err.value).split("it would fit with: ")
+        assert f"recompute {memory.recompute}" in situation
+        return situation, hints.split("; or ")
+
+    first = hints(60)[1][0]
+    assert first.startswith("--recompute full --recompute-layers ")
+    k = int(first.split()[-1])
+    assert 1 < k < S15.num_layers - 1
+    budget = int(60 * GIB * 0.9)
+    assert max_tokens(S15, Layout(), MemoryConfig(recompute="full", recompute_layers=k), budget) >= 32767
+    assert max_tokens(S15, Layout(), MemoryConfig(recompute="full", recompute_layers=k - 1), budget) < 32767
+    assert hints(60)[1][1].startswith("--tensor-parallel 2")
+    # already recomputing K layers: the message says so, and suggests more
+    situation, more = hints(60, MemoryConfig(recompute="full", recompute_layers=3))
+    assert "recompute full of 3 layers per stage" in situation and more[0] == first
 
 
 def test_parameter_count_matches_the_qwen_shapes():

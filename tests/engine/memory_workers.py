@@ -62,18 +62,43 @@ def _values(model) -> dict[int, torch.Tensor]:
     return {k: torch.from_numpy(v["values"]) for k, v in out.items()}
 
 
+class _CountCheckpoints:
+    """Counts megatron's `tensor_parallel.checkpoint` calls (one per recomputed layer and forward
+    under full recompute) while in the `with` block."""
+
+    def __enter__(self):
+        from megatron.core import tensor_parallel
+
+        self.calls, self.real = 0, tensor_parallel.checkpoint
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self.real(*args, **kwargs)
+
+        tensor_parallel.checkpoint = counting
+        return self
+
+    def __exit__(self, *exc):
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.checkpoint = self.real
+
+
 def dp_features(rank, world, tp, ckpt, out_file):
-    """DP=2: plain, selective and full recompute, and the distributed optimizer (3 steps each);
-    the distributed optimizer's checkpoint is then resumed at DP=2 and loaded for evaluation at
-    TP=2 (plain, no optimizer state)."""
+    """DP=2: plain, selective and full recompute (of every layer, and of the first layer only:
+    megatron's block method), and the distributed optimizer (3 steps each); the distributed
+    optimizer's checkpoint is then resumed at DP=2 and loaded for evaluation at TP=2 (plain, no
+    optimizer state)."""
     from value_assets.gpu.runtime.checkpoint import load_critic, load_model_weights, save_critic
 
     res = {}
     for name, mem in (("plain", MemoryConfig()), ("selective", MemoryConfig(recompute="selective")),
                       ("full", MemoryConfig(recompute="full")),
+                      ("full_first1", MemoryConfig(recompute="full", recompute_layers=1)),
                       ("distopt", MemoryConfig(distributed_optimizer=True))):
         model, ddp, opt = _build(tp, mem)
-        hist = _train(ddp, opt, steps=STEPS - 1 if name == "distopt" else STEPS)
+        with _CountCheckpoints() as counted:
+            hist = _train(ddp, opt, steps=STEPS - 1 if name == "distopt" else STEPS)
         if name == "distopt":
             res["saved_probe"] = probe(model)
             save_critic(ckpt, ddp, opt, iteration=STEPS - 1)
@@ -81,6 +106,8 @@ def dp_features(rank, world, tp, ckpt, out_file):
         res[name] = {"history": hist, "params": _params(model), "probe": probe(model)}
         res[name]["optimizers"] = [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])]
         res[name]["recompute"] = model.config.recompute_granularity
+        res[name]["recompute_block"] = (model.config.recompute_method, model.config.recompute_num_layers)
+        res[name]["checkpoints"] = counted.calls
     # Resume: a fresh distributed-optimizer critic picks up at step 2 and takes step 3 exactly.
     model, ddp, opt = _build(tp, MemoryConfig(distributed_optimizer=True))
     start = load_critic(ckpt, ddp, opt)

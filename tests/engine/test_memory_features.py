@@ -47,9 +47,10 @@ def same_params(a: dict, b: dict) -> None:
 
 @pytest.mark.timeout(320)
 def test_recompute_and_distributed_optimizer_match_plain_dp2(tmp_path):
-    """DP=2: selective and full recompute and the distributed optimizer give the plain run's
-    losses, grad norms and parameters over 3 steps; the distributed optimizer's checkpoint resumes
-    exactly (step 3 again) and loads without optimizer state at TP=2 for evaluation."""
+    """DP=2: selective and full recompute (every layer, or only the first: `recompute_layers` 1)
+    and the distributed optimizer give the plain run's losses, grad norms and parameters over 3
+    steps; the distributed optimizer's checkpoint resumes exactly (step 3 again) and loads without
+    optimizer state at TP=2 for evaluation."""
     ck = tmp_path / "ck"
     ck.mkdir()
     spawn(2, 1, "dp_features", str(ck), str(tmp_path / "r.pt"))
@@ -57,9 +58,13 @@ def test_recompute_and_distributed_optimizer_match_plain_dp2(tmp_path):
     plain = r["plain"]
     assert len(plain["history"]) == MW.STEPS
     assert plain["history"][-1]["loss"] < plain["history"][0]["loss"]
-    assert [r[n]["recompute"] for n in ("plain", "selective", "full")] == [None, "selective", "full"]
+    assert [r[n]["recompute"] for n in ("plain", "selective", "full", "full_first1")] == [None, "selective", "full", "full"]
+    assert r["full"]["recompute_block"] == ("uniform", 1) and r["full_first1"]["recompute_block"] == ("block", 1)
+    # the forward really checkpoints 1 of the 2 layers: half of full recompute's checkpoints
+    assert MW.BACKBONE.num_layers == 2 and r["plain"]["checkpoints"] == 0
+    assert r["full"]["checkpoints"] == 2 * r["full_first1"]["checkpoints"] > 0
     assert r["distopt"]["optimizers"] == ["DistributedOptimizer"] and r["plain"]["optimizers"] != ["DistributedOptimizer"]
-    for name in ("selective", "full", "distopt"):
+    for name in ("selective", "full", "full_first1", "distopt"):
         same_steps(plain["history"], r[name]["history"])
         same_params(plain["params"], r[name]["params"])
     # Resume from the distributed optimizer's checkpoint (step 2 of 3): step 3 exactly as uninterrupted.

@@ -50,6 +50,14 @@ def test_auto_micro_batch_tokens_resolves_before_reserving(manifest, tmp_path):
     assert not (tmp_path / "c").exists()  # prepare writes nothing
 
 
+def test_recompute_layers_beyond_a_pipeline_stage_are_refused_in_prepare(manifest, tmp_path):
+    run = cfg(manifest, tmp_path / "c", pipeline_parallel=2, **mem(MemoryConfig(recompute="full", recompute_layers=2)))
+    with pytest.raises(InputError, match=r"recompute_layers: .*at most 1 \(2 layers over 2 stage\(s\)\), got 2"):
+        prepare(run, log=quiet)
+    prepare(replace(run, recompute_layers=1), log=quiet)
+    assert not (tmp_path / "c").exists()
+
+
 def test_resume_execution_check():
     dist = {"execution": {"tensor_parallel": 2, "pipeline_parallel": 1, "memory": {"distributed_optimizer": True}}}
     base = dict(manifest="m", output="o", gpus=4, tensor_parallel=2)
@@ -76,10 +84,11 @@ def test_resume_refuses_another_freeze_setting():
 
 
 def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
-    """One step with full recompute and the distributed optimizer on two workers gives the plain
-    run's loss; the contract records the execution facts; resuming without the distributed
+    """One step with full recompute of the first layer (of the tiny backbone's two) and the
+    distributed optimizer on two workers gives the plain run's loss; the contract records the
+    execution facts (`recompute_layers` beside `recompute`); resuming without the distributed
     optimizer is refused in `prepare`."""
-    memory = MemoryConfig(recompute="full", distributed_optimizer=True)
+    memory = MemoryConfig(recompute="full", recompute_layers=1, distributed_optimizer=True)
     plain = train(cfg(manifest, tmp_path / "plain"), log=quiet)
     run = cfg(manifest, tmp_path / "mem", **mem(memory))
     feat = train(run, log=quiet)
@@ -87,8 +96,9 @@ def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
     contract, _ = load_contract(*read_latest(tmp_path / "mem"))
     assert contract["execution"] == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
                                      "micro_batch_tokens": 4096, "memory": memory.to_json(), "freeze": "none"}
+    assert contract["execution"]["memory"]["recompute_layers"] == 1
     with pytest.raises(InputError, match="distributed_optimizer"):
-        prepare(replace(run, distributed_optimizer=False, recompute="none", stop_after=None), log=quiet)
+        prepare(replace(run, distributed_optimizer=False, recompute="none", recompute_layers=None, stop_after=None), log=quiet)
 
 
 def test_freeze_is_recorded_in_the_contract_and_resume_must_match(manifest, tmp_path):

@@ -69,6 +69,7 @@ class TrainRunConfig(Config):
     warmup_steps: int | None = job_setting(TrainJob, "warmup_steps")
     micro_batch_tokens: int | None = job_setting(TrainJob, "micro_batch_tokens")  # "auto" is command-line only (Dagster config has no int-or-string type)
     recompute: str | None = job_setting(TrainJob, "recompute")
+    recompute_layers: int | None = job_setting(TrainJob, "recompute_layers")
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
     freeze: str | None = job_setting(TrainJob, "freeze")

@@ -198,6 +198,7 @@ class TrainJob(_JobConfig):
     pipeline_parallel: int = setting(1, doc="Pipeline stages (divides gpus and the backbone's layers).")
     micro_batch_tokens: int | str = setting(4096, doc="Tokens packed per micro-batch, at least the longest row; 'auto': the largest that fits the GPU's free memory (core/memory.py's model).")
     recompute: str = setting("none", doc="Activation recompute (megatron's): 'none', 'selective' (core attention) or 'full' (every layer).")
+    recompute_layers: int | None = setting(None, doc="With recompute 'full': recompute only the first K layers of each pipeline stage (megatron's block method), keep every activation of the others; unset: every layer.")
     distributed_optimizer: bool = setting(False, doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).")
     sequence_parallel: bool = setting(False, doc="Megatron sequence parallelism (needs tensor_parallel > 1).")
     freeze: str = setting("none", doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' critic_freeze_attention) or 'backbone' (all but the value head: head-only warm-up).")
@@ -232,6 +233,8 @@ class TrainJob(_JobConfig):
             require_int(self.stop_after, "stop_after")
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
+        if self.recompute_layers is not None:
+            require_int(self.recompute_layers, "recompute_layers")
         self.memory.check_layout(tensor_parallel=self.tensor_parallel)
         if self.freeze not in FREEZE:
             raise InputError("freeze", f"must be one of {FREEZE}, got {show(self.freeze)}")
@@ -244,8 +247,8 @@ class TrainJob(_JobConfig):
         """The memory settings as core/memory.py's `MemoryConfig` (validated there)."""
         from .memory import MemoryConfig
 
-        return MemoryConfig(recompute=self.recompute, distributed_optimizer=self.distributed_optimizer,
-                            sequence_parallel=self.sequence_parallel)
+        return MemoryConfig(recompute=self.recompute, recompute_layers=self.recompute_layers,
+                            distributed_optimizer=self.distributed_optimizer, sequence_parallel=self.sequence_parallel)
 
     @property
     def learning_rate(self) -> float:

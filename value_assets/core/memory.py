@@ -1,7 +1,8 @@
 """Memory settings of a training job and a memory model to plan them (no torch).
 
-`MemoryConfig` holds the three knobs Megatron users expect (activation recompute, the distributed
-optimizer, sequence parallelism); none of them changes what is computed, only where memory goes.
+`MemoryConfig` holds the knobs Megatron users expect (activation recompute, of every layer or of
+the first K of each pipeline stage, the distributed optimizer, sequence parallelism); none of them
+changes what is computed, only where memory goes.
 
 `predict_peak` estimates the peak allocated bytes per GPU of one critic training (or forward-only
 evaluation) rank; `auto_micro_batch_tokens` picks the largest packed micro-batch that fits a free
@@ -26,6 +27,10 @@ activations of `pp` micro-batches of L/pp layers: as many as one micro-batch thr
                                                kept; with flash attention that is all it saves)
               full       h per layer kept (its input), plus one layer's `none` set live while
                          that layer is recomputed in backward
+              full, K    megatron's block method: the first K layers of each stage keep h, the
+                         others the `none` set. With r = min(pp*K, L) input-only layers in flight:
+                         r*h + max(L - r, 1) * none (the `none` layers' sets are freed by the
+                         time the first K are recomputed); r = 0 is `none`, r = L is `full`
     activations  = c_act * w * tokens * (sum over the layers above) + tokens * (4h + 16K) bytes
               (the head's float32 input and logits / loss temporaries)
     evaluation   = c_eval * w * tokens * (3h + 4f/tp) (one layer's live set, nothing kept)
@@ -40,7 +45,7 @@ micro-batches of <= 16384 tokens (training) and <= 32768 tokens (evaluation).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional
 
 from value_assets.core.errors import InputError
@@ -57,6 +62,9 @@ class MemoryConfig:
     recompute: str = "none"
     """Activation recompute: 'none'; 'selective' (Megatron's: core attention recomputed in
     backward); 'full' (Megatron's uniform recompute of every layer, one layer per checkpoint)."""
+    recompute_layers: Optional[int] = None
+    """With 'full' only: recompute the first K layers of each pipeline stage (Megatron's block
+    method), keep every activation of the others; None: every layer."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer: fp32 master weights and Adam moments sharded over the
     data-parallel ranks. Resuming needs the same setting; loading weights for evaluation does not."""
@@ -68,6 +76,12 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise InputError("recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        k = self.recompute_layers
+        if k is not None:
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise InputError("recompute_layers", f"must be an integer >= 1 (unset: every layer), got {k!r}")
+            if self.recompute != "full":
+                raise InputError("recompute_layers", f"needs recompute 'full', got recompute {self.recompute!r}")
         for name in ("distributed_optimizer", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -78,8 +92,20 @@ class MemoryConfig:
             raise InputError("sequence_parallel",
                              f"needs tensor_parallel > 1, got tensor_parallel {tensor_parallel}")
 
+    def check_layers(self, *, num_layers: int, pipeline_parallel: int) -> None:
+        """Refuse more recomputed layers than a pipeline stage holds (megatron counts per stage)."""
+        per_stage = num_layers // pipeline_parallel
+        if self.recompute_layers is not None and self.recompute_layers > per_stage:
+            raise InputError("recompute_layers", (
+                f"counts layers per pipeline stage: at most {per_stage} ({num_layers} layers over "
+                f"{pipeline_parallel} stage(s)), got {self.recompute_layers}"))
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every setting; `recompute_layers` only when set (so older contracts' bytes are unchanged)."""
+        out = asdict(self)
+        if self.recompute_layers is None:
+            del out["recompute_layers"]
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "MemoryConfig":
@@ -198,6 +224,16 @@ def saved_elements_per_token_layer(shape: ModelShape, layout: Layout, memory: Me
     return 4 * h + 3 * q + 3 * kv + 4 * f
 
 
+def recomputed_layers(shape: ModelShape, layout: Layout, memory: MemoryConfig) -> int:
+    """Layers in flight on the first stage that keep only their input: pp micro-batches of the
+    first K of its layers (block method), all L under plain 'full', none without 'full'."""
+    if memory.recompute != "full":
+        return 0
+    if memory.recompute_layers is None:
+        return shape.num_layers
+    return min(layout.pp * memory.recompute_layers, shape.num_layers)
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
                      train: bool = True, bf16: bool = True) -> int:
     """Activation memory of one packed micro-batch of `tokens` tokens (see the module docstring)."""
@@ -208,11 +244,12 @@ def activation_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, to
     # 1F1B: the first stage holds min(pp, micro-batches) in flight; with L/pp layers each that is
     # the activations of the whole model for one micro-batch.
     layers = shape.num_layers
-    if memory.recompute == "full":
-        hs = h / (tp if memory.sequence_parallel else 1)
-        per_token = layers * hs + saved_elements_per_token_layer(shape, layout, memory, "none")
-    else:
+    if memory.recompute == "selective":
         per_token = layers * saved_elements_per_token_layer(shape, layout, memory)
+    else:
+        hs = h / (tp if memory.sequence_parallel else 1)
+        r = recomputed_layers(shape, layout, memory)
+        per_token = r * hs + max(layers - r, 1 if r else 0) * saved_elements_per_token_layer(shape, layout, memory, "none")
     head = 4 * h + 16 * shape.head_size
     return int(C_ACT * w * tokens * per_token + tokens * head)
 
@@ -234,6 +271,22 @@ def max_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, budget_b
     return max(0, int(room / per_token))
 
 
+def more_recompute(shape: ModelShape, layout: Layout, memory: MemoryConfig) -> list[MemoryConfig]:
+    """The recompute settings that save more activation memory than `memory`'s, cheapest first:
+    selective, full of the first K = 1, 2, ... layers of each stage, full of every layer."""
+    per_stage = max(1, shape.num_layers // layout.pp)
+    options = [("selective", None)] + [("full", k) for k in range(1, per_stage)] + [("full", None)]
+    mine = (memory.recompute, memory.recompute_layers)
+    start = 0 if memory.recompute == "none" else options.index(mine) + 1 if mine in options else len(options)
+    return [replace(memory, recompute=rc, recompute_layers=k) for rc, k in options[start:]]
+
+
+def recompute_flags(memory: MemoryConfig) -> str:
+    """The command-line flags of `memory`'s recompute setting."""
+    flags = f"--recompute {memory.recompute}"
+    return flags if memory.recompute_layers is None else f"{flags} --recompute-layers {memory.recompute_layers}"
+
+
 def auto_micro_batch_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, *,
                             free_bytes: int, longest_row: int, longest_row_where: str = "the longest row",
                             multiple: int = 256, safety: float = 0.9, bf16: bool = True) -> int:
@@ -247,15 +300,12 @@ def auto_micro_batch_tokens(shape: ModelShape, layout: Layout, memory: MemoryCon
         return t
     need = predict_peak(shape, layout, memory, longest_row, bf16=bf16) / safety
     hints = []
-    for rc in RECOMPUTE[RECOMPUTE.index(memory.recompute) + 1:]:
-        alt = MemoryConfig(recompute=rc, distributed_optimizer=memory.distributed_optimizer,
-                           sequence_parallel=memory.sequence_parallel)
+    for alt in more_recompute(shape, layout, memory):
         if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
-            hints.append(f"--recompute {rc}")
+            hints.append(recompute_flags(alt))
             break
     if not memory.distributed_optimizer and layout.dp > 1:
-        alt = MemoryConfig(recompute=memory.recompute, distributed_optimizer=True,
-                           sequence_parallel=memory.sequence_parallel)
+        alt = replace(memory, distributed_optimizer=True)
         if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
             hints.append("--distributed-optimizer")
     for tp in (2, 4, 8):
@@ -266,9 +316,10 @@ def auto_micro_batch_tokens(shape: ModelShape, layout: Layout, memory: MemoryCon
         if max_tokens(shape, alt_layout, alt, budget, bf16=bf16) >= longest_row:
             hints.append(f"--tensor-parallel {tp} --sequence-parallel --recompute full (x{tp} the GPUs)")
             break
+    layers = "" if memory.recompute_layers is None else f" of {memory.recompute_layers} layers per stage"
     hints.append(f"a GPU with {need / GIB:.1f} GiB free, or dropping rows longer than {t} tokens")
     raise InputError("micro_batch_tokens", (
         f"auto: {longest_row_where} has {longest_row} model tokens but at most {t} fit in "
         f"{free_bytes / GIB:.1f} GiB free (x{safety} safety) with tp {layout.tp}, pp {layout.pp}, dp {layout.dp}, "
-        f"recompute {memory.recompute}, distributed optimizer {memory.distributed_optimizer}; "
+        f"recompute {memory.recompute}{layers}, distributed optimizer {memory.distributed_optimizer}; "
         f"it would fit with: {'; or '.join(hints)}"))

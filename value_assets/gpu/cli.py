@@ -116,6 +116,7 @@ def add_commands(sub) -> None:
         _flag(t, TrainJob, name, int)
     _flag(t, TrainJob, "micro_batch_tokens", _int_or_auto)
     _flag(t, TrainJob, "recompute", choices=("none", "selective", "full"))
+    _flag(t, TrainJob, "recompute_layers", int, metavar="K")
     _flag(t, TrainJob, "distributed_optimizer", bool)
     _flag(t, TrainJob, "freeze", choices=FREEZE)
     _flag(t, TrainJob, "sequence_parallel", bool)

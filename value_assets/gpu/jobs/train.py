@@ -87,6 +87,7 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
                         global_batch_size=cfg.global_batch_size)
     check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
     cfg.memory.check_layout(tensor_parallel=cfg.tensor_parallel)
+    cfg.memory.check_layers(num_layers=backbone_cfg.num_layers, pipeline_parallel=cfg.pipeline_parallel)
     longest = int(train.lengths.max()) - 1
     micro_batch_tokens = cfg.micro_batch_tokens
     if micro_batch_tokens == "auto":

@@ -115,15 +115,19 @@ class BackboneConfig:
                    max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
 
 
-def recompute_settings(recompute: str) -> dict[str, Any]:
-    """megatron's own activation recompute for `MemoryConfig.recompute`: 'selective' checkpoints
+def recompute_settings(memory: MemoryConfig) -> dict[str, Any]:
+    """megatron's own activation recompute for `memory.recompute`: 'selective' checkpoints
     core attention (`PackedCoreAttention` goes through megatron's `_checkpointed_attention_forward`
     like its own class, RoPE included: our RoPE is applied inside core attention); 'full'
-    checkpoints every layer (uniform, one layer per checkpoint)."""
+    checkpoints every layer (uniform, one layer per checkpoint), or with `recompute_layers` K the
+    first K layers of each pipeline stage (block)."""
+    recompute = memory.recompute
     if recompute == "none":
         return {}
     if recompute == "selective":
         return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full" and memory.recompute_layers is not None:
+        return {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": memory.recompute_layers}
     if recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -138,6 +142,7 @@ def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
     memory = memory or MemoryConfig()
     if memory.sequence_parallel and tp < 2:
         raise ValueError(f"sequence parallelism needs tensor parallel > 1, got tp {tp}")
+    memory.check_layers(num_layers=backbone.num_layers, pipeline_parallel=pp)
     if bf16 is None:
         bf16 = torch.cuda.is_available()
     cuda = torch.cuda.is_available()
@@ -161,7 +166,7 @@ def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=memory.sequence_parallel,
-        **recompute_settings(memory.recompute),
+        **recompute_settings(memory),
         # Full weights are initialised on CPU and split, so a model is the same for any TP size.
         use_cpu_initialization=True,
         perform_initialization=True,
