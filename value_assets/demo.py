@@ -62,6 +62,16 @@ def main() -> int:
         return 1
 
     rows = []
+    try:
+        _run_lineages(defs, instance, requests, artifacts, rows)
+    finally:
+        resources["launcher"].stop_warm_cluster(instance)  # the warm Ray cluster the GPU steps shared
+    return _print_rows(rows, requests, home, artifacts, t0)
+
+
+def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None:
+    from value_assets.assets.common import latest_metadata
+
     for request in sorted(requests, key=lambda r: r.tags["value_assets/manifest"]):
         key = request.partition_key
         print(f"\n=== {key}: full job (validate -> plan -> train -> evaluate -> gate -> promote) ===", flush=True)
@@ -91,6 +101,8 @@ def main() -> int:
             "seconds": time.monotonic() - t,
         })
 
+
+def _print_rows(rows: list, requests, home: Path, artifacts: Path, t0: float) -> int:
     def f(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
 

@@ -16,21 +16,24 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress
 from value_assets.core.strict_json import loads
+from value_assets.core.warm_cluster import read_live
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 @pytest.fixture
-def real_resources(tmp_path, manifests_dir, ray_address):
+def real_resources(tmp_path, manifests_dir, monkeypatch):
     from value_assets.resources import ArtifactStore, ManifestInbox, SubprocessLauncher
 
-    # The four GPU jobs join one Ray cluster (tests/conftest.py) instead of each starting its own.
-    return {
+    # The launcher's own warm cluster (the default), in a folder of this test's; no Ray given.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    launcher = SubprocessLauncher(command=[sys.executable, "-m", "value_assets.gpu.pipes_job"], warm_dir=str(tmp_path / "warm"))
+    yield {
         "artifacts": ArtifactStore(root=str(tmp_path / "artifacts")),
         "inbox": ManifestInbox(folder=str(manifests_dir)),
-        "launcher": SubprocessLauncher(command=[sys.executable, "-m", "value_assets.gpu.pipes_job"],
-                                       env={"RAY_ADDRESS": ray_address}),
+        "launcher": launcher,
     }
+    launcher.stop_warm_cluster()
 
 
 def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_control(instance, real_resources, manifests_dir,
@@ -102,3 +105,16 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     verify_handoff(record, "registry record")
     assert latest_metadata(instance, "promoted_critic", good_key)["miles_contract_sha256"] == miles_sha
     assert not (artifacts / bad_key / "handoff" / "miles").exists()
+
+    # One warm Ray cluster served every GPU step of both runs, and the second and later Ray jobs
+    # took the first one's worker processes (no Ray start, no torch/megatron import).
+    messages = [e.user_message for run in (bad_run, good_run) for e in instance.all_logs(run.run_id)]
+    joined = {m.split("warm Ray cluster ", 1)[1].split(" ", 1)[0] for m in messages if "joins the warm Ray cluster" in m}
+    assert len(joined) == 1, joined
+    ups = [m for m in messages if m.startswith("workers up:")]
+    assert len(ups) == 4 and "pool warm (new)" in ups[0] and all("pool warm (reused)" in m for m in ups[1:]), ups
+    pids = {json.dumps(json.loads(m[len("placement "):])["ranks"], sort_keys=True) for m in messages if m.startswith("placement ")}
+    assert len(pids) == 1  # the same ranks, nodes and worker processes in all four Ray jobs
+    launcher = real_resources["launcher"]
+    warm = read_live(launcher.warm_folder())
+    assert warm is not None and launcher.stop_warm_cluster() and read_live(launcher.warm_folder()) is None

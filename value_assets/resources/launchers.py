@@ -15,9 +15,11 @@ step was asked to produce fails the step: silence is never success.
 
 
 import json
+import os
 import shlex
 import warnings
 import sys
+from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from dagster import (
@@ -33,6 +35,7 @@ from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
 from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.warm_cluster import default_folder, pipes_python, stop_warm_cluster, use_warm_cluster
 
 # Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
 warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
@@ -132,7 +135,14 @@ def accept_results(context: Any, task: str, results: Sequence[PipesResult]) -> l
 
 
 class SubprocessLauncher(GpuJobLauncher):
-    """Runs the GPU job as a local child process (laptop, CI, one GPU box)."""
+    """Runs the GPU job as a local child process (laptop, CI, one GPU box).
+
+    Unless the job is given a Ray cluster (`RAY_ADDRESS` in `env` or in this process's
+    environment), its jobs share one warm local Ray cluster and its worker pool
+    (core/warm_cluster.py, docs/operations.md#warm-workers): the first GPU job of the instance starts
+    it, later ones (of this run and of others) join it, and it ends after `warm_idle_s` seconds
+    without a job. `warm_idle_s: 0` gives every job its own Ray, as a job run by hand has.
+    """
 
     launcher_name: ClassVar[str] = "subprocess"
 
@@ -142,13 +152,39 @@ class SubprocessLauncher(GpuJobLauncher):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the job.")
     cwd: str | None = Field(default=None, description="Working directory of the job.")
+    warm_idle_s: float = Field(
+        default=120.0, ge=0,
+        description="Keep one local Ray cluster and its workers (torch and megatron imported) warm between GPU jobs for this "
+                    "many idle seconds; 0: every job starts and ends its own Ray.",
+    )
+    warm_dir: str | None = Field(
+        default=None, description="Folder of the warm cluster's files; default: one per Dagster instance under the temp dir.")
 
     def job_command(self) -> list[str]:
         return list(self.command) if self.command else [sys.executable, "-m", PIPES_MODULE]
 
+    def warm_folder(self, instance: Any = None) -> Path | None:
+        """Where this launcher's warm cluster is found, or None when its jobs get none."""
+        if not self.warm_idle_s or "RAY_ADDRESS" in self.env or os.environ.get("RAY_ADDRESS"):
+            return None
+        if pipes_python(self.job_command(), PIPES_MODULE) is None:
+            return None  # a custom command: its environment is unknown
+        return Path(self.warm_dir) if self.warm_dir else default_folder(getattr(instance, "root_directory", None))
+
+    def stop_warm_cluster(self, instance: Any = None) -> bool:
+        """End the warm cluster now (e.g. at the end of `make demo`); False if none served."""
+        folder = self.warm_folder(instance)
+        return stop_warm_cluster(folder) if folder is not None else False
+
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
-        client = PipesSubprocessClient(env=dict(self.env), cwd=self.cwd)
-        return client.run(context=context, command=self.job_command(), extras=extras)
+        folder = self.warm_folder(getattr(context, "instance", None))
+        if folder is None:
+            client = PipesSubprocessClient(env=dict(self.env), cwd=self.cwd)
+            return client.run(context=context, command=self.job_command(), extras=extras)
+        with use_warm_cluster(folder, python=pipes_python(self.job_command(), PIPES_MODULE), idle_s=self.warm_idle_s) as warm:
+            context.log.info(f"GPU job {task} joins the warm Ray cluster {warm.address} (worker pool {warm.pool!r}, {folder})")
+            client = PipesSubprocessClient(env={**self.env, **warm.job_env()}, cwd=self.cwd)
+            return client.run(context=context, command=self.job_command(), extras=extras)
 
 
 class RayJobLauncher(GpuJobLauncher):

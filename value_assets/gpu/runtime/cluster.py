@@ -145,29 +145,43 @@ class WorkerPool:
         self.name, self.actors, self.token, self.reused = name, actors, token, reused
 
     @staticmethod
-    def destroy(name: str) -> None:
+    def _groups(name: str) -> list[tuple[Any, dict[str, Any]]]:
+        """The pool's live placement groups with their table entries. Looked up by name in the
+        cluster's whole table: a group's name is only found from the namespace of the job that made
+        it, and every job (driver) has its own."""
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup, placement_group_table
+
+        return [(PlacementGroup(PlacementGroupID.from_hex(pg_id)), info) for pg_id, info in placement_group_table().items()
+                if info.get("name") == f"{name}-pg" and info.get("state") != "REMOVED"]
+
+    @classmethod
+    def destroy(cls, name: str) -> None:
         """Kill every worker of pool `name` and remove its placement group (whatever its shape)."""
         import ray
-        from ray.util.placement_group import get_placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
         prefix = f"{name}-w"
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry.get("namespace") == POOL_NAMESPACE and str(entry.get("name", "")).startswith(prefix):
                 with contextlib.suppress(Exception):
                     ray.kill(ray.get_actor(entry["name"], namespace=POOL_NAMESPACE), no_restart=True)
-        with contextlib.suppress(Exception):
-            remove_placement_group(get_placement_group(f"{name}-pg"))
+        for pg, _ in cls._groups(name):
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
 
-    @staticmethod
-    def _existing(name: str, world_size: int, bundle: dict[str, float], strategy: str) -> list[Any] | None:
+    @classmethod
+    def _existing(cls, name: str, world_size: int, bundle: dict[str, float], strategy: str) -> list[Any] | None:
         """The pool's workers in rank order if a pool of exactly this shape exists, else None."""
         import ray
-        from ray.util.placement_group import get_placement_group, placement_group_table
 
+        groups = cls._groups(name)
+        if len(groups) != 1:
+            return None
+        table = groups[0][1]
         try:
-            table = placement_group_table(get_placement_group(f"{name}-pg"))
             actors = [ray.get_actor(f"{name}-w{rank}", namespace=POOL_NAMESPACE) for rank in range(world_size)]
-        except ValueError:  # no such group or actor
+        except ValueError:  # no such actor
             return None
         bundles = table.get("bundles") or {}
         shape_ok = (table.get("strategy") == strategy and table.get("state") == "CREATED" and len(bundles) == world_size

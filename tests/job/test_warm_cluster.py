@@ -1,0 +1,67 @@
+"""The local launcher's warm Ray cluster (core/warm_cluster.py, gpu/runtime/warm_cluster.py): a
+helper process owns it, jobs find it through a folder, it stays while a job holds it and ends
+when idle or when stopped, Ray processes included."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from value_assets.core.warm_cluster import INFO_NAME, POOL_ENV, read_live, stop_warm_cluster, use_warm_cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def ray_processes_of(address: str) -> list[int]:
+    """Pids of the Ray server processes started for the cluster at `address` (its GCS port)."""
+    import psutil
+
+    port = address.rsplit(":", 1)[1]
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if ("gcs_server" in cmd or "raylet" in cmd) and port in cmd:
+            found.append(proc.info["pid"])
+    return found
+
+
+def test_the_warm_cluster_is_shared_kept_while_used_and_ended_when_idle_or_stopped(tmp_path):
+    folder = tmp_path / "warm"
+    with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as first:
+        assert json.loads((folder / INFO_NAME).read_text())["address"] == first.address
+        assert first.job_env() == {"RAY_ADDRESS": first.address, POOL_ENV: "warm"}
+        assert ray_processes_of(first.address)
+        time.sleep(3)  # longer than the idle limit, but a job holds it
+        assert alive(first.pid) and read_live(folder) == first
+        with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as second:
+            assert second == first  # joined, not started again
+    servers = ray_processes_of(first.address)
+    assert wait_until(lambda: not alive(first.pid), 60), "the helper outlived its idle limit"
+    assert not (folder / INFO_NAME).exists()
+    assert wait_until(lambda: not any(alive(p) for p in servers), 30), "Ray outlived its helper"
+
+    with use_warm_cluster(folder, python=sys.executable, idle_s=600) as third:
+        assert third.pid != first.pid
+    assert stop_warm_cluster(folder) and not alive(third.pid) and read_live(folder) is None
+    assert not stop_warm_cluster(folder)  # nothing serves now

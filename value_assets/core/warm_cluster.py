@@ -1,0 +1,177 @@
+"""The local launcher's warm Ray cluster, found and shared through a folder (docs/operations.md#warm-workers).
+
+On the embedded default every GPU step used to start Ray and fresh worker processes (each
+importing torch and megatron) and end them again: most of a small lineage's time. Instead, the
+first GPU job starts a helper process (`value_assets.gpu.runtime.warm_cluster`) that owns one local
+Ray cluster; every later job of any run on the same instance joins it (`RAY_ADDRESS`) and takes its
+workers from the cluster's worker pool (`$VALUE_ASSETS_WORKER_POOL`, `gpu/runtime/cluster.py`).
+The helper ends the cluster once no job has used it for `idle_s` seconds, on SIGTERM
+(`stop_warm_cluster`), and, through its reaper, when it is killed.
+
+Files in the folder:
+
+- `cluster.json`: the helper's pid, the cluster's address and the pool name; present while it serves.
+- `start.lock`: held exclusively to start a helper, to read `cluster.json`, and by the helper when it
+  decides to end (so no job joins a cluster that is ending).
+- `use.lock`: held shared by every job while it runs; its mtime is the end of the last job. The
+  helper is idle when it can take it exclusively.
+- `helper.log`: the helper's output.
+
+This module starts the helper by its module name and imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+HELPER_MODULE = "value_assets.gpu.runtime.warm_cluster"
+POOL_ENV = "VALUE_ASSETS_WORKER_POOL"
+POOL_NAME = "warm"
+INFO_NAME = "cluster.json"
+START_LOCK = "start.lock"
+USE_LOCK = "use.lock"
+LOG_NAME = "helper.log"
+
+
+@dataclass(frozen=True)
+class WarmCluster:
+    address: str
+    pool: str
+    pid: int
+
+    def job_env(self) -> dict[str, str]:
+        """The environment that makes a GPU job join this cluster and its worker pool."""
+        return {"RAY_ADDRESS": self.address, POOL_ENV: self.pool}
+
+
+def default_folder(instance_root: str | os.PathLike | None) -> Path:
+    """One folder per Dagster instance (by its root directory), under the system temp dir."""
+    key = hashlib.sha256(str(Path(instance_root or Path.cwd()).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"value_assets-warm-{os.getuid()}" / key
+
+
+@contextlib.contextmanager
+def locked(path: Path, mode: int) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_live(folder: Path) -> WarmCluster | None:
+    """The serving helper's cluster, or None (no file, unreadable, or its helper has exited).
+    Call with `start.lock` held."""
+    try:
+        info = json.loads((folder / INFO_NAME).read_text())
+        cluster = WarmCluster(address=str(info["address"]), pool=str(info["pool"]), pid=int(info["pid"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not _alive(cluster.pid):
+        with contextlib.suppress(OSError):
+            (folder / INFO_NAME).unlink()
+        return None
+    return cluster
+
+
+def write_info(folder: Path, address: str, pool: str = POOL_NAME) -> None:
+    """Publish the helper's cluster (atomically: a reader sees the whole file or none)."""
+    tmp = folder / f".{INFO_NAME}.{os.getpid()}"
+    tmp.write_text(json.dumps({"address": address, "pool": pool, "pid": os.getpid()}))
+    os.replace(tmp, folder / INFO_NAME)
+
+
+def _start(folder: Path, python: str, idle_s: float, num_cpus: int | None, timeout_s: float) -> WarmCluster:
+    argv = [python, "-m", HELPER_MODULE, "--dir", str(folder), "--idle-s", str(idle_s), "--detach"]
+    if num_cpus:
+        argv += ["--num-cpus", str(num_cpus)]
+    with contextlib.suppress(OSError):
+        (folder / INFO_NAME).unlink()
+    with open(folder / LOG_NAME, "ab") as log:
+        # The helper forks away and this child exits at once: the helper belongs to no launcher
+        # (never its zombie) and, in its own session, no Ctrl-C to a launcher's group ends a
+        # cluster that other runs use.
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                       check=True, timeout=60)
+    deadline = time.monotonic() + timeout_s
+    helper = None
+    while time.monotonic() < deadline:
+        cluster = read_live(folder)
+        if cluster is not None:
+            return cluster
+        helper = helper or _helper_pid(folder)
+        if helper is not None and not _alive(helper):
+            break
+        time.sleep(0.2)
+    tail = (folder / LOG_NAME).read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"the warm Ray cluster did not start within {timeout_s:.0f} s; {folder / LOG_NAME} ends with:\n{tail}")
+
+
+PID_NAME = "helper.pid"
+
+
+def _helper_pid(folder: Path) -> int | None:
+    try:
+        return int((folder / PID_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def use_warm_cluster(folder: Path, *, python: str, idle_s: float, num_cpus: int | None = None,
+                     start_timeout_s: float = 300.0) -> Iterator[WarmCluster]:
+    """The folder's warm cluster (started if none serves), held in use for the `with` block."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / USE_LOCK, "a+") as use:
+        with locked(folder / START_LOCK, fcntl.LOCK_EX):
+            cluster = read_live(folder) or _start(folder, python, idle_s, num_cpus, start_timeout_s)
+            fcntl.flock(use, fcntl.LOCK_SH)
+        try:
+            yield cluster
+        finally:
+            os.utime(folder / USE_LOCK)  # the idle time counts from here
+            fcntl.flock(use, fcntl.LOCK_UN)
+
+
+def stop_warm_cluster(folder: Path, timeout_s: float = 60.0) -> bool:
+    """End the folder's helper (SIGTERM; it ends its cluster) and wait for it; False if none served."""
+    if not folder.is_dir():
+        return False
+    with locked(folder / START_LOCK, fcntl.LOCK_EX):
+        cluster = read_live(folder)
+    if cluster is None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(cluster.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(cluster.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(cluster.pid)
+
+
+def pipes_python(command: Sequence[str], module: str) -> str | None:
+    """The interpreter of a `<python> -m <module>` command line, else None (the warm cluster needs
+    the GPU job's own environment)."""
+    return command[0] if len(command) == 3 and list(command[1:]) == ["-m", module] else None
