@@ -37,8 +37,12 @@ TB_PORT ?= 6006
 tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir artifacts --host 127.0.0.1 --port $(TB_PORT)
 
+# Two test processes (pytest-xdist), a module per process at a time: much of the suite waits on
+# Ray, subprocesses and daemons, so two share two cores well. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" tests
+	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile tests
 
 # The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py.
 test-fast: $(STAMP)

@@ -22,17 +22,29 @@ ray.shutdown()
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for every test that runs the GPU job in this process; `start_workers`
-    joins it instead of starting its own (it starts Ray only where none is initialized).
+    joins it instead of starting its own (it starts Ray only where none is initialized), and takes
+    its workers from the session's worker pool.
 
     Started on first use, ended with the session. (tests/dagster/test_dg_ray.py owns a cluster with
     a dashboard and skips if Ray is already up here: the job tier runs after it.)"""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from value_assets.core.warm_cluster import POOL_ENV
+
+    # Jobs in this process share one worker pool (gpu/runtime/cluster.py `WorkerPool`): after the
+    # first job of a shape, no worker process starts and nothing imports torch or megatron again.
+    # Logical slots beyond the cores, so that a job with fresh workers (pool unset) fits beside the pool.
+    previous = os.environ.get(POOL_ENV)
+    os.environ[POOL_ENV] = "tests"
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+        if previous is None:
+            os.environ.pop(POOL_ENV, None)
+        else:
+            os.environ[POOL_ENV] = previous
 
 
 @pytest.fixture(scope="module")

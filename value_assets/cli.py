@@ -224,9 +224,17 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(message) from None
 
 
+def _version() -> str:
+    """The installed distribution's version; a checkout run from source (PYTHONPATH) has none."""
+    try:
+        return importlib.metadata.version("value-assets")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from source)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(prog="value-assets", description="Offline critic pretraining with an explained-variance promotion gate.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('value-assets')}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
     def manifest_args(sp):

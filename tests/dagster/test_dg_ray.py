@@ -1,8 +1,9 @@
-"""The Ray launcher for real: a local Ray cluster (owned by this test), a Ray job running the
+"""The Ray launcher for real: a local Ray cluster (`ray start`, owned by this test), a Ray job running the
 Pipes stand-in, messages read back from the job logs by dagster-ray's reader."""
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from value_assets.assets.common import latest_metadata
 from value_assets.definitions import make_definitions
 from value_assets.resources import RayJobLauncher
+from tests.dagster.test_dg_ray_multinode import RAY, _free_port, _stop
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().with_name("pipes_standin.py")
@@ -21,22 +23,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture
 def ray_dashboard():
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("a Ray session is already active in this process")
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are capped at 107 bytes
+    """A one-node Ray cluster with a dashboard, started with `ray start --head` in a private temp
+    folder and on free ports (the dashboard agent's too: another local Ray, e.g. a parallel test
+    worker's, must not take it), stopped by process id. This process never initializes Ray."""
+    root = tempfile.mkdtemp(prefix="rdg", dir="/tmp")  # short: Ray's socket paths are capped at 107 bytes
+    dashboard = f"http://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
     try:
-        try:
-            context = ray.init(num_cpus=2, include_dashboard=True, dashboard_port=0, log_to_driver=False,
-                               _temp_dir=temp_dir)
-        except Exception as exc:  # no dashboard support in this install: nothing to test here
-            pytest.skip(f"local Ray with dashboard unavailable: {exc}")
-        try:
-            yield f"http://{context.dashboard_url}"
-        finally:
-            ray.shutdown()
+        out = subprocess.run([str(RAY), "start", "--head", "--num-cpus", "2", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
+                              "--port", str(_free_port()), "--temp-dir", root, "--include-dashboard", "true",
+                              "--dashboard-port", dashboard.rsplit(":", 1)[1], "--dashboard-agent-listen-port", str(_free_port())],
+                             env=env, capture_output=True, text=True, timeout=180)
+        if out.returncode:
+            pytest.fail(f"ray start --head failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        yield dashboard
     finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        left = _stop(root)
+        shutil.rmtree(root, ignore_errors=True)
+        assert not left, f"Ray processes that outlived SIGKILL: {left}"
 
 
 def test_ray_job_launcher_runs_the_pipes_job(ray_dashboard, instance, test_resources, manifests_dir,

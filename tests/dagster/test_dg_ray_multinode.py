@@ -30,6 +30,7 @@ import pytest
 
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.jobs import TrainJob
+from value_assets.core.warm_cluster import POOL_ENV
 from value_assets.gpu.runtime.cluster import rank_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,22 +153,25 @@ def _placement(instance, run_id: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_ray_job_spreads_ranks_and_matches_one_node(instance, test_resources, manifests_dir, register, tmp_path):
-    import ray
     from dagster import materialize
 
     from value_assets.assets import batch_plan, critic_training, train_dataset, value_manifest
-    from value_assets.gpu.jobs.train import train
     from value_assets.resources import RayJobLauncher
 
-    if ray.is_initialized():
-        pytest.skip("a Ray session is already active in this process")
     manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0)
 
-    # One node: the same settings, PACK, a local Ray owned by `train`.
-    one_node = train(TrainJob(manifest=manifest, output=tmp_path / "one_node", global_batch_size=G, epochs=1, seed=0,
-                              gpus=2, placement_strategy="PACK", timeout_s=300), log=lambda _m: None)
-    assert len(one_node.losses) == STEPS
-    assert not ray.is_initialized()
+    # One node: the same settings, PACK, a local Ray owned by `train`, in a process of its own
+    # (whatever Ray this test process may hold).
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POOL_ENV)}
+    code = ("import json, sys; from pathlib import Path; from value_assets.core.jobs import TrainJob; "
+            "from value_assets.gpu.jobs.train import train; "
+            f"r = train(TrainJob(manifest=Path(sys.argv[1]), output=Path(sys.argv[2]), global_batch_size={G}, epochs=1, seed=0, "
+            "gpus=2, placement_strategy='PACK', timeout_s=300), log=lambda _m: None); print(json.dumps(r.losses))")
+    out = subprocess.run([sys.executable, "-c", code, str(manifest), str(tmp_path / "one_node")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one_node_losses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(one_node_losses) == STEPS
 
     cluster = TwoNodeRay()
     try:
@@ -205,4 +209,4 @@ def test_two_node_ray_job_spreads_ranks_and_matches_one_node(instance, test_reso
     # The job's own per-step log (full precision), named in the materialization's metadata.
     records = [json.loads(line) for line in Path(meta["metrics_log"].value).read_text().splitlines() if line.strip()]
     losses = [r["loss"] for r in records]
-    assert losses == pytest.approx(one_node.losses, abs=1e-6), (losses, one_node.losses)
+    assert losses == pytest.approx(one_node_losses, abs=1e-6), (losses, one_node_losses)
