@@ -290,3 +290,19 @@ def test_every_option_has_help_and_shows_its_default():
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for sub in subparsers.choices.values():  # every help renders: a stray % in a help text would raise
         assert sub.format_help().startswith("usage: ")
+
+
+def test_the_parser_builds_from_a_source_checkout_without_package_metadata(monkeypatch, capsys):
+    """Run from source (PYTHONPATH, as on the accelerator machine) there is no installed
+    distribution: `--version` says so instead of every command failing to start."""
+    import importlib.metadata
+
+    from value_assets import cli
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0 and "not installed: run from source" in capsys.readouterr().out
