@@ -126,3 +126,17 @@ def test_gpu_cli_module_is_light():
         elif isinstance(node, ast.ImportFrom) and not node.level:
             top_level.add(node.module or "")
     assert not [m for m in top_level if _top(m) in HEAVY]
+
+
+def test_job_drivers_read_the_backbone_without_torch():
+    """The train and evaluate drivers check and record the backbone's shape; only the workers
+    build the model. Importing torch and megatron-core in every driver cost ~5 s per GPU job."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from value_assets.gpu.jobs.train import prepare; from value_assets.gpu.jobs.evaluate import evaluate; "
+            "from value_assets.gpu.convert.bootstrap import resolve_backbone; resolve_backbone('tiny', seed=0, hf_config=None); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'ray'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -76,7 +76,7 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     batch selection and the write-once report path. Writes nothing. (The settings' own rules
     are `EvaluateJob`'s.)"""
     from value_assets.gpu.jobs.train import check_model_split
-    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.model.backbone import BackboneConfig
 
     step_dir, _ = resolve_step_dir(cfg.checkpoint)  # the caller's pin is the one that counts
     contract, contract_sha = load_verified(step_dir, pinned_sha256=cfg.contract_sha256)

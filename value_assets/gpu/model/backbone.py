@@ -1,0 +1,98 @@
+"""`BackboneConfig`: the shape of the actor transformer a critic is built from.
+
+Torch-free, so that the job drivers (which only read, check and record it) do not import torch and
+megatron-core; the model is built from it in `critic.py`, on the workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackboneConfig:
+    """Shape of the actor transformer the critic is built from."""
+
+    family: str = "qwen2"
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    max_seq_len: int
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    kv_channels: Optional[int] = None  # head dim; None means hidden_size / num_attention_heads (Qwen3 sets its own)
+    # Llama 3.x RoPE scaling factor (megatron's form: low/high frequency factors 1 and 4, original
+    # context 8192); None: plain RoPE.
+    rope_scaling_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"backbone.family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"backbone.{name} must be an int >= 1, got {v!r}")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool) or self.kv_channels < 1):
+            raise ValueError(f"backbone.kv_channels must be an int >= 1 or None, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"backbone.hidden_size {self.hidden_size} not divisible by "
+                f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"backbone.num_attention_heads {self.num_attention_heads} not divisible by "
+                f"num_query_groups {self.num_query_groups}")
+        f = self.rope_scaling_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
+            raise ValueError(f"backbone.rope_scaling_factor must be a finite number > 0 or None, got {f!r}")
+        if not (self.rotary_base > 0 and self.norm_epsilon > 0):
+            raise ValueError(
+                f"backbone.rotary_base and norm_epsilon must be > 0, got "
+                f"{self.rotary_base!r}, {self.norm_epsilon!r}")
+
+    @property
+    def rope_scaling(self) -> bool:
+        return self.rope_scaling_factor is not None
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "BackboneConfig":
+        return cls(**obj)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "BackboneConfig":
+        """2 layers, hidden 64, 4 heads / 2 KV groups; vocab 49152 covers the demo token ids."""
+        base = dict(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                    num_attention_heads=4, num_query_groups=2, vocab_size=49152,
+                    max_seq_len=1024, rotary_base=10000.0, norm_epsilon=1e-6, qkv_bias=True)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def qwen2_5_0_5b(cls) -> "BackboneConfig":
+        return cls(family="qwen2", num_layers=24, hidden_size=896, ffn_hidden_size=4864,
+                   num_attention_heads=14, num_query_groups=2, vocab_size=151936,
+                   max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
+
+    @classmethod
+    def qwen2_5_1_5b(cls) -> "BackboneConfig":
+        return cls(family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960,
+                   num_attention_heads=12, num_query_groups=2, vocab_size=151936,
+                   max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
