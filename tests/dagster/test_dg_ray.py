@@ -39,7 +39,7 @@ def ray_dashboard():
             pytest.fail(f"ray start --head failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         yield dashboard
     finally:
-        left = _stop(root)
+        left = _stop(root, deadline_s=5.0)  # Ray's servers drain for 20 s on SIGTERM; SIGKILL sooner
         shutil.rmtree(root, ignore_errors=True)
         assert not left, f"Ray processes that outlived SIGKILL: {left}"
 
