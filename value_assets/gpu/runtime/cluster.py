@@ -125,6 +125,38 @@ def _bundle_ranks(pg, world_size: int) -> list[int]:
     return rank_order([table[b] for b in range(world_size)], addresses)
 
 
+def _reserve(world_size: int, bundle: dict[str, float], strategy: str, timeout_s: float, *, purpose: str = "", **pg_options: Any):
+    """A ready placement group of `world_size` x `bundle`; removed again, and a ClusterError, if it
+    is not ready within `timeout_s`."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy, **pg_options)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+        raise ClusterError(f"could not reserve {world_size} x {bundle} ({strategy}){purpose} within {timeout_s:.0f} s "
+                           f"(cluster resources: {ray.cluster_resources()})")
+    return pg
+
+
+def _place_workers(pg, world_size: int, bundle: dict[str, float], options=lambda rank: {}, kwargs=lambda rank: {}) -> list[Any]:
+    """One `CriticWorker` per bundle of `pg`, in rank order (`rank_order`), with per-rank actor
+    `options` and constructor `kwargs`."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from value_assets.gpu.runtime.worker import CriticWorker
+
+    remote_cls = ray.remote(CriticWorker)
+    return [remote_cls.options(
+        num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
+        **options(rank),
+    ).remote(**kwargs(rank)) for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size))]
+
+
 POOL_NAMESPACE = "value_assets_pools"
 _LEASE_TIMEOUT_S = 30.0
 
@@ -200,10 +232,6 @@ class WorkerPool:
         import uuid
 
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from value_assets.gpu.runtime.worker import CriticWorker
 
         holder = {"token": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname()}
         actors = cls._existing(name, world_size, bundle, strategy)
@@ -224,18 +252,9 @@ class WorkerPool:
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
                 log(f"worker pool {name} does not answer ({type(exc).__name__}): replaced")
         cls.destroy(name)
-        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy, name=f"{name}-pg", lifetime="detached")
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
-            cls.destroy(name)
-            raise ClusterError(f"could not reserve {world_size} x {bundle} ({strategy}) for worker pool {name} within "
-                               f"{timeout_s:.0f} s (cluster resources: {ray.cluster_resources()})")
-        remote_cls = ray.remote(CriticWorker)
-        actors = [remote_cls.options(
-            name=f"{name}-w{rank}", namespace=POOL_NAMESPACE, lifetime="detached", max_restarts=0,
-            num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
-        ).remote() for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size))]
+        pg = _reserve(world_size, bundle, strategy, timeout_s, purpose=f" for worker pool {name}", name=f"{name}-pg", lifetime="detached")
+        actors = _place_workers(pg, world_size, bundle, options=lambda rank: dict(
+            name=f"{name}-w{rank}", namespace=POOL_NAMESPACE, lifetime="detached", max_restarts=0))
         if not ray.get(actors[0].acquire_lease.remote(holder), timeout=timeout_s):
             raise ClusterError(f"worker pool {name}: a new pool refused its first lease")
         return cls(name, actors, holder["token"], reused=False)
@@ -267,10 +286,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
     (`WorkerPool`): no process start and no torch/megatron import after the first job.
     """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from value_assets.gpu.runtime.worker import CriticWorker
+    from ray.util.placement_group import remove_placement_group
 
     started_ray = False
     reaper = None
@@ -306,17 +322,8 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
             cluster = Cluster(workers=pool.actors, infos=[], timeout_s=timeout_s)
             cluster.call_each("configure", [((), {**job, "rank": rank}) for rank in range(world_size)], timeout_s)
         else:
-            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
-            ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-            if not ready:
-                raise ClusterError(f"could not reserve {world_size} x {bundle} ({placement_strategy}) within {timeout_s:.0f} s "
-                                   f"(cluster resources: {ray.cluster_resources()})")
-            remote_cls = ray.remote(CriticWorker)
-            for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size)):
-                actors.append(remote_cls.options(
-                    num_cpus=1, num_gpus=1 if use_gpu else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
-                ).remote(rank=rank, **job))
+            pg = _reserve(world_size, bundle, placement_strategy, timeout_s)
+            actors = _place_workers(pg, world_size, bundle, kwargs=lambda rank: {**job, "rank": rank})
             cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
         addr, port = cluster._get([cluster.workers[0].address.remote()], timeout_s)[0]
         cluster.rendezvous = f"{addr}:{port}"

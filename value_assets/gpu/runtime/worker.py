@@ -211,15 +211,9 @@ def _alive(holder: dict[str, Any]) -> bool:
     """Whether a lease holder still runs (same host: by pid; another host: assumed alive)."""
     import socket
 
-    if holder.get("host") != socket.gethostname():
-        return True
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from value_assets.core.warm_cluster import pid_alive
+
+    return holder.get("host") != socket.gethostname() or pid_alive(int(holder["pid"]))
 
 
 def placement() -> dict[str, str]:
