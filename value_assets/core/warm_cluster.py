@@ -71,7 +71,8 @@ def locked(path: Path, mode: int) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -89,7 +90,7 @@ def read_live(folder: Path) -> WarmCluster | None:
         cluster = WarmCluster(address=str(info["address"]), pool=str(info["pool"]), pid=int(info["pid"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not _alive(cluster.pid):
+    if not pid_alive(cluster.pid):
         with contextlib.suppress(OSError):
             (folder / INFO_NAME).unlink()
         return None
@@ -110,33 +111,20 @@ def _start(folder: Path, python: str, idle_s: float, num_cpus: int | None, timeo
     with contextlib.suppress(OSError):
         (folder / INFO_NAME).unlink()
     with open(folder / LOG_NAME, "ab") as log:
-        # The helper forks away and this child exits at once: the helper belongs to no launcher
-        # (never its zombie) and, in its own session, no Ctrl-C to a launcher's group ends a
-        # cluster that other runs use.
-        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                       check=True, timeout=60)
+        # The helper forks away and this child exits at once, printing the helper's pid: the helper
+        # belongs to no launcher (never its zombie) and, in its own session, no Ctrl-C to a
+        # launcher's group ends a cluster that other runs use.
+        forked = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                                check=True, timeout=60, text=True)
+    helper = int(forked.stdout.split()[-1])
     deadline = time.monotonic() + timeout_s
-    helper = None
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and pid_alive(helper):
         cluster = read_live(folder)
         if cluster is not None:
             return cluster
-        helper = helper or _helper_pid(folder)
-        if helper is not None and not _alive(helper):
-            break
         time.sleep(0.2)
     tail = (folder / LOG_NAME).read_text(errors="replace")[-2000:]
     raise RuntimeError(f"the warm Ray cluster did not start within {timeout_s:.0f} s; {folder / LOG_NAME} ends with:\n{tail}")
-
-
-PID_NAME = "helper.pid"
-
-
-def _helper_pid(folder: Path) -> int | None:
-    try:
-        return int((folder / PID_NAME).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 @contextlib.contextmanager
@@ -166,9 +154,9 @@ def stop_warm_cluster(folder: Path, timeout_s: float = 60.0) -> bool:
     with contextlib.suppress(ProcessLookupError):
         os.kill(cluster.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while _alive(cluster.pid) and time.monotonic() < deadline:
+    while pid_alive(cluster.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not _alive(cluster.pid)
+    return not pid_alive(cluster.pid)
 
 
 def pipes_python(command: Sequence[str], module: str) -> str | None:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from value_assets.core.warm_cluster import INFO_NAME, PID_NAME, POOL_NAME, START_LOCK, USE_LOCK, locked, write_info
+from value_assets.core.warm_cluster import INFO_NAME, LOG_NAME, POOL_NAME, START_LOCK, USE_LOCK, locked, write_info
 
 POLL_S = 0.5
 
@@ -77,13 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--idle-s", type=float, required=True)
     ap.add_argument("--num-cpus", type=int, default=None)
-    ap.add_argument("--detach", action="store_true", help="fork, and let the parent exit at once")
+    ap.add_argument("--detach", action="store_true", help="fork; the parent prints the helper's pid and exits at once")
     args = ap.parse_args(argv)
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    if args.detach and os.fork() > 0:
-        os._exit(0)
-    (folder / PID_NAME).write_text(str(os.getpid()))
+    if args.detach:
+        pid = os.fork()
+        if pid > 0:
+            print(pid, flush=True)  # the launcher waits for this helper by pid
+            os._exit(0)
+        log = os.open(folder / LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, 1)  # off the launcher's pipe, which then closes
+        os.dup2(log, 2)
+        os.close(log)
     return serve(folder, args.idle_s, args.num_cpus)
 
 
