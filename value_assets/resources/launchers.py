@@ -14,6 +14,7 @@ step was asked to produce fails the step: silence is never success.
 """
 
 
+import contextlib
 import json
 import os
 import shlex
@@ -177,14 +178,16 @@ class SubprocessLauncher(GpuJobLauncher):
         return stop_warm_cluster(folder) if folder is not None else False
 
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
+        command = self.job_command()
         folder = self.warm_folder(getattr(context, "instance", None))
-        if folder is None:
-            client = PipesSubprocessClient(env=dict(self.env), cwd=self.cwd)
-            return client.run(context=context, command=self.job_command(), extras=extras)
-        with use_warm_cluster(folder, python=pipes_python(self.job_command(), PIPES_MODULE), idle_s=self.warm_idle_s) as warm:
-            context.log.info(f"GPU job {task} joins the warm Ray cluster {warm.address} (worker pool {warm.pool!r}, {folder})")
-            client = PipesSubprocessClient(env={**self.env, **warm.job_env()}, cwd=self.cwd)
-            return client.run(context=context, command=self.job_command(), extras=extras)
+        warm_cluster = (use_warm_cluster(folder, python=command[0], idle_s=self.warm_idle_s) if folder is not None
+                        else contextlib.nullcontext())
+        with warm_cluster as warm:
+            env = dict(self.env)
+            if warm is not None:
+                context.log.info(f"GPU job {task} joins the warm Ray cluster {warm.address} (worker pool {warm.pool!r}, {folder})")
+                env.update(warm.job_env())
+            return PipesSubprocessClient(env=env, cwd=self.cwd).run(context=context, command=command, extras=extras)
 
 
 class RayJobLauncher(GpuJobLauncher):
