@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.dagster.processes import terminate_then_kill
+
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -57,18 +59,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         procs = []
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    terminate_then_kill(procs, grace_s, 5)
     proc.wait(timeout=5)
 
 

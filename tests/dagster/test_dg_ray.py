@@ -13,7 +13,7 @@ import pytest
 from value_assets.assets.common import latest_metadata
 from value_assets.definitions import make_definitions
 from value_assets.resources import RayJobLauncher
-from tests.dagster.test_dg_ray_multinode import RAY, _free_port, _stop
+from tests.dagster.processes import RAY, free_port, stop_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().with_name("pipes_standin.py")
@@ -27,19 +27,19 @@ def ray_dashboard():
     folder and on free ports (the dashboard agent's too: another local Ray, e.g. a parallel test
     worker's, must not take it), stopped by process id. This process never initializes Ray."""
     root = tempfile.mkdtemp(prefix="rdg", dir="/tmp")  # short: Ray's socket paths are capped at 107 bytes
-    dashboard = f"http://127.0.0.1:{_free_port()}"
+    dashboard = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     try:
         out = subprocess.run([str(RAY), "start", "--head", "--num-cpus", "2", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
-                              "--port", str(_free_port()), "--temp-dir", root, "--include-dashboard", "true",
-                              "--dashboard-port", dashboard.rsplit(":", 1)[1], "--dashboard-agent-listen-port", str(_free_port())],
+                              "--port", str(free_port()), "--temp-dir", root, "--include-dashboard", "true",
+                              "--dashboard-port", dashboard.rsplit(":", 1)[1], "--dashboard-agent-listen-port", str(free_port())],
                              env=env, capture_output=True, text=True, timeout=180)
         if out.returncode:
             pytest.fail(f"ray start --head failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         yield dashboard
     finally:
-        left = _stop(root, deadline_s=5.0)  # Ray's servers drain for 20 s on SIGTERM; SIGKILL sooner
+        left = stop_ray(root, deadline_s=5.0)  # Ray's servers drain for 20 s on SIGTERM; SIGKILL sooner
         shutil.rmtree(root, ignore_errors=True)
         assert not left, f"Ray processes that outlived SIGKILL: {left}"
 

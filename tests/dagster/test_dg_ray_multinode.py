@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.dagster.processes import RAY, free_port, stop_ray
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.jobs import TrainJob
 from value_assets.core.warm_cluster import POOL_ENV
 from value_assets.gpu.runtime.cluster import rank_order
 
 ROOT = Path(__file__).resolve().parents[2]
-RAY = Path(sys.executable).with_name("ray")
 HEAD_IP, SECOND_IP = "127.0.0.3", "127.0.0.2"  # the second node sorts first: rank 0 is not on the head
 ROWS, G, STEPS = 16, 8, 2
 
@@ -57,58 +55,19 @@ def test_placement_strategy_is_a_validated_job_setting(tmp_path):
         TrainJob(manifest=tmp_path / "m.json", output=tmp_path / "c", placement_strategy="spread")
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _ours(root: str):
-    """Processes whose command line names our temp folder, and all their descendants."""
-    import psutil
-
-    found = {}
-    for p in psutil.process_iter(["cmdline"]):
-        if any(root in arg for arg in (p.info["cmdline"] or [])):
-            found[p.pid] = p
-            for child in p.children(recursive=True):
-                found[child.pid] = child
-    return list(found.values())
-
-
-def _stop(root: str, deadline_s: float = 20.0) -> list[int]:
-    """SIGTERM, then SIGKILL after a deadline, every process of this cluster, by id."""
-    import psutil
-
-    procs = _ours(root)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=deadline_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=deadline_s)
-    return [p.pid for p in alive]
-
-
 class TwoNodeRay:
     """`ray start --head` and `ray start --address` under one private temp folder."""
 
     def __init__(self):
         self.root = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: Ray's socket paths are capped
-        self.gcs = f"{HEAD_IP}:{_free_port(HEAD_IP)}"
-        self.dashboard = f"http://127.0.0.1:{_free_port()}"
+        self.gcs = f"{HEAD_IP}:{free_port(HEAD_IP)}"
+        self.dashboard = f"http://127.0.0.1:{free_port()}"
         self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                     "PYTHONPATH": str(ROOT)}
 
     def _ray_start(self, args: list[str], env: dict[str, str]) -> None:
         out = subprocess.run([str(RAY), "start", "--num-cpus", "2", "--disable-usage-stats",
-                              "--dashboard-agent-listen-port", str(_free_port()), *args],
+                              "--dashboard-agent-listen-port", str(free_port()), *args],
                              env=env, capture_output=True, text=True, timeout=180)
         if out.returncode:
             raise RuntimeError(f"ray start {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -136,7 +95,7 @@ class TwoNodeRay:
 
     def stop(self) -> list[int]:
         try:
-            return _stop(self.root)
+            return stop_ray(self.root)
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 

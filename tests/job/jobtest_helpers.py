@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 # Resumed and uninterrupted CPU runs take bitwise-equal losses, but their final parameters may differ
 # in the last bits (measured: up to ~3e-6 after 64 steps on 2 CPU cores); this is the bound the tests
@@ -26,3 +27,16 @@ def max_weight_difference(a: Path, b: Path, scratch: Path) -> float:
     wa, wb = model_weights(a, scratch), model_weights(b, scratch)
     assert wa.keys() == wb.keys() and wa
     return max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa)
+
+
+def quiet(_msg: str) -> None:
+    """A job log that keeps nothing."""
+
+
+def tiny_train_job(manifest: Path, output: Path, **overrides: Any):
+    """The job tests' training config: the tiny backbone on two CPU workers, one epoch, seed 0,
+    lr 2e-3, global batch 32; `overrides` replace any of it."""
+    from value_assets.core.jobs import TrainJob
+
+    settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, gpus=2, lr=2e-3)
+    return TrainJob(manifest=manifest, output=output, **(settings | overrides))

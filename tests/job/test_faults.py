@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference
 
+from tests.job.jobtest_helpers import quiet, tiny_train_job
 from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
@@ -36,18 +37,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 STEPS = 8
 
 
-def quiet(_msg: str) -> None:
-    pass
-
-
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory):
     return make_demo_data(tmp_path_factory.mktemp("data"), rows=64, heldout_rows=32, seed=0)
 
 
 def cfg_for(manifest: Path, output: Path, **kw) -> TrainJob:
-    settings = dict(backbone="tiny", global_batch_size=8, epochs=1, seed=0, save_interval=4, gpus=2, lr=2e-3)
-    return TrainJob(manifest=manifest, output=output, **(settings | kw))
+    return tiny_train_job(manifest, output, **({"global_batch_size": 8, "save_interval": 4} | kw))
 
 
 @pytest.fixture(scope="module")

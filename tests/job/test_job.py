@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference
+from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference, quiet, tiny_train_job
 
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, build_contract, iter_dirname, load_contract, read_latest, write_contract
 from value_assets.core.demo_data import make_demo_data
@@ -32,10 +32,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 FRACTION_OF_OPTIMAL = 0.5
 
 
-def quiet(_msg: str) -> None:
-    pass
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
@@ -43,8 +39,7 @@ def data(tmp_path_factory):
 
 
 def base_cfg(manifest: Path, output: Path, **kw) -> TrainJob:
-    settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, save_interval=32, gpus=2, lr=2e-3)
-    return TrainJob(manifest=manifest, output=output, **(settings | kw))
+    return tiny_train_job(manifest, output, **({"save_interval": 32} | kw))
 
 
 @pytest.fixture(scope="module")

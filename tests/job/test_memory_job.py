@@ -12,14 +12,11 @@ from value_assets.core.contract import load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.memory import MemoryConfig
+from tests.job.jobtest_helpers import quiet, tiny_train_job
 from value_assets.core.jobs import TrainJob
 from value_assets.gpu.jobs.train import check_resume_execution, prepare, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def quiet(_msg: str) -> None:
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +30,7 @@ def mem(config: MemoryConfig) -> dict:
 
 
 def cfg(manifest, output, **kw) -> TrainJob:
-    base = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, gpus=2, lr=2e-3, stop_after=1)
-    return TrainJob(manifest=manifest, output=output, **(base | kw))
+    return tiny_train_job(manifest, output, **({"stop_after": 1} | kw))
 
 
 def test_sequence_parallel_without_tensor_parallel_is_refused_by_the_config(manifest, tmp_path):

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
+from tests.job.jobtest_helpers import tiny_train_job
 from value_assets.core.demo_data import make_demo_data
-from value_assets.core.jobs import TrainJob
 from value_assets.gpu.jobs.train import train
 from value_assets.gpu.runtime.cluster import POOL_ENV, POOL_NAMESPACE, WorkerPool
 from value_assets.gpu.runtime.worker import CriticWorker
@@ -49,8 +49,7 @@ def pool(ray_cluster, monkeypatch):
 
 
 def run(manifest, out, log, **kw):
-    settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, save_interval=32, gpus=2, lr=2e-3, stop_after=3)
-    return train(TrainJob(manifest=manifest, output=out, **(settings | kw)), log=log)
+    return train(tiny_train_job(manifest, out, **({"save_interval": 32, "stop_after": 3} | kw)), log=log)
 
 
 def pool_workers_alive(name: str) -> bool:
@@ -89,8 +88,7 @@ def test_a_failed_job_ends_the_pool_and_the_next_starts_fresh_processes(pool, ma
 
     failed = Log()
     with pytest.raises(RuntimeError, match="planted failure"):
-        train(TrainJob(manifest=manifest, output=tmp_path / "b", backbone="tiny", global_batch_size=32, epochs=1, gpus=1, lr=2e-3,
-                       stop_after=3), log=failed, on_step=fail)
+        train(tiny_train_job(manifest, tmp_path / "b", gpus=1, stop_after=3), log=failed, on_step=fail)
     assert failed.source() == f"{pool} (new)"
     assert not pool_workers_alive(pool)
     after = Log()
