@@ -17,7 +17,8 @@ Three phases (the first on any CPU, the others on a GPU; `bench/h200.sh study` r
 - study: `value-assets import-rollouts` (held-out split by item: a prompt's samples never straddle
   splits), then critics bootstrapped from the same actor are trained (`value-assets train`) and
   gated (`value-assets evaluate`); the same rollouts with rewards shuffled across rows are the
-  negative control. Each critic is exported (`export-hf`) and run over every held-out row to
+  negative controls (one per `--shuffle-seeds` seed and configuration; `--controls-only` runs just
+  them), each gated under both rules on the same batches. Every report is kept under `reports/`. Each critic is exported (`export-hf`) and run over every held-out row to
   compare, on held-out prompts, with two baselines: the per-task mean predictor (the train split's
   success rate of the row's task: knows only which task) and the prompt-only value (the critic's
   own value at the first response token, held for the whole response). Every EV carries a 95%
@@ -223,6 +224,7 @@ def _metrics(name, rows, values, prompt_of, resamples, seed):
 def cmd_study(args) -> None:
     from value_assets.core.dataset import validate_dataset
     from value_assets.core.manifest import load_manifest
+    from value_assets.core.report import decide_gate
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -238,16 +240,19 @@ def cmd_study(args) -> None:
     rows = [r for r in rollouts if r["task"] in kept]
     study_file = work / "study_rollouts.jsonl"
     study_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shuffled = [dict(r) for r in rows]
-    perm = random.Random(args.seed).sample([r["reward"] for r in rows], len(rows))
-    for r, w in zip(shuffled, perm):
-        r["reward"] = w
-    shuffled_file = work / "shuffled_rollouts.jsonl"
-    shuffled_file.write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+    sources = {"real": study_file}
+    for seed in args.shuffle_seeds:
+        # A control per seed: the same rows, rewards permuted across rows (independent of the text).
+        shuffled = [dict(r) for r in rows]
+        perm = random.Random(seed).sample([r["reward"] for r in rows], len(rows))
+        for r, w in zip(shuffled, perm):
+            r["reward"] = w
+        sources[f"shuffled-s{seed}"] = work / f"shuffled_rollouts_s{seed}.jsonl"
+        sources[f"shuffled-s{seed}"].write_text("".join(json.dumps(r) + "\n" for r in shuffled))
 
     results = {"rollouts": len(rollouts), "study_rows": len(rows), "task_success": rates, "kept_tasks": kept, "runs": []}
     manifests = {}
-    for tag, src in (("real", study_file), ("shuffled", shuffled_file)):
+    for tag, src in sources.items():
         res = _va("import-rollouts", str(src), "--tokenizer", args.model, "--out", str(work / f"ds-{tag}"), "--id-field", "id",
                   "--group-field", "item", "--heldout-fraction", str(args.heldout_fraction), "--seed", str(args.seed), "--name", tag)
         if res.returncode:
@@ -278,8 +283,14 @@ def cmd_study(args) -> None:
         device = "cpu"
     methods = [_metrics("per-task mean", held_rows, [np.full(r.response_length, task_mean[task_of(r)]) for r in held_rows],
                         prompt_of, args.resamples, args.seed)]
-    plan = [("shuffled", args.lrs[0], args.epochs, "none")] + [("real", lr, args.epochs, "none") for lr in args.lrs]
-    plan += [("real", lr, args.epochs, "backbone") for lr in args.freeze_lrs]
+    # Each control mirrors a real configuration (the first full fine-tune lr, the first head-only lr).
+    configs = [(args.lrs[0], "none")] + ([(args.freeze_lrs[0], "backbone")] if args.freeze_lrs else [])
+    plan = [(f"shuffled-s{seed}", lr, args.epochs, freeze) for lr, freeze in configs for seed in args.shuffle_seeds]
+    if not args.controls_only:
+        plan += [("real", lr, args.epochs, "none") for lr in args.lrs]
+        plan += [("real", lr, args.epochs, "backbone") for lr in args.freeze_lrs]
+    reports = out / "reports"
+    reports.mkdir(exist_ok=True)
     for tag, lr, epochs, freeze in plan:
         name = f"{tag}{'-freeze-' + freeze if freeze != 'none' else ''}-lr{lr:g}-e{epochs}"
         cdir = work / f"critic-{name}"
@@ -295,13 +306,15 @@ def cmd_study(args) -> None:
         ev = _va("evaluate", "--checkpoint", str(cdir), "--manifest", str(manifests[tag]), "--contract-sha256", contract,
                  "--report", str(work / f"ev-{name}.json"), "--global-batch-size", str(g), "--num-batches", str(nb), "--gpus", "1")
         gate = _last_json(ev.stdout)
-        # The same batches under the stricter rule: the bootstrap interval's lower bound must be > 0.
-        ev_iv = _va("evaluate", "--checkpoint", str(cdir), "--manifest", str(manifests[tag]), "--contract-sha256", contract,
-                    "--report", str(work / f"ev-{name}-interval.json"), "--global-batch-size", str(g), "--num-batches", str(nb),
-                    "--gpus", "1", "--gate-mode", "interval")
-        gate_iv = _last_json(ev_iv.stdout)
-        report_iv = json.loads((work / f"ev-{name}-interval.json").read_text())
-        lows = {w: (report_iv.get("intervals") or {}).get(w, {}).get("low") for w in ("token", "trajectory")}
+        report = json.loads((work / f"ev-{name}.json").read_text())
+        (reports / f"ev-{name}.json").write_text(json.dumps(report) + "\n")
+        # The stricter rule decided on the same batches: decide_gate recomputes everything from the
+        # per-row statistics, so only the mode changes (the report's own verdict is dropped).
+        strict = {k: v for k, v in report.items() if k != "passed"}
+        strict["gate"] = {**report["gate"], "mode": "interval"}
+        decision = decide_gate(strict)
+        gate_iv = {"passed": decision.passed}
+        lows = {w: (iv.low if iv is not None else None) for w, iv in decision.intervals.items()}
         run = {"name": name, "manifest": tag, "lr": lr, "epochs": epochs, "freeze": freeze, "train_s": round(train_s, 1),
                "gate_passed": gate["passed"], "report_token_ev": gate["token_ev"], "report_trajectory_ev": gate["trajectory_ev"],
                "report_auroc": gate["auroc"], "interval_gate_passed": gate_iv["passed"], "interval_low": lows}
@@ -316,17 +329,20 @@ def cmd_study(args) -> None:
             methods.append(_metrics(f"prompt-only {name}", held_rows, [np.full(v.shape, v[0]) for v in values],
                                     prompt_of, args.resamples, args.seed))
         results["runs"].append(run)
+        # Saved after every run, so a run cut short by a time limit keeps what it measured.
+        (out / "partial_runs.json").write_text(json.dumps(results["runs"], indent=1) + "\n")
     results["methods"] = methods
     labels = [float(r.returns[0]) for r in held_rows]
     results["heldout"] = {"rows": len(held_rows), "prompts": len({prompt_of(r) for r in held_rows}),
                           "label_balance": {"1.0": int(sum(labels)), "0.0": len(labels) - int(sum(labels))}}
     results["train"] = {"rows": len(train_ids)}
-    (out / "real_rollouts.json").write_text(json.dumps(results, indent=1) + "\n")
+    stem = "real_rollouts_controls" if args.controls_only else "real_rollouts"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
     table = _table(results)
-    (out / "real_rollouts.md").write_text(table + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
     print(table)
-    _plot(results, out / "real_rollouts.png")
-
+    if not args.controls_only:
+        _plot(results, out / "real_rollouts.png")
 
 def _fmt_iv(iv) -> str:
     if iv["estimate"] is None:
@@ -428,6 +444,10 @@ def main() -> None:
     s.add_argument("--max-rate", type=float, default=0.9)
     s.add_argument("--resamples", type=int, default=2000)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--shuffle-seeds", type=int, nargs="+", default=[0],
+                   help="one shuffled-reward control per seed and configuration (the reward permutation's seed)")
+    s.add_argument("--controls-only", action="store_true",
+                   help="train and gate only the shuffled controls; results go to real_rollouts_controls.{json,md}")
     s.set_defaults(func=cmd_study)
     args = p.parse_args()
     args.func(args)

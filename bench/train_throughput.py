@@ -646,7 +646,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--systems", default="ours,hf", help="comma list of ours, hf")
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps (global batches)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--micro-batch-tokens", default="16384",
+                    help="packed train micro-batch token budget of the 4k-mix rows, or auto: per model the largest "
+                         "that the memory model fits in 90%% of the free GPU memory (what `value-assets train "
+                         "--micro-batch-tokens auto` picks); the hf rows keep 16384")
     ap.add_argument("--eval-micro-batch-tokens", type=int, default=None,
                     help="forward-only micro-batch token budget (default: 2x --micro-batch-tokens)")
     ap.add_argument("--global-batch", type=int, default=64, help="rows per optimizer step")
@@ -677,6 +680,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from value_assets.gpu.model.critic import BackboneConfig
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 
+    args.mbt_auto = args.micro_batch_tokens == "auto"
+    try:
+        args.micro_batch_tokens = 16384 if args.mbt_auto else int(args.micro_batch_tokens)
+    except ValueError:
+        ap.error(f"--micro-batch-tokens must be an integer or auto, got {args.micro_batch_tokens!r}")
+    eval_mbt_given = args.eval_micro_batch_tokens is not None
     if args.smoke:
         args.steps, args.warmup = 2, 1
         args.global_batch = min(args.global_batch, 8)
@@ -726,8 +735,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"fwd {flops_per_token(bb, obj.head_size, lens, train=False) / 1e9:.2f} GFLOP/tok")
             data_lines.append(line)
             print(f"== {line}", flush=True)
+            run_args = args
+            if args.mbt_auto and CUDA:
+                longest = max(n for b in batches for n in model_lens(b))
+                mbt = auto_micro_batch_tokens(ModelShape.of(bb, obj.head_size), Layout(), MemoryConfig(),
+                                              free_bytes=torch.cuda.mem_get_info()[0], longest_row=longest)
+                run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens":
+                                                 args.eval_micro_batch_tokens if eval_mbt_given else 2 * mbt})
+                print(f"  micro-batch tokens (auto): train {mbt}, eval {run_args.eval_micro_batch_tokens}", flush=True)
             if "ours" in systems:
-                run_ours(name, bb, obj, batches, args, res, name in args.profile_rows)
+                run_ours(name, bb, obj, batches, run_args, res, name in args.profile_rows)
             if "hf" in systems:
                 run_hf(name, bb, obj, batches, args, res)
         if args.rows in ("long", "all"):
