@@ -97,6 +97,9 @@ def test_json_round_trip(cls, settings):
     (EvaluateJob, "micro_batch_tokens", -1, "must be an integer >= 1, got -1"),
     (EvaluateJob, "seed", "0", "must be an integer, got '0'"),
     (EvaluateJob, "gate_mode", "strict", "must be one of 'miles', 'interval', got 'strict'"),
+    (EvaluateJob, "gate_min_ev", 1.0, "must be a number in [0, 1)"),
+    (EvaluateJob, "gate_min_ev", -0.01, "got -0.01"),
+    (EvaluateJob, "gate_min_ev", float("nan"), "got nan"),
 ])
 def test_each_rule_names_the_field_and_the_value(cls, name, value, needle):
     with pytest.raises(InputError) as err:

@@ -41,7 +41,7 @@ def synthetic_rows(seed, noise, n_batches=4, g=8):
     return batches, labels
 
 
-def report_of(batches, labels, *, dp=2, seed=0, mode="miles", tamper=None):
+def report_of(batches, labels, *, dp=2, seed=0, mode="miles", tamper=None, min_ev=0.0):
     """build_report over `batches` with rows dealt to `dp` ranks round-robin; `tamper(report)` may
     alter each RankReport before the driver sees it."""
     rank_reports, active = [], []
@@ -54,7 +54,7 @@ def report_of(batches, labels, *, dp=2, seed=0, mode="miles", tamper=None):
     return build_report(manifest_sha256="a" * 64, dataset_sha256="b" * 64, split="heldout", checkpoint="c",
                         contract_sha256="c" * 64, dp=dp, seed=seed, global_batch_size=len(batches[0]),
                         batches=[[i for i, *_ in rows] for rows in batches], rank_reports=rank_reports,
-                        active_targets=active, labels=labels, gate_mode=mode)
+                        active_targets=active, labels=labels, gate_mode=mode, gate_min_ev=min_ev)
 
 
 def naive_ev(r, e):
@@ -230,6 +230,39 @@ def test_decide_gate_recomputes_intervals_and_refuses_forged_ones():
     reseeded = copy.deepcopy(miles)
     reseeded["batch_plan"]["seed"] = 3
     assert any("report's interval" in f for f in decide_gate(reseeded).failures)
+
+
+def test_a_minimum_ev_raises_the_bar_in_both_modes_and_is_read_from_the_report():
+    batches, labels = synthetic_rows(0, 0.1)
+    base = report_of(batches, labels, mode="interval")
+    ev = {w: base["aggregates"][w]["ev"] for w in ("token", "trajectory")}
+    low = {w: base["intervals"][w]["low"] for w in ("token", "trajectory")}
+    assert base["passed"] and base["gate"]["min_ev"] == 0.0 and 0 < min(low.values())
+    # Miles' rule with a bar: the aggregate EV must be above it (between the lowest interval bound and
+    # the lowest EV, the "miles" gate passes and the "interval" gate fails).
+    bar = (max(low.values()) + min(ev.values())) / 2
+    assert max(low.values()) < bar < min(ev.values())
+    miles, strict = report_of(batches, labels, min_ev=bar), report_of(batches, labels, mode="interval", min_ev=bar)
+    assert miles["passed"] and miles["gate"]["min_ev"] == bar and "min_ev" in miles["gate"]["criteria"]
+    assert not strict["passed"]
+    failures = decide_gate(strict).failures
+    assert len(failures) == 2 and all(f"needs > {bar!r}" in f for f in failures)
+    above = report_of(batches, labels, min_ev=min(ev.values()))  # not above the smaller EV: refused
+    assert not above["passed"]
+    assert any("minimum useful EV" in f for f in decide_gate(above).failures)
+    # Read from the report: raising or lowering it there changes the decision; a bad one fails.
+    raised = {k: v for k, v in base.items() if k != "passed"} | {"gate": {"mode": "interval", "min_ev": bar}}
+    assert not decide_gate(raised).passed
+    lowered = {k: v for k, v in strict.items() if k != "passed"} | {"gate": {"mode": "interval", "min_ev": 0.0}}
+    assert decide_gate(lowered).passed
+    for bad in (1.5, -0.1, True, "0.1", float("inf")):
+        failures = decide_gate({k: v for k, v in base.items() if k != "passed"} | {"gate": {"mode": "miles", "min_ev": bad}}).failures
+        assert any("gate.min_ev" in f and "[0, 1)" in f for f in failures), bad
+    with pytest.raises(InputError, match="gate_min_ev"):
+        report_of(batches, labels, min_ev=1.0)
+    old = copy.deepcopy(base)  # a report written before the bar existed: 0
+    del old["gate"]["min_ev"]
+    assert decide_gate(old).passed and decide_gate(old).min_ev == 0.0
 
 
 def test_gate_mode_is_read_from_the_report_and_old_reports_keep_the_default_rule():

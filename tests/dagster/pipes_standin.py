@@ -130,7 +130,7 @@ def evaluate(pipes, config):
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
                           checkpoint=str(a.checkpoint), contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
                           global_batch_size=g, batches=batches, rank_reports=rank_reports,
-                          active_targets=active, labels=list(data.labels), gate_mode=a.gate_mode)
+                          active_targets=active, labels=list(data.labels), gate_mode=a.gate_mode, gate_min_ev=a.gate_min_ev)
     report_path = a.report
     # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.
     report["plots"] = {}

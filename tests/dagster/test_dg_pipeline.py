@@ -172,11 +172,12 @@ def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifes
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32))
     config = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
                       "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}},
-                      "ev_report": {"config": {"gate_mode": "interval"}}}}
+                      "ev_report": {"config": {"gate_mode": "interval", "gate_min_ev": 0.001}}}}
     result = run(test_defs, "full", instance, key, config)
     assert result.success
     # The stricter gate mode reached the evaluation, and ev_gate decided in it.
-    assert latest_metadata(instance, "ev_report", key)["gate_mode"] == "interval" and gate(result)["ev_report"].passed
+    report = latest_metadata(instance, "ev_report", key)
+    assert (report["gate_mode"], report["gate_min_ev"]) == ("interval", 0.001) and gate(result)["ev_report"].passed
     assert latest_metadata(instance, "batch_plan", key)["steps"] == 8
     checkpoint = latest_metadata(instance, "critic_checkpoint", key)
     assert checkpoint["completed_steps"] == 8

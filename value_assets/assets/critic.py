@@ -209,6 +209,7 @@ class EvaluateRunConfig(Config):
     tensor_parallel: int | None = job_setting(EvaluateJob, "tensor_parallel")
     pipeline_parallel: int | None = job_setting(EvaluateJob, "pipeline_parallel")
     gate_mode: str | None = job_setting(EvaluateJob, "gate_mode")
+    gate_min_ev: float | None = job_setting(EvaluateJob, "gate_min_ev")
     placement_strategy: str | None = job_setting(EvaluateJob, "placement_strategy")
 
 

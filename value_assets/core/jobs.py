@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 from .errors import InputError, require_int, show
 from .hashing import require_sha
-from .report import GATE_MODES
+from .report import GATE_MODES, check_min_ev
 
 DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
 TINY_BACKBONE = "tiny"
@@ -283,11 +283,16 @@ class EvaluateJob(_JobConfig):
     gate_mode: str = setting("miles", doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
                                           "both weightings) or 'interval' (also the lower bound of each aggregate EV's "
                                           "bootstrap interval over rows, level 0.95, > 0).")
+    gate_min_ev: float = setting(0.0, doc=(
+        "The least EV that passes, in [0, 1): each aggregate EV ('miles') or each interval's lower bound ('interval') "
+        "must be above it, for both weightings. 0 is Miles' rule; a small positive value (e.g. 0.005) refuses critics "
+        "whose EV is real but too small to help RL, and noise that a zero bar passes at its false-positive rate."))
 
     def _validate(self) -> None:
         require_sha(self.contract_sha256, "contract_sha256")
         if self.gate_mode not in GATE_MODES:
             raise InputError("gate_mode", f"must be one of {', '.join(map(repr, GATE_MODES))}, got {show(self.gate_mode)}")
+        check_min_ev(self.gate_min_ev)
         if self.split not in SPLITS:
             raise InputError("split", f"must be 'heldout' or 'train', got {show(self.split)}")
         require_int(self.num_batches, "num_batches")

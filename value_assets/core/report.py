@@ -11,6 +11,7 @@ without them (written before they existed) is decided by the default rule (`gate
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -29,15 +30,28 @@ CRITERIA = {**GATE_CRITERIA, "split": f"{GATE_SPLIT} rows only; train-split EV i
 GATE_MODES = ("miles", "interval")  # "miles": the Miles-compatible rule above (the default); "interval": stricter
 INTERVAL_CRITERION = ("the lower bound of the bootstrap 95% interval of the aggregate EV (over rows) is > 0, "
                       "for both weightings")
+MIN_EV_DEFAULT = 0.0  # Miles' rule: any positive EV passes
 INTERVAL_LEVEL = 0.95
 INTERVAL_RESAMPLES = 2000
 INTERVAL_UNIT = "row"
 POSITION_DEFINITION = "response token j of a response of length L is in decile floor(10 j / L); token-weighted, active tokens"
 
 
-def criteria(mode: str) -> dict[str, str]:
-    """The gate's criteria in words for `mode`."""
-    return {**CRITERIA, "interval": INTERVAL_CRITERION} if mode == "interval" else dict(CRITERIA)
+def criteria(mode: str, min_ev: float = MIN_EV_DEFAULT) -> dict[str, str]:
+    """The gate's criteria in words for `mode` and the minimum EV."""
+    out = {**CRITERIA, "interval": INTERVAL_CRITERION} if mode == "interval" else dict(CRITERIA)
+    if min_ev != MIN_EV_DEFAULT:
+        what = "the lower bound of each aggregate EV's interval" if mode == "interval" else "each aggregate EV"
+        out["min_ev"] = f"{what} is > {min_ev!r} (the minimum useful EV), for both weightings"
+    return out
+
+
+def check_min_ev(value: Any, name: str = "gate_min_ev") -> float:
+    """A minimum EV: a finite number in [0, 1) (0 is Miles' rule)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value < 1:
+        raise InputError(name, f"must be a number in [0, 1) (the least aggregate EV that passes; 0 is Miles' rule), "
+                               f"got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +67,7 @@ class GateDecision:
     weightings: dict[str, WeightingGate]
     intervals: dict[str, Interval]
     failures: tuple[str, ...]
+    min_ev: float = MIN_EV_DEFAULT
 
     @property
     def applies(self) -> bool:
@@ -64,8 +79,9 @@ class GateDecision:
             "reason": None if self.applies else f"split {self.split!r} is a fit diagnostic; only the {GATE_SPLIT} split can gate",
             "passed": self.passed,
             "mode": self.mode,
+            "min_ev": self.min_ev,
             **{w: g.to_json() for w, g in self.weightings.items()},
-            "criteria": criteria(self.mode),
+            "criteria": criteria(self.mode, self.min_ev),
         }
         if self.mode == "interval":
             out["interval_low"] = {w: (iv.low if iv is not None else None) for w, iv in self.intervals.items()}
@@ -147,6 +163,12 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
     mode = gate_json.get("mode", "miles") if isinstance(gate_json, dict) else "miles"
     if mode not in GATE_MODES:
         failures.append(f"gate mode {mode!r} is not one of {', '.join(GATE_MODES)}")
+    min_ev = gate_json.get("min_ev", MIN_EV_DEFAULT) if isinstance(gate_json, dict) else MIN_EV_DEFAULT
+    try:
+        min_ev = check_min_ev(min_ev, "gate.min_ev")
+    except InputError as exc:
+        failures.append(str(exc))
+        min_ev = MIN_EV_DEFAULT
     if split != GATE_SPLIT:
         failures.append(f"split is {split!r}: only {GATE_SPLIT} rows gate (a manifest without {GATE_SPLIT} is not promotable)")
     batches = report.get("batches")
@@ -163,6 +185,9 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
         if not gate.passed:
             failures.append(f"{weighting}-weighted: aggregate EV {gate.ev:.4g} (needs > 0), positive-EV batches "
                             f"{gate.positive_batches} of {gate.batches} (needs a strict majority)")
+        elif mode == "miles" and not gate.ev > min_ev:
+            failures.append(f"{weighting}-weighted: aggregate EV {gate.ev:.4g} is not above the minimum useful EV "
+                            f"{min_ev!r} (gate.min_ev)")
     aggregates = report.get("aggregates")
     if aggregates is not None:
         for weighting, gate in weightings.items():
@@ -183,9 +208,9 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
         failures.append(f"cannot recompute the EV intervals: {problem}")
     if mode == "interval":
         for weighting, iv in intervals.items():
-            if iv.low is None or not iv.low > 0:
+            if iv.low is None or not iv.low > min_ev:
                 failures.append(f"{weighting}-weighted: lower bound of the {iv.level:.0%} interval of the aggregate EV "
-                                f"is {iv.low!r} (needs > 0; interval mode)")
+                                f"is {iv.low!r} (needs > {min_ev!r}; interval mode)")
     if stated_intervals is not None:
         for weighting, iv in intervals.items():
             stated = (stated_intervals if isinstance(stated_intervals, dict) else {}).get(weighting)
@@ -194,7 +219,7 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
     if "passed" in report and report["passed"] is not (not failures):
         failures.append(f"report says passed={report['passed']!r}, recomputation says {not failures}")
     return GateDecision(passed=not failures, split=split, mode=mode, weightings=weightings, intervals=intervals,
-                        failures=tuple(failures))
+                        failures=tuple(failures), min_ev=min_ev)
 
 
 def report_manifest_sha(report: dict[str, Any]) -> Any:
@@ -217,6 +242,7 @@ def ev_summary(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{weighting}_ev_high"] = iv.get("high")
     gate = report.get("gate") if isinstance(report.get("gate"), dict) else {}
     out["gate_mode"] = gate.get("mode", "miles")
+    out["gate_min_ev"] = gate.get("min_ev", MIN_EV_DEFAULT)
     return out
 
 
@@ -235,17 +261,20 @@ def position_table(deciles: np.ndarray) -> dict[str, Any]:
 def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, checkpoint: str, contract_sha256: str,
                  dp: int, seed: int, global_batch_size: int, batches: Sequence[Sequence[int]],
                  rank_reports: Sequence[Sequence[RankReport]], active_targets: Sequence[int],
-                 labels: Sequence[float], gate_mode: str = "miles") -> dict[str, Any]:
+                 labels: Sequence[float], gate_mode: str = "miles", gate_min_ev: float = MIN_EV_DEFAULT) -> dict[str, Any]:
     """Check every batch's rank reports, compute EVs from summed statistics and decide the gate.
 
     `batches[k]` are the planned row indices of batch k, `rank_reports[k]` what the ranks returned
     for it, `active_targets[k]` its active tokens counted on the CPU, and `labels[i]` the scalar
     label of row i (indexed like the dataset). Every rank report must carry per-row statistics that
     add up to its totals (`check_row_stats`); they give the position table and, with the seed, the
-    bootstrap intervals. `gate_mode` is "miles" (the default rule) or "interval" (stricter).
+    bootstrap intervals. `gate_mode` is "miles" (the default rule) or "interval" (stricter);
+    `gate_min_ev` raises the bar from > 0 to > it (the aggregate EV in "miles", the interval's lower
+    bound in "interval").
     """
     if gate_mode not in GATE_MODES:
         raise InputError("gate_mode", f"must be one of {', '.join(GATE_MODES)}, got {gate_mode!r}")
+    gate_min_ev = check_min_ev(gate_min_ev)
     if len(rank_reports) != len(batches) or len(active_targets) != len(batches):
         raise InputError("evaluation", f"{len(rank_reports)} reported batches for {len(batches)} planned")
     per_batch = []
@@ -293,7 +322,7 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         "batch_plan": {"algorithm": MIXED_ALGORITHM, "seed": seed, "global_batch_size": global_batch_size,
                        "num_batches": len(batches), "batches": [list(b) for b in batches]},
         "batches": per_batch,
-        "gate": {"mode": gate_mode},
+        "gate": {"mode": gate_mode, "min_ev": gate_min_ev},
     }
     decision = decide_gate(report)
     if set(decision.weightings) != set(WEIGHTINGS) or set(decision.intervals) != set(WEIGHTINGS):

@@ -69,7 +69,7 @@ def cmd_evaluate(args) -> int:
     agg = res.report["aggregates"]
     print(json.dumps({"report": res.report_path, "sha256": res.report_sha256, "passed": res.passed,
                       "token_ev": agg["token"]["ev"], "trajectory_ev": agg["trajectory"]["ev"], "auroc": agg["auroc"],
-                      "gate_mode": res.report["gate"]["mode"],
+                      "gate_mode": res.report["gate"]["mode"], "gate_min_ev": res.report["gate"]["min_ev"],
                       "intervals": {w: [iv["low"], iv["high"]] for w, iv in res.report["intervals"].items()},
                       "plots": res.plots}, sort_keys=True))
     if not res.passed:
@@ -139,6 +139,7 @@ def add_commands(sub) -> None:
     _data_root_flag(e)
     _flag(e, EvaluateJob, "ray_address")
     _flag(e, EvaluateJob, "gate_mode", choices=GATE_MODES)
+    _flag(e, EvaluateJob, "gate_min_ev", float)
     _flag(e, EvaluateJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)
     e.set_defaults(func=cmd_evaluate)
 

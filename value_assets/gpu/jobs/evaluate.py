@@ -149,7 +149,7 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
     report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=ds.sha256, split=cfg.split, checkpoint=str(step_dir),
                           contract_sha256=contract_sha, dp=dp, seed=cfg.seed, global_batch_size=g, batches=batches,
                           rank_reports=rank_reports, active_targets=[int(ds.active_targets[list(b)].sum()) for b in batches],
-                          labels=ds.labels.tolist(), gate_mode=cfg.gate_mode)
+                          labels=ds.labels.tolist(), gate_mode=cfg.gate_mode, gate_min_ev=cfg.gate_min_ev)
     # --- publication: plots first, then the report that names them -----------------------------------
     values = [v for reps in rank_reports for r in reps for v in r.row_values]
     labels = [float(ds.labels[i]) for reps in rank_reports for r in reps for i in r.row_indices]
