@@ -40,7 +40,11 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=128)
     args = ap.parse_args()
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
+
+    params = set(inspect.signature(varlen_attn).parameters)
 
     h, g, d = args.heads, args.kv_heads, args.dim
     scale = d ** -0.5
@@ -57,8 +61,12 @@ def main() -> None:
         cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
         flops = 2.5 * 2 * 2 * (length * (length + 1) / 2) * h * d * n
 
-        def varlen():
-            return varlen_attn(q, k, v, cu, cu, length, length, scale=scale, window_size=(-1, 0), enable_gqa=True)
+        def varlen():  # as value_assets/gpu/model/attention.py calls it (K/V repeated where it has no GQA)
+            kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+            if "enable_gqa" in params:
+                return varlen_attn(q, k, v, cu, cu, length, length, scale=scale, enable_gqa=True, **kw)
+            kr, vr = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+            return varlen_attn(q, kr, vr, cu, cu, length, length, scale=scale, **kw)
 
         def sdpa(backend, repeat):
             def run():
