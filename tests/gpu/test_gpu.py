@@ -58,6 +58,46 @@ def test_varlen_kernel_matches_sdpa_loop_on_cuda():
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
+def test_long_sequences_on_cudnn_match_varlen_forward_and_backward(monkeypatch):
+    """Sequences >= LONG_SEQUENCE take cuDNN's attention, the short ones between them varlen: the
+    output against a float32 per-sequence reference, and output and gradients against the
+    all-varlen path (the threshold raised), in bf16."""
+    from value_assets.gpu.model import attention as A
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [100, A.LONG_SEQUENCE, 300, 7, A.LONG_SEQUENCE + 808, 5]
+    t = sum(lengths)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    q0 = torch.randn(t, 12, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k0 = torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v0 = torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad = torch.randn(t, 12, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def run():
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out = A.packed_causal_attention(q, k, v, cu, 128 ** -0.5, bounds=bounds)
+        out.backward(grad)
+        return out.detach().float(), [x.grad.float() for x in (q, k, v)]
+
+    calls = []
+    real = A._long_sequence
+    monkeypatch.setattr(A, "_long_sequence", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    hybrid, hybrid_grads = run()
+    assert calls == [A.LONG_SEQUENCE, A.LONG_SEQUENCE + 808]  # exactly the two long sequences took cuDNN
+    monkeypatch.setattr(A, "LONG_SEQUENCE", 10 ** 9)
+    plain, plain_grads = run()
+    assert len(calls) == 2
+    torch.testing.assert_close(hybrid, plain, rtol=2e-2, atol=2e-2)
+    for a, b in zip(hybrid_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qq, kk, vv = (x[a:b].transpose(0, 1).float() for x in (q0, k0, v0))
+        ref = torch.nn.functional.scaled_dot_product_attention(qq, kk.repeat_interleave(6, 0), vv.repeat_interleave(6, 0),
+                                                               is_causal=True, scale=128 ** -0.5).transpose(0, 1)
+        assert (hybrid[a:b] - ref).abs().max().item() < 3e-2
+
+
 def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     from value_assets.core.objective import Objective
     from value_assets.gpu.model.critic import BackboneConfig, build_critic

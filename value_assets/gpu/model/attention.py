@@ -14,7 +14,10 @@
   (`bounds`) and `max_seqlen_q`, so no layer reads cu_seqlens back from the device.
 
 Kernels: on CUDA with bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash-attention varlen:
-no compute on other sequences or padding). Everywhere else (CPU, fp32) one causal SDPA call per
+no compute on other sequences or padding), except for sequences of at least `LONG_SEQUENCE`
+tokens, which get one SDPA call each on cuDNN's attention (measured on an H200, 1.5B critic heads,
+forward + backward: 1.5x varlen at 8k tokens, 1.75x at 16k-32k, equal at 4k, slower below;
+`bench/attention_kernels.py`); where cuDNN does not take the call, varlen runs it. Everywhere else (CPU, fp32) one causal SDPA call per
 packed sequence: exact, no cross-sequence compute, deterministic on CPU; the Python loop costs
 one kernel launch per sequence, which is negligible at critic batch sizes on CPU.
 Output is [s, b, np*hn] (unpacked) or [t, np*hn] (packed). Dropout is not supported (a critic
@@ -35,6 +38,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from value_assets.gpu.model.rope import apply_rope
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
+LONG_SEQUENCE = 8192
 
 try:  # torch >= 2.9
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -66,21 +74,24 @@ def packed_causal_attention(
         and q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
     ):
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        max_len = max_seqlen if max_seqlen is not None else max(
-            b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        kwargs: dict[str, Any] = {"scale": scale}
-        if "window_size" in _VARLEN_PARAMS:
-            kwargs["window_size"] = (-1, 0)
-        else:
-            kwargs["is_causal"] = True
-        if nq != nkv:
-            if "enable_gqa" in _VARLEN_PARAMS:
-                kwargs["enable_gqa"] = True
-            else:
-                k = k.repeat_interleave(nq // nkv, dim=1)
-                v = v.repeat_interleave(nq // nkv, dim=1)
-        return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+        bounds = [int(b) for b in bounds]
+        if max_seqlen is None:
+            max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        if max_seqlen < LONG_SEQUENCE:
+            return _varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+        # Runs of short sequences go to varlen together, each long one to cuDNN on its own.
+        outs, run = [], [0]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b - a < LONG_SEQUENCE:
+                run.append(b)
+                continue
+            if len(run) > 1:
+                outs.append(_varlen_span(q, k, v, run, scale))
+            outs.append(_long_sequence(q[a:b], k[a:b], v[a:b], scale))
+            run = [b]
+        if len(run) > 1:
+            outs.append(_varlen_span(q, k, v, run, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         # SDPA wants [batch, heads, seq, dim]
@@ -92,6 +103,42 @@ def packed_causal_attention(
         )
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def _varlen(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    nq, nkv = q.shape[1], k.shape[1]
+    kwargs: dict[str, Any] = {"scale": scale}
+    if "window_size" in _VARLEN_PARAMS:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if nq != nkv:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(nq // nkv, dim=1)
+            v = v.repeat_interleave(nq // nkv, dim=1)
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _varlen_span(q, k, v, run: Sequence[int], scale: float) -> torch.Tensor:
+    """varlen over the consecutive sequences whose host bounds are `run` (absolute offsets)."""
+    a, b = run[0], run[-1]
+    cu = torch.tensor([x - a for x in run], dtype=torch.int32).to(q.device, non_blocking=True)
+    return _varlen(q[a:b], k[a:b], v[a:b], cu, max(y - x for x, y in zip(run[:-1], run[1:])), scale)
+
+
+def _long_sequence(q, k, v, scale: float) -> torch.Tensor:
+    """One long sequence [s, heads, d] on cuDNN's attention; varlen where cuDNN refuses it."""
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    except RuntimeError:  # no cuDNN kernel for this case (GPU, head size, dtype)
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        return _varlen(q, k, v, cu, q.shape[0], scale)
+    return o.squeeze(0).transpose(0, 1)
 
 
 class PackedCoreAttention(MegatronModule):
