@@ -314,12 +314,16 @@ def cmd_study(args) -> None:
         strict["gate"] = {**report["gate"], "mode": "interval"}
         decision = decide_gate(strict)
         gate_iv = {"passed": decision.passed}
+        strict["gate"] = {**report["gate"], "mode": "interval", "min_ev": args.min_ev}
+        barred = decide_gate(strict).passed
         lows = {w: (iv.low if iv is not None else None) for w, iv in decision.intervals.items()}
         run = {"name": name, "manifest": tag, "lr": lr, "epochs": epochs, "freeze": freeze, "train_s": round(train_s, 1),
                "gate_passed": gate["passed"], "report_token_ev": gate["token_ev"], "report_trajectory_ev": gate["trajectory_ev"],
-               "report_auroc": gate["auroc"], "interval_gate_passed": gate_iv["passed"], "interval_low": lows}
+               "report_auroc": gate["auroc"], "interval_gate_passed": gate_iv["passed"], "interval_low": lows,
+               "min_ev": args.min_ev, "interval_min_ev_gate_passed": barred}
         print(f"{name}: gate {'PASSED' if gate['passed'] else 'FAILED'}, interval gate "
-              f"{'PASSED' if gate_iv['passed'] else 'FAILED'} (lower bounds {lows}); token EV {gate['token_ev']:.4f} "
+              f"{'PASSED' if gate_iv['passed'] else 'FAILED'} (lower bounds {lows}), interval gate with min EV "
+              f"{args.min_ev:g} {'PASSED' if barred else 'FAILED'}; token EV {gate['token_ev']:.4f} "
               f"trajectory EV {gate['trajectory_ev']:.4f} ({train_s:.0f}s)", flush=True)
         if tag == "real":
             hf = work / f"hf-{name}"
@@ -359,13 +363,15 @@ def _table(results) -> str:
     for m in results["methods"]:
         au = "n/a" if m["auroc"] is None else f"{m['auroc']:.3f}"
         lines.append(f"| {m['method']} | {_fmt_iv(m['token_ev'])} | {_fmt_iv(m['trajectory_ev'])} | {au} | {m['ece']:.3f} |")
-    lines += ["", "| run | gate (miles) | gate (interval) | report token EV | report trajectory EV | interval lower bounds (token, trajectory) | train s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    bar = next((r["min_ev"] for r in results["runs"] if "min_ev" in r), None)
+    lines += ["", f"| run | gate (miles) | gate (interval) | gate (interval, min EV {bar}) | report token EV | report trajectory EV | "
+              "interval lower bounds (token, trajectory) | train s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     verdict = {True: "PASSED", False: "FAILED", None: "-"}
     for r in results["runs"]:
         low = r.get("interval_low") or {}
         lows = ", ".join("n/a" if low.get(w) is None else f"{low[w]:.4f}" for w in ("token", "trajectory")) if low else "-"
-        lines.append(f"| {r['name']} | {verdict[r['gate_passed']]} | {verdict[r.get('interval_gate_passed')]} | {r['report_token_ev']:.4f} | "
+        lines.append(f"| {r['name']} | {verdict[r['gate_passed']]} | {verdict[r.get('interval_gate_passed')]} | "
+                     f"{verdict[r.get('interval_min_ev_gate_passed')]} | {r['report_token_ev']:.4f} | "
                      f"{r['report_trajectory_ev']:.4f} | {lows} | {r['train_s']} |")
     return "\n".join(lines)
 
@@ -446,6 +452,8 @@ def main() -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--shuffle-seeds", type=int, nargs="+", default=[0],
                    help="one shuffled-reward control per seed and configuration (the reward permutation's seed)")
+    s.add_argument("--min-ev", type=float, default=0.005,
+                   help="the minimum useful EV of the third verdict (interval rule, lower bounds > it)")
     s.add_argument("--controls-only", action="store_true",
                    help="train and gate only the shuffled controls; results go to real_rollouts_controls.{json,md}")
     s.set_defaults(func=cmd_study)
