@@ -1,4 +1,4 @@
-"""Worker bodies for the multi-process engine tests (spawned with torch.multiprocessing)."""
+"""Worker bodies for the multi-process engine tests (ranks started by tests/ranks.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def run(rank: int, world: int, port: int, calls: list[tuple[str, int, int, tuple
     """Run several bodies, in order, in one process group: `calls` holds (body name, tp, pp, args).
 
     Each body starts from megatron parallel state built afresh at its own tp x pp and the seeds
-    `init_distributed` sets, as if it had a spawn of its own: one spawn pays the imports once."""
+    `init_distributed` sets, as if it had a process of its own: one launch serves them all."""
     from megatron.core import parallel_state as ps
 
     try:

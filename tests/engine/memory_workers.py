@@ -1,4 +1,4 @@
-"""Worker bodies for the memory-feature tests (spawned with torch.multiprocessing).
+"""Worker bodies for the memory-feature tests (ranks started by tests/ranks.py).
 
 Every variant starts from the same layout-invariant weights (`init_layout_invariant`) and trains
 on the same rows, so runs with and without a memory feature are comparable step by step.

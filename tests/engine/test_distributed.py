@@ -1,21 +1,19 @@
 """Multi-process CPU tests (gloo): DP training, resume, TP re-sharding checkpoints, pipeline layouts.
 
-Spawned ranks run the bodies in dist_workers.py under a hard deadline. Spawns are shared: one of
-2 ranks runs the DP, resume, TP and PP=2 bodies in turn, one of 4 ranks the DPxPP and TPxPP layouts
-(each spawn costs the torch and megatron imports per rank, most of a test's time here); the tests
-then check their own body's results.
+Ranks, forked from a server that has already imported torch and megatron (tests/ranks.py), run the
+bodies in dist_workers.py under a hard deadline. Launches are shared: one of 2 ranks runs the DP,
+resume, TP and PP=2 bodies in turn, one of 4 ranks the DPxPP and TPxPP layouts; the tests then
+check their own body's results.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from value_assets.gpu.runtime.parallel import free_port
 
+from ..ranks import run_ranks
 from . import dist_workers as W
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -26,16 +24,7 @@ STEPS, ROWS_PER_STEP = 3, 6
 
 def spawn(world: int, calls: list[tuple[str, int, int, tuple]], deadline_s: float) -> None:
     """`world` ranks running `calls` ((body, tp, pp, args), in order) in one process group."""
-    ctx = mp.spawn(W.run, args=(world, free_port(), calls), nprocs=world, join=False)
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() > end:
-                raise TimeoutError(f"{[c[0] for c in calls]} with world {world} did not finish in {deadline_s}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(W.run, (world, free_port(), calls), world, deadline_s=deadline_s, what=str([c[0] for c in calls]))
 
 
 @pytest.fixture(scope="module")

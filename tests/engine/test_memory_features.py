@@ -1,15 +1,14 @@
-"""Memory features on CPU (gloo, spawned ranks): activation recompute, the distributed optimizer
+"""Memory features on CPU (gloo, forked ranks): activation recompute, the distributed optimizer
 and sequence parallelism take the same steps as the plain run, and their checkpoints re-shard
-for evaluation at another layout. Two spawns in all (each costs ~8 s of imports)."""
+for evaluation at another layout. Two rank launches in all, from the preloaded fork server
+(tests/ranks.py)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from ..ranks import run_ranks  # noqa: E402
 from . import memory_workers as MW  # noqa: E402
 
 from value_assets.gpu.model.packing import pack_rows  # noqa: E402
@@ -19,17 +18,8 @@ pytestmark = pytest.mark.integration
 
 
 def spawn(world: int, tp: int, fn: str, *args, deadline_s: float = 280.0) -> None:
-    """As test_distributed.spawn, for memory_workers' bodies."""
-    ctx = mp.spawn(MW.run, args=(world, free_port(), tp, fn, args), nprocs=world, join=False)
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() > end:
-                raise TimeoutError(f"{fn} with world {world} did not finish in {deadline_s}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    """`world` ranks running memory_workers' body `fn` (forked from the preloaded server)."""
+    run_ranks(MW.run, (world, free_port(), tp, fn, args), world, deadline_s=deadline_s, what=fn)
 
 
 def same_steps(a: list[dict], b: list[dict]) -> None:

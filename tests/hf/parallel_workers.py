@@ -1,6 +1,6 @@
 """Worker for test_hf_parallel: one rank of a 2-rank gloo group that runs the TP=2 conversion cases,
 then rebuilds megatron's parallel state at PP=2 in the same group and runs the PP=2 bootstrap cases
-(one spawn pays the torch and megatron imports once)."""
+(one launch of 2 ranks serves both)."""
 
 from __future__ import annotations
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
 
 from value_assets.gpu.runtime.parallel import free_port
 
+from ..ranks import start_ranks
 from .hf_checkpoints import TINY, make_hf_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -44,8 +45,7 @@ def spawned(tmp_path_factory):
     for family in PP_FAMILIES:
         folder = root / f"pp-{family}"
         pp.append((make_hf_checkpoint(folder, family), (str(folder), str(root / "pp-ids.pt"), str(folder / "values.pt"))))
-    mp.start_processes(parallel_workers.run, args=(2, free_port(), [c for _, c in tp], [c for _, c in pp]),
-                       nprocs=2, join=True, start_method="spawn")
+    start_ranks(parallel_workers.run, (2, free_port(), [c for _, c in tp], [c for _, c in pp]), 2)
     return {"tp": tp, "pp": pp, "tp_ids": tp_ids, "pp_ids": pp_ids}
 
 

@@ -11,7 +11,8 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from ..ranks import start_ranks
 from .hf_checkpoints import make_hf_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -67,8 +68,7 @@ def test_megatron_loads_the_export_strictly(tmp_path, world):
         finally:
             destroy()
     else:
-        mp.start_processes(megatron_lm_worker.run, args=(world, _port(), cases), nprocs=world, join=True,
-                           start_method="spawn")
+        start_ranks(megatron_lm_worker.run, (world, _port(), cases), world)
     with torch.no_grad():
         ref = hf.model(ids).last_hidden_state @ state["output_layer.weight"].T + state["output_layer.bias"]
     for spec in ("te", "local"):
