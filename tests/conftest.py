@@ -25,8 +25,8 @@ def ray_cluster():
     joins it instead of starting its own (it starts Ray only where none is initialized), and takes
     its workers from the session's worker pool.
 
-    Started on first use, ended with the session. (tests/dagster/test_dg_ray.py owns a cluster with
-    a dashboard and skips if Ray is already up here: the job tier runs after it.)"""
+    Started on first use, ended with the session. (tests/dagster/test_dg_ray.py starts a cluster of
+    its own with `ray start`, on free ports, so the two never meet.)"""
     import ray
 
     from value_assets.core.warm_cluster import POOL_ENV
@@ -68,3 +68,36 @@ def ray_address():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+# The slowest modules, slowest first (measured with `--durations`; keep roughly in order). Under
+# `make test` (pytest-xdist, a module per worker at a time) they are handed out first, so the run
+# does not end with one worker alone on a long module while the other idles.
+SLOW_MODULES = (
+    "tests/dagster/test_dg_engine.py",
+    "tests/dagster/test_dg_ray_multinode.py",
+    "tests/dagster/test_dg_ui.py",
+    "tests/job/test_job.py",
+    "tests/job/test_worker_pool.py",
+    "tests/job/test_faults.py",
+    "tests/engine/test_memory_features.py",
+    "tests/engine/test_distributed.py",
+    "tests/dagster/test_dg_ray.py",
+    "tests/job/test_memory_job.py",
+    "tests/dagster/test_dg_postgres.py",
+    "tests/job/test_warm_cluster.py",
+    "tests/hf/test_hf_parallel.py",
+    "tests/hf/test_miles_megatron_load.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Slow modules first, each module's tests in their own order (a stable sort on the module)."""
+    rank = {path: i for i, path in enumerate(SLOW_MODULES)}
+    root = str(config.rootpath)
+
+    def key(item):
+        path = os.path.relpath(str(item.path), root)
+        return rank.get(path, len(SLOW_MODULES))
+
+    items.sort(key=key)

@@ -80,3 +80,13 @@ def test_the_checker_sees_tiers(tmp_path):
     path.write_text("import pytest\npytestmark = [pytest.mark.integration, pytest.mark.timeout(9)]\n"
                     "@pytest.mark.gpu\ndef test_a():\n    pass\n")
     assert tiers_of(path) == (["integration"], ["gpu"])
+
+
+def test_the_slow_module_list_names_modules_that_exist():
+    """conftest.SLOW_MODULES orders `make test`'s modules; a renamed module must not drop out."""
+    from .conftest import SLOW_MODULES
+
+    root = TESTS.parent
+    missing = [m for m in SLOW_MODULES if not (root / m).is_file()]
+    assert not missing, f"conftest.SLOW_MODULES names modules that do not exist: {missing}"
+    assert len(set(SLOW_MODULES)) == len(SLOW_MODULES)
