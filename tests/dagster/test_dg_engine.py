@@ -24,7 +24,7 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress, report_every
 from value_assets.core.strict_json import loads
-from value_assets.core.warm_cluster import read_live
+from value_assets.core.warm_cluster import pid_alive, read_live
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROWS, STEPS = 1024, 32  # G = 32 (TrainJob's default)
@@ -136,3 +136,5 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     launcher = real_resources["launcher"]
     warm = read_live(launcher.warm_folder())
     assert warm is not None and launcher.stop_warm_cluster() and read_live(launcher.warm_folder()) is None
+    assert not pid_alive(warm.pid)  # stop_warm_cluster waited for its helper
+    assert not launcher.stop_warm_cluster()  # nothing serves now
