@@ -238,13 +238,6 @@ def test_epochs_may_be_extended(contracted):
     assert prep.start_step == STEPS and prep.plan.num_steps == 2 * STEPS
 
 
-def test_resume_refuses_an_iteration_the_contract_does_not_name(ray_cluster, learned_copy):
-    # The contract says 16 steps, the checkpoint it sits beside holds iteration 32.
-    _retarget_contract(learned_copy.output, completed_steps=16)
-    with pytest.raises(InputError, match="at iteration 32, but its contract says 16"):
-        train(learned_copy, log=quiet)
-
-
 def test_uncontracted_checkpoint_is_ambiguous(data, tmp_path):
     out = tmp_path / "critic"
     (out / "iter_0000005").mkdir(parents=True)
@@ -376,3 +369,13 @@ def test_evaluation_refuses_a_layout_the_backbone_cannot_take(contracted, data, 
         evaluate(EvaluateJob(checkpoint=contracted.output, manifest=data["learnable"], contract_sha256=read_latest(contracted.output)[1],
                             report=report, gpus=4, pipeline_parallel=4), log=quiet)
     assert not report.exists()
+
+
+# Last in the module: this refusal comes from the loaded workers, and a job that fails ends the
+# session's worker pool, so every pooled job after it would start fresh processes (torch and
+# megatron imported again) -- the canary and pipeline-parallel tests did, ~10 s.
+def test_resume_refuses_an_iteration_the_contract_does_not_name(ray_cluster, learned_copy):
+    # The contract says 16 steps, the checkpoint it sits beside holds iteration 32.
+    _retarget_contract(learned_copy.output, completed_steps=16)
+    with pytest.raises(InputError, match="at iteration 32, but its contract says 16"):
+        train(learned_copy, log=quiet)
