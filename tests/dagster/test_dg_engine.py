@@ -1,7 +1,15 @@
 """The asset graph with the real GPU job: local subprocess launcher, real Pipes, real local Ray,
 the tiny backbone on CPU. Two manifests in one instance: the learnable demo data is promoted, its
 shuffled-label control is stopped by the blocking gate, and neither lineage touches the other.
-Metadata is checked against the files themselves."""
+Metadata is checked against the files themselves.
+
+Size and gate: 1024 train rows (32 steps of G = 32) and the gate in "interval" mode. The control's
+critic predicts a near-constant, so its EV is ~0 +- 1e-4 and the "miles" criteria alone (EV > 0, a
+majority of positive batches) refuse it only by chance: measured, it passed them for data seed 2
+(1024 rows) and for 512 rows at G = 16, and failed them at 2048 rows / 64 steps with token EV
+-0.00000 and 4 of 8 batches. The interval mode's bootstrap lower bound refuses it for a reason (seeds
+0-2: lower bounds -1.5e-4 to -5.7e-4), while the learnable critic passes with a wide margin (seed 0:
+EV 0.33, lower bound 0.25; seeds 1, 2: lower bounds 0.16, 0.13)."""
 
 from __future__ import annotations
 
@@ -14,11 +22,12 @@ import pytest
 from value_assets.assets.common import latest_metadata
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
-from value_assets.core.progress import parse_progress
+from value_assets.core.progress import parse_progress, report_every
 from value_assets.core.strict_json import loads
-from value_assets.core.warm_cluster import read_live
+from value_assets.core.warm_cluster import pid_alive, read_live
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+ROWS, STEPS = 1024, 32  # G = 32 (TrainJob's default)
 
 
 @pytest.fixture
@@ -41,18 +50,24 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     from value_assets.definitions import make_definitions
 
     defs = make_definitions(real_resources)
-    good = make_demo_data(manifests_dir, seed=0)
-    bad = make_demo_data(manifests_dir, seed=0, shuffle_labels=True)
+    good = make_demo_data(manifests_dir, rows=ROWS, seed=0)
+    bad = make_demo_data(manifests_dir, rows=ROWS, seed=0, shuffle_labels=True)
     good_key, bad_key = register(instance, real_resources, good, bad)
     artifacts = Path(real_resources["artifacts"].root)
 
-    bad_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=bad_key, raise_on_error=False)
-    good_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=good_key, raise_on_error=False)
+    run_config = {"ops": {"ev_report": {"config": {"gate_mode": "interval"}}}}
+    bad_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=bad_key, raise_on_error=False,
+                                                              run_config=run_config)
+    good_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=good_key, raise_on_error=False,
+                                                               run_config=run_config)
 
     gate = {r: {e.check_name: e.passed for e in run.get_asset_check_evaluations()} for r, run in (("good", good_run), ("bad", bad_run))}
     assert good_run.success, [e.message for e in good_run.all_events if e.is_failure]
     assert gate["good"] == {"dataset_integrity": True, "contract_integrity": True, "ev_gate": True}
     assert not bad_run.success and gate["bad"]["ev_gate"] is False
+    # refused for a reason: no evidence of EV > 0 (the bootstrap interval's lower bound), not a coin flip
+    (bad_gate,) = [e for e in bad_run.get_asset_check_evaluations() if e.check_name == "ev_gate"]
+    assert "lower bound of the 95% interval" in bad_gate.description, bad_gate.description
     assert (artifacts / "registry" / f"{good_key}.json").is_file()
     assert not (artifacts / "registry" / f"{bad_key}.json").exists()
 
@@ -68,7 +83,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
         contract_sha = meta["training_contract"]["contract_sha256"]
         step = loads((artifacts / key / "critic" / "latest").read_bytes(), "latest")["iteration"]
         assert contract_sha == meta["critic_checkpoint"]["contract_sha256"] == sha256_file(artifacts / key / "critic" / step / "value_pretrain_contract.json")
-        assert meta["critic_checkpoint"]["steps"] == meta["batch_plan"]["steps"] == 64
+        assert meta["critic_checkpoint"]["steps"] == meta["batch_plan"]["steps"] == STEPS
         report_path = artifacts / key / "reports" / f"ev-{contract_sha[:12]}.json"
         assert meta["ev_report"]["report_sha256"] == sha256_file(report_path)
         report = json.loads(report_path.read_text())
@@ -76,14 +91,17 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
         assert meta["ev_report"]["token_ev"] == pytest.approx(report["aggregates"]["token"]["ev"], abs=1e-12)
         assert meta["ev_report"]["trajectory_ev"] == pytest.approx(report["aggregates"]["trajectory"]["ev"], abs=1e-12)
         assert report["contract_sha256"] == contract_sha and report["source_manifest_sha256"] == sha256_file(manifest)
+        assert report["gate"]["mode"] == "interval"
 
-    # The real job's progress reached the event log live: 64 steps, K = 2, the first and the last.
+    # The real job's progress reached the event log live: every step of 32 (K = 1; K > 1 is
+    # tests/core/test_progress.py and, through Pipes, tests/dagster/test_dg_pipeline.py).
+    assert report_every(STEPS) == 1
     progress = [p for e in instance.all_logs(good_run.run_id) if (p := parse_progress(e.user_message))]
-    assert [p["step"] for p in progress] == [1, *range(2, 65, 2)]
+    assert [p["step"] for p in progress] == list(range(1, STEPS + 1))
     ckpt = latest_metadata(instance, "critic_checkpoint", good_key)
     assert progress[-1]["loss"] == pytest.approx(ckpt["final_loss"], abs=1e-6) and ckpt["tokens_per_s"] > 0
     assert ckpt["plot_training_curve"].startswith("![training_curve](data:image/png;base64,")
-    assert Path(str(ckpt["tensorboard"])).is_dir() and ckpt["loss_summary"]["logged_steps"] == 64
+    assert Path(str(ckpt["tensorboard"])).is_dir() and ckpt["loss_summary"]["logged_steps"] == STEPS
     # The jobs' stderr (this process's) carries none of megatron-core's warnings.
     err = capfd.readouterr().err
     assert [line for line in err.splitlines() if "Warning" in line and "megatron" in line] == []
@@ -100,7 +118,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     miles_dir = artifacts / good_key / "handoff" / "miles"
     assert record["handoff"]["miles"]["dir"] == str(miles_dir)
     miles, miles_sha = read_miles_contract(miles_dir, pinned_sha256=record["handoff"]["miles"]["contract_sha256"])
-    assert miles["completed_steps"] == 64 and (miles_dir / "iter_0000064" / ".metadata").is_file()
+    assert miles["completed_steps"] == STEPS and (miles_dir / f"iter_{STEPS:07d}" / ".metadata").is_file()
     assert miles["model_identity"] == f"value-assets:tiny-random@{record['contract_sha256']}"
     verify_handoff(record, "registry record")
     assert latest_metadata(instance, "promoted_critic", good_key)["miles_contract_sha256"] == miles_sha
@@ -118,3 +136,5 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     launcher = real_resources["launcher"]
     warm = read_live(launcher.warm_folder())
     assert warm is not None and launcher.stop_warm_cluster() and read_live(launcher.warm_folder()) is None
+    assert not pid_alive(warm.pid)  # stop_warm_cluster waited for its helper
+    assert not launcher.stop_warm_cluster()  # nothing serves now

@@ -30,16 +30,17 @@ def ray_dashboard():
     dashboard = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
+    gcs = f"127.0.0.1:{free_port()}"
     try:
         out = subprocess.run([str(RAY), "start", "--head", "--num-cpus", "2", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
-                              "--port", str(free_port()), "--temp-dir", root, "--include-dashboard", "true",
+                              "--port", gcs.rsplit(":", 1)[1], "--ray-client-server-port", str(free_port()), "--temp-dir", root, "--include-dashboard", "true",
                               "--dashboard-port", dashboard.rsplit(":", 1)[1], "--dashboard-agent-listen-port", str(free_port())],
                              env=env, capture_output=True, text=True, timeout=180)
         if out.returncode:
             pytest.fail(f"ray start --head failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         yield dashboard
     finally:
-        left = stop_ray(root, deadline_s=5.0)  # Ray's servers drain for 20 s on SIGTERM; SIGKILL sooner
+        left = stop_ray(root, gcs)
         shutil.rmtree(root, ignore_errors=True)
         assert not left, f"Ray processes that outlived SIGKILL: {left}"
 

@@ -75,6 +75,7 @@ class TwoNodeRay:
     def start(self) -> None:
         port = self.dashboard.rsplit(":", 1)[1]
         self._ray_start(["--head", "--node-ip-address", HEAD_IP, "--port", self.gcs.rsplit(":", 1)[1],
+                         "--ray-client-server-port", str(free_port(HEAD_IP)),
                          "--temp-dir", f"{self.root}/head", "--include-dashboard", "true", "--dashboard-port", port],
                         self.env)
         self._ray_start(["--address", self.gcs, "--node-ip-address", SECOND_IP, "--temp-dir", f"{self.root}/second"],
@@ -83,7 +84,7 @@ class TwoNodeRay:
         while len(self.nodes()) < 2:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the second node did not join within 120 s: {self.nodes()}")
-            time.sleep(1)
+            time.sleep(0.2)
 
     def nodes(self) -> dict[str, str]:
         """Alive node id -> address, from the dashboard's state API."""
@@ -95,7 +96,7 @@ class TwoNodeRay:
 
     def stop(self) -> list[int]:
         try:
-            return stop_ray(self.root)
+            return stop_ray(self.root, self.gcs)
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -120,26 +121,32 @@ def test_two_node_ray_job_spreads_ranks_and_matches_one_node(instance, test_reso
     manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0)
 
     # One node: the same settings, PACK, a local Ray owned by `train`, in a process of its own
-    # (whatever Ray this test process may hold).
+    # (whatever Ray this test process may hold); it runs while the two-node cluster starts.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POOL_ENV)}
     code = ("import json, sys; from pathlib import Path; from value_assets.core.jobs import TrainJob; "
             "from value_assets.gpu.jobs.train import train; "
             f"r = train(TrainJob(manifest=Path(sys.argv[1]), output=Path(sys.argv[2]), global_batch_size={G}, epochs=1, seed=0, "
             "gpus=2, placement_strategy='PACK', timeout_s=300), log=lambda _m: None); print(json.dumps(r.losses))")
-    out = subprocess.run([sys.executable, "-c", code, str(manifest), str(tmp_path / "one_node")], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    one_node_losses = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(one_node_losses) == STEPS
-
+    one_node = subprocess.Popen([sys.executable, "-c", code, str(manifest), str(tmp_path / "one_node")], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cluster = TwoNodeRay()
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        finally:
+            try:
+                stdout, stderr = one_node.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                one_node.kill()
+                raise
+        assert one_node.returncode == 0, stderr[-3000:]
+        one_node_losses = json.loads(stdout.strip().splitlines()[-1])
+        assert len(one_node_losses) == STEPS
         nodes = cluster.nodes()
         assert sorted(nodes.values()) == [SECOND_IP, HEAD_IP], nodes
         launcher = RayJobLauncher(address=cluster.dashboard, python=sys.executable, env={
             "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
-            poll_interval_s=0.5, entrypoint_num_cpus=0, timeout_s=360)
+            poll_interval_s=0.1, entrypoint_num_cpus=0, timeout_s=360)
         resources = {**test_resources, "launcher": launcher}
         (key,) = register(instance, resources, manifest)
         result = materialize(

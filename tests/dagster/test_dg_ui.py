@@ -117,7 +117,7 @@ FULL_JOB_CHECKS = [("train_dataset", "dataset_integrity"), ("heldout_dataset", "
                    ("training_contract", "contract_integrity"), ("ev_report", "ev_gate")]
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 2.0):
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -135,7 +135,7 @@ def run_status(dev: DagsterDev, run_id: str) -> dict:
 
 def wait_run(dev: DagsterDev, run_id: str, timeout_s: float) -> dict:
     run = wait_for(lambda: (r := run_status(dev, run_id))["status"] in TERMINAL_RUN_STATUSES and r,
-                   timeout_s, f"run {run_id} to finish", interval_s=3)
+                   timeout_s, f"run {run_id} to finish")
     if run["status"] != "SUCCESS":
         events = dev.graphql(RUN_ERRORS, {"runId": run_id})["runOrError"]["eventConnection"]["events"]
         errors = [f"{e.get('stepKey')}: {e['message']}" for e in events if e.get("level") in ("ERROR", "CRITICAL")]

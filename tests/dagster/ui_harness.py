@@ -115,7 +115,7 @@ class DagsterDev:
                         return time.monotonic() - t0
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(1)
+            time.sleep(0.2)
         raise TimeoutError(f"dagster dev did not answer /server_info within {timeout_s}s:\n{self.log_tail()}")
 
     def graphql(self, query: str, variables: dict[str, Any] | None = None, timeout_s: float = 60) -> dict[str, Any]:

@@ -224,6 +224,30 @@ def test_a_deleted_latest_recovers_too(critic, manifest, no_cluster):
     assert not any("has no contract" in m for m in logs) and any("missing" in m for m in logs)
 
 
+# ---- defect 13: kill and resume ---------------------------------------------------------------------------------------
+# Before the tests whose jobs fail: a failed job ends the session's worker pool, and this one would
+# then start fresh worker processes.
+
+
+def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_run(critic, manifest, trained, tmp_path):
+    """A run killed after step 6 (metrics for 5-6 written, no save at 8) resumes from step 4."""
+    full = trained[1]
+    shutil.rmtree(last_save(critic))
+    sha4 = load_contract(critic / iter_dirname(4))[1]
+    (critic / LATEST_NAME).write_text(json.dumps({"contract_sha256": sha4, "iteration": iter_dirname(4)}, separators=(",", ":")) + "\n")
+    log = critic / "metrics.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:6]) + '{"step": 7, "lo')  # killed mid-line
+    resumed = train(cfg_for(manifest, critic), log=quiet)
+    assert resumed.resumed_from == 4 and resumed.completed_steps == STEPS
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == list(range(1, STEPS + 1))
+    # Losses are bitwise those of the uninterrupted run; parameters agree within WEIGHT_ATOL
+    # (not always bitwise on CPU: see jobtest_helpers).
+    assert resumed.losses == full.losses[4:]
+    diff = max_weight_difference(last_save(critic), last_save(trained[0]), tmp_path)
+    print(f"resume: max weight difference {diff:.3g}, state digests equal: {resumed.state_sha256 == full.state_sha256}")
+    assert diff <= WEIGHT_ATOL
+
+
 # ---- defect 4: the training data changes mid-run --------------------------------------------------------------
 
 
@@ -294,28 +318,6 @@ def test_disk_full_during_a_save_is_a_clear_refusal(ray_cluster, manifest, tmp_p
         assert read_latest(out) is None and not list(out.glob("iter_*"))
     finally:
         subprocess.run(["umount", str(small)], check=False)
-
-
-# ---- defect 13: kill and resume ---------------------------------------------------------------------------------------
-
-
-def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_run(critic, manifest, trained, tmp_path):
-    """A run killed after step 6 (metrics for 5-6 written, no save at 8) resumes from step 4."""
-    full = trained[1]
-    shutil.rmtree(last_save(critic))
-    sha4 = load_contract(critic / iter_dirname(4))[1]
-    (critic / LATEST_NAME).write_text(json.dumps({"contract_sha256": sha4, "iteration": iter_dirname(4)}, separators=(",", ":")) + "\n")
-    log = critic / "metrics.jsonl"
-    log.write_text("".join(log.read_text().splitlines(keepends=True)[:6]) + '{"step": 7, "lo')  # killed mid-line
-    resumed = train(cfg_for(manifest, critic), log=quiet)
-    assert resumed.resumed_from == 4 and resumed.completed_steps == STEPS
-    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == list(range(1, STEPS + 1))
-    # Losses are bitwise those of the uninterrupted run; parameters agree within WEIGHT_ATOL
-    # (not always bitwise on CPU: see jobtest_helpers).
-    assert resumed.losses == full.losses[4:]
-    diff = max_weight_difference(last_save(critic), last_save(trained[0]), tmp_path)
-    print(f"resume: max weight difference {diff:.3g}, state digests equal: {resumed.state_sha256 == full.state_sha256}")
-    assert diff <= WEIGHT_ATOL
 
 
 def test_a_killed_driver_takes_its_local_ray_along(tmp_path):

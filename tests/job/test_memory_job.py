@@ -1,6 +1,10 @@
 """Memory settings through the driver (CPU, local Ray, two workers, the tiny backbone): refused
 before anything is reserved when the layout cannot run them, passed to the workers, recorded in
-the contract's execution facts, and a resume with another optimizer layout is refused."""
+the contract's execution facts, and a resume with another optimizer layout is refused.
+
+The jobs run on the session's Ray cluster and its two-worker pool (`ray_cluster`,
+tests/conftest.py), like the other job tests: a job that starts its own Ray and fresh workers is
+tests/dagster/test_dg_ray_multinode.py's one-node reference and test_faults' killed driver."""
 
 from __future__ import annotations
 
@@ -79,7 +83,7 @@ def test_resume_refuses_another_freeze_setting():
         check_resume_execution({}, TrainJob(manifest="m", output="o", freeze="backbone"), where="ck")
 
 
-def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
+def test_memory_features_run_through_the_job_unchanged(ray_cluster, manifest, tmp_path):
     """One step with full recompute of the first layer (of the tiny backbone's two) and the
     distributed optimizer on two workers gives the plain run's loss; the contract records the
     execution facts (`recompute_layers` beside `recompute`); resuming without the distributed
@@ -97,10 +101,10 @@ def test_memory_features_run_through_the_job_unchanged(manifest, tmp_path):
         prepare(replace(run, distributed_optimizer=False, recompute="none", recompute_layers=None, stop_after=None), log=quiet)
 
 
-def test_freeze_is_recorded_in_the_contract_and_resume_must_match(manifest, tmp_path):
+def test_freeze_is_recorded_in_the_contract_and_resume_must_match(ray_cluster, manifest, tmp_path):
     """Through the driver and Ray workers: a head-only run records `freeze` in the contract's
     execution facts; resuming it with another freeze setting is refused in `prepare`."""
-    run = cfg(manifest, tmp_path / "frozen", freeze="backbone", gpus=1)
+    run = cfg(manifest, tmp_path / "frozen", freeze="backbone")
     result = train(run, log=quiet)
     assert len(result.losses) == 1
     contract, _ = load_contract(*read_latest(tmp_path / "frozen"))

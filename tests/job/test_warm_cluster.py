@@ -1,6 +1,6 @@
 """The local launcher's warm Ray cluster (core/warm_cluster.py, gpu/runtime/warm_cluster.py): a
 helper process owns it, jobs find it through a folder, it stays while a job holds it and ends
-when idle or when stopped, Ray processes included."""
+when idle, Ray processes included (when stopped: tests/dagster/test_dg_engine.py)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,6 @@ def test_the_warm_cluster_is_shared_kept_while_used_and_ended_when_idle_or_stopp
     assert wait_until(lambda: not alive(first.pid), 60), "the helper outlived its idle limit"
     assert not (folder / INFO_NAME).exists()
     assert wait_until(lambda: not any(alive(p) for p in servers), 30), "Ray outlived its helper"
-
-    with use_warm_cluster(folder, python=sys.executable, idle_s=600) as third:
-        assert third.pid != first.pid
-    assert stop_warm_cluster(folder) and not alive(third.pid) and read_live(folder) is None
     assert not stop_warm_cluster(folder)  # nothing serves now
+    # Ended by `stop_warm_cluster` instead: tests/dagster/test_dg_engine.py, at the end of its two
+    # lineages (a third cluster start here cost ~10 s).

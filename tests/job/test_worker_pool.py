@@ -81,22 +81,10 @@ def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(ray_cluster
     assert not pool_workers_alive(name)
 
 
-def test_a_failed_job_ends_the_pool_and_the_next_starts_fresh_processes(pool, manifest, tmp_path):
-    def fail(step, _metrics):
-        if step == 2:
-            raise RuntimeError("planted failure")
-
-    failed = Log()
-    with pytest.raises(RuntimeError, match="planted failure"):
-        train(tiny_train_job(manifest, tmp_path / "b", gpus=1, stop_after=3), log=failed, on_step=fail)
-    assert failed.source() == f"{pool} (new)"
-    assert not pool_workers_alive(pool)
-    after = Log()
-    run(manifest, tmp_path / "c", after, gpus=1)
-    assert after.source() == f"{pool} (new)" and set(after.pids()).isdisjoint(failed.pids())
-
-
-def test_a_pool_held_by_a_live_job_is_waited_for_and_another_shape_replaces_it(pool, manifest, tmp_path):
+def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(pool, manifest, tmp_path):
+    """One flow, so that each pool start (fresh processes importing torch and megatron) serves
+    several checks: held -> waited for and refused; another shape -> replaced; a failed job on
+    that pool -> ended, and the next job starts fresh processes."""
     import socket
 
     import ray
@@ -109,9 +97,9 @@ def test_a_pool_held_by_a_live_job_is_waited_for_and_another_shape_replaces_it(p
     other = {"token": "another-job", "pid": os.getpid(), "host": socket.gethostname()}  # a live holder
     assert ray.get(rank0.acquire_lease.remote(other))
     busy = Log()
-    with pytest.raises(ClusterError, match=f"worker pool {pool} stayed in use by another job for 3 s"):
-        run(manifest, tmp_path / "b", busy, timeout_s=3)
-    assert any("is in use by another job: waiting up to 3 s" in m for m in busy)
+    with pytest.raises(ClusterError, match=f"worker pool {pool} stayed in use by another job for 1 s"):
+        run(manifest, tmp_path / "b", busy, timeout_s=1)
+    assert any("is in use by another job: waiting up to 1 s" in m for m in busy)
     assert not (tmp_path / "b").exists()  # nothing written
     assert pool_workers_alive(pool) and ray.get(rank0.ping.remote()) == first.pids()[0]  # the holder's pool is intact
     ray.get(rank0.return_lease.remote("another-job"))
@@ -120,6 +108,20 @@ def test_a_pool_held_by_a_live_job_is_waited_for_and_another_shape_replaces_it(p
     assert one.source() == f"{pool} (new)" and len(one.pids()) == 1
     with pytest.raises(ValueError):
         ray.get_actor(f"{pool}-w1", namespace=POOL_NAMESPACE)  # the two-worker pool is gone
+
+    # A failed job ends the pool (here the one-worker pool it reused); the next starts fresh processes.
+    def fail(step, _metrics):
+        if step == 2:
+            raise RuntimeError("planted failure")
+
+    failed = Log()
+    with pytest.raises(RuntimeError, match="planted failure"):
+        train(tiny_train_job(manifest, tmp_path / "e", gpus=1, stop_after=3), log=failed, on_step=fail)
+    assert failed.source() == f"{pool} (reused)" and failed.pids() == one.pids()
+    assert not pool_workers_alive(pool)
+    after = Log()
+    run(manifest, tmp_path / "f", after, gpus=1)
+    assert after.source() == f"{pool} (new)" and set(after.pids()).isdisjoint(failed.pids())
 
 
 def test_the_lease_passes_on_only_when_its_holder_is_gone():
