@@ -39,10 +39,12 @@ tensorboard: $(STAMP)
 
 # Two test processes (pytest-xdist), a module per process at a time: much of the suite waits on
 # Ray, subprocesses and daemons, so two share two cores well. TEST_WORKERS=0 runs in one process.
+# Modules are handed out in collection order, the slowest first (tests/conftest.py SLOW_MODULES),
+# not xdist's default of the most tests first, which left the long one-test modules for last.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py.
 test-fast: $(STAMP)

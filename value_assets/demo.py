@@ -22,6 +22,12 @@ from pathlib import Path
 from value_assets.definitions import project_root, resources_by_deployment_name
 
 
+# The demo gates in the stricter mode (docs/rules.md#evaluation): the shuffled control's EV is about
+# 0 +- 1e-4, so under the default rule its refusal would rest on the sign of a near-zero number;
+# here it rests on the interval's lower bound (below 0), while the learnable critic's is far above.
+DEMO_OPS = {"ev_report": {"config": {"gate_mode": "interval"}}}
+
+
 def _home(root: Path) -> Path:
     home = Path(os.environ.get("DAGSTER_HOME") or root / ".dagster_home")
     home.mkdir(parents=True, exist_ok=True)
@@ -39,7 +45,6 @@ def main() -> int:
     home = _home(root)
     from dagster import DagsterInstance, build_sensor_context
 
-    from value_assets.assets.common import latest_metadata
     from value_assets.core.demo_data import make_demo_data
     from value_assets.definitions import make_definitions
     from value_assets.sensors import manifest_sensor
@@ -78,7 +83,7 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
         t = time.monotonic()
         run = defs.resolve_job_def("full").execute_in_process(
             instance=instance, partition_key=key, raise_on_error=False,
-            run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}},
+            run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}, "ops": DEMO_OPS},
             tags={**request.tags, "dagster/run_key": request.run_key or key})
         if not run.success:
             failed = sorted({e.step_key for e in run.all_events if e.is_step_failure})
@@ -97,9 +102,16 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
             "trajectory_ev": report.get("trajectory_ev"),
             "optimal_ev": json.loads(Path(request.tags["value_assets/manifest"]).read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"],
             "gate": {True: "PASSED", False: "FAILED", None: "not run"}[gate],
+            "token_ev_low": report.get("token_ev_low"),
+            "trajectory_ev_low": report.get("trajectory_ev_low"),
             "promoted": record.is_file(),
             "seconds": time.monotonic() - t,
         })
+
+
+def _lowest(row: dict):
+    lows = [row[k] for k in ("token_ev_low", "trajectory_ev_low") if row.get(k) is not None]
+    return min(lows) if lows else None
 
 
 def _print_rows(rows: list, requests, home: Path, artifacts: Path, t0: float) -> int:
@@ -107,13 +119,15 @@ def _print_rows(rows: list, requests, home: Path, artifacts: Path, t0: float) ->
         return "-" if v is None else format(v, spec)
 
     print(f"\nvalue_assets demo: {len(rows)} lineages, instance {home}, artifacts {artifacts}\n")
-    hdr = f"{'partition':<30} {'manifest':<12} {'steps':>5} {'contract':<12} {'token EV':>8} {'traj EV':>8} {'optimal':>8} {'gate':<7} {'promotion':<9} {'time':>6}"
+    hdr = (f"{'partition':<30} {'manifest':<12} {'steps':>5} {'contract':<12} {'token EV':>8} {'traj EV':>8} {'low':>8} "
+           f"{'optimal':>8} {'gate':<7} {'promotion':<9} {'time':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['partition']:<30} {r['manifest_sha12']:<12} {f(r['steps'], 'd'):>5} {r['contract_sha12']:<12} {f(r['token_ev']):>8} "
-              f"{f(r['trajectory_ev']):>8} {f(r['optimal_ev']):>8} {r['gate']:<7} {'promoted' if r['promoted'] else 'refused':<9} {r['seconds']:>5.0f}s")
-    print(f"\nartifacts: {artifacts}/<partition>/{{plan,critic,reports}}, promotion records: {artifacts}/registry/")
+              f"{f(r['trajectory_ev']):>8} {f(_lowest(r), '.4f'):>8} {f(r['optimal_ev']):>8} {r['gate']:<7} {'promoted' if r['promoted'] else 'refused':<9} {r['seconds']:>5.0f}s")
+    print("\nlow: the lower of the two 95% interval bounds (token, trajectory); the gate (mode 'interval') needs it > 0")
+    print(f"artifacts: {artifacts}/<partition>/{{plan,critic,reports}}, promotion records: {artifacts}/registry/")
     print(f"total {time.monotonic() - t0:.0f}s; `make ui` shows both lineages, the checks and the plots on http://127.0.0.1:3000")
     by_name = {Path(r.tags["value_assets/manifest"]).stem: row for r, row in zip(sorted(requests, key=lambda r: r.tags["value_assets/manifest"]), rows)}
     ok = by_name["demo"]["promoted"] and not by_name["demo-shuffled"]["promoted"]
