@@ -40,6 +40,23 @@ def test_packed_attention_matches_loop_reference_with_gqa():
         packed_causal_attention(q, k, v, torch.tensor([0, 8], dtype=torch.int32), 1.0)
 
 
+def test_kernel_spans_send_each_long_sequence_alone_and_group_the_short_ones():
+    """On CUDA, sequences of >= LONG_SEQUENCE tokens run alone on cuDNN, runs of shorter ones on
+    varlen together (value_assets/gpu/model/attention.py); the split covers every token once, in order."""
+    from value_assets.gpu.model.attention import kernel_spans
+
+    assert kernel_spans([0, 3, 5], 4) == [("varlen", [0, 3, 5])]
+    assert kernel_spans([0, 10], 4) == [("long", [0, 10])]
+    # short, short, long, short, long, long, short
+    bounds = [0, 2, 5, 9, 10, 14, 18, 19]
+    spans = kernel_spans(bounds, 4)
+    assert spans == [("varlen", [0, 2, 5]), ("long", [5, 9]), ("varlen", [9, 10]), ("long", [10, 14]),
+                     ("long", [14, 18]), ("varlen", [18, 19])]
+    covered = [b for _, run in spans for b in run]
+    assert sorted(set(covered)) == bounds and all(run[0] < run[-1] for _, run in spans)
+    assert kernel_spans(bounds, 1) == [("long", [a, b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def test_backbone_config_validation_and_presets():
     assert BackboneConfig.tiny().vocab_size >= 49152
     assert BackboneConfig.qwen2_5_0_5b().head_dim == 64

@@ -79,18 +79,13 @@ def packed_causal_attention(
             max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         if max_seqlen < LONG_SEQUENCE:
             return _varlen(q, k, v, cu_seqlens, max_seqlen, scale)
-        # Runs of short sequences go to varlen together, each long one to cuDNN on its own.
-        outs, run = [], [0]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b - a < LONG_SEQUENCE:
-                run.append(b)
-                continue
-            if len(run) > 1:
+        outs = []
+        for kind, run in kernel_spans(bounds, LONG_SEQUENCE):
+            if kind == "varlen":
                 outs.append(_varlen_span(q, k, v, run, scale))
-            outs.append(_long_sequence(q[a:b], k[a:b], v[a:b], scale))
-            run = [b]
-        if len(run) > 1:
-            outs.append(_varlen_span(q, k, v, run, scale))
+            else:
+                a, b = run
+                outs.append(_long_sequence(q[a:b], k[a:b], v[a:b], scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -103,6 +98,25 @@ def packed_causal_attention(
         )
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def kernel_spans(bounds: Sequence[int], long: int) -> list[tuple[str, list[int]]]:
+    """Split packed sequences (host `bounds`, [0, ..., t]) into the calls that run them, in order:
+    ("varlen", [a, ..., b]) for a run of consecutive sequences shorter than `long` (their bounds),
+    ("long", [a, b]) for each sequence of at least `long` tokens."""
+    spans: list[tuple[str, list[int]]] = []
+    run = [bounds[0]]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b - a < long:
+            run.append(b)
+            continue
+        if len(run) > 1:
+            spans.append(("varlen", run))
+        spans.append(("long", [a, b]))
+        run = [b]
+    if len(run) > 1:
+        spans.append(("varlen", run))
+    return spans
 
 
 def _varlen(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
