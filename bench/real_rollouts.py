@@ -224,7 +224,7 @@ def _metrics(name, rows, values, prompt_of, resamples, seed):
 def cmd_study(args) -> None:
     from value_assets.core.dataset import validate_dataset
     from value_assets.core.manifest import load_manifest
-    from value_assets.core.report import decide_gate
+    from gate_controls import decide_under
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -308,21 +308,16 @@ def cmd_study(args) -> None:
         gate = _last_json(ev.stdout)
         report = json.loads((work / f"ev-{name}.json").read_text())
         (reports / f"ev-{name}.json").write_text(json.dumps(report) + "\n")
-        # The stricter rule decided on the same batches: decide_gate recomputes everything from the
-        # per-row statistics, so only the mode changes (the report's own verdict is dropped).
-        strict = {k: v for k, v in report.items() if k != "passed"}
-        strict["gate"] = {**report["gate"], "mode": "interval"}
-        decision = decide_gate(strict)
-        gate_iv = {"passed": decision.passed}
-        strict["gate"] = {**report["gate"], "mode": "interval", "min_ev": args.min_ev}
-        barred = decide_gate(strict).passed
+        # The stricter rules decided on the same batches (bench/gate_controls.py).
+        decision = decide_under(report, "interval", 0.0)
+        barred = decide_under(report, "interval", args.min_ev).passed
         lows = {w: (iv.low if iv is not None else None) for w, iv in decision.intervals.items()}
         run = {"name": name, "manifest": tag, "lr": lr, "epochs": epochs, "freeze": freeze, "train_s": round(train_s, 1),
                "gate_passed": gate["passed"], "report_token_ev": gate["token_ev"], "report_trajectory_ev": gate["trajectory_ev"],
-               "report_auroc": gate["auroc"], "interval_gate_passed": gate_iv["passed"], "interval_low": lows,
+               "report_auroc": gate["auroc"], "interval_gate_passed": decision.passed, "interval_low": lows,
                "min_ev": args.min_ev, "interval_min_ev_gate_passed": barred}
         print(f"{name}: gate {'PASSED' if gate['passed'] else 'FAILED'}, interval gate "
-              f"{'PASSED' if gate_iv['passed'] else 'FAILED'} (lower bounds {lows}), interval gate with min EV "
+              f"{'PASSED' if decision.passed else 'FAILED'} (lower bounds {lows}), interval gate with min EV "
               f"{args.min_ev:g} {'PASSED' if barred else 'FAILED'}; token EV {gate['token_ev']:.4f} "
               f"trajectory EV {gate['trajectory_ev']:.4f} ({train_s:.0f}s)", flush=True)
         if tag == "real":
