@@ -20,18 +20,14 @@ def terminate_then_kill(procs: list, grace_s: float, kill_wait_s: float) -> list
     `kill_wait_s` after that."""
     import psutil
 
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=kill_wait_s)
+    alive = list(procs)
+    for signal_, wait_s in (("terminate", grace_s), ("kill", kill_wait_s)):
+        for p in alive:
+            try:
+                getattr(p, signal_)()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=wait_s)
     return [p.pid for p in alive]
 
 

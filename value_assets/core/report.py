@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, show
 from .intervals import Interval, bootstrap_ev_interval, ev_of_sums
 from .stats import (GATE_CRITERIA, RankReport, SuffStats, WeightingGate, auroc, check_rank_reports, check_row_stats,
                     gate_weighting, stats_row, sums_agree)
@@ -50,7 +50,7 @@ def check_min_ev(value: Any, name: str = "gate_min_ev") -> float:
     """A minimum EV: a finite number in [0, 1) (0 is Miles' rule)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value < 1:
         raise InputError(name, f"must be a number in [0, 1) (the least aggregate EV that passes; 0 is Miles' rule), "
-                               f"got {value!r}")
+                               f"got {show(value)}")
     return float(value)
 
 

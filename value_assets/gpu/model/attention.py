@@ -17,8 +17,8 @@ Kernels: on CUDA with bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash-
 no compute on other sequences or padding), except for sequences of at least `LONG_SEQUENCE`
 tokens, which get one SDPA call each on cuDNN's attention (measured on an H200, 1.5B critic heads,
 forward + backward: 1.5x varlen at 8k tokens, 1.75x at 16k-32k, equal at 4k, slower below;
-`bench/attention_kernels.py`); where cuDNN does not take the call, varlen runs it. Everywhere else (CPU, fp32) one causal SDPA call per
-packed sequence: exact, no cross-sequence compute, deterministic on CPU; the Python loop costs
+`bench/attention_kernels.py`); where cuDNN does not take the call, varlen runs it. Everywhere
+else (CPU, fp32) one causal SDPA call per packed sequence: exact, no cross-sequence compute, deterministic on CPU; the Python loop costs
 one kernel launch per sequence, which is negligible at critic batch sizes on CPU.
 Output is [s, b, np*hn] (unpacked) or [t, np*hn] (packed). Dropout is not supported (a critic
 is pretrained with attention dropout 0); GQA is handled without materialising repeated K/V where
@@ -33,13 +33,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from value_assets.gpu.model.rope import apply_rope
-
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
 LONG_SEQUENCE = 8192
