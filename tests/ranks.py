@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "megatron.core", "value_assets.gpu.model.critic", "value_assets.gpu.runtime.parallel"]
+PRELOAD = ["torch", "value_assets.gpu", "megatron.core", "value_assets.gpu.model.critic", "value_assets.gpu.runtime.parallel"]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 

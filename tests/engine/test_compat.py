@@ -30,9 +30,31 @@ def test_importing_the_job_prints_no_megatron_warning():
 
     modules = ["value_assets.gpu.cli", "value_assets.gpu.runtime.worker", "value_assets.gpu.runtime.step",
                "value_assets.gpu.model.critic", "value_assets.gpu.runtime.checkpoint", "value_assets.gpu.convert.bootstrap"]
-    code = "; ".join(f"import {m}" for m in modules) + "; import warnings; warnings.warn('ours stays')"
+    code = ("; ".join(f"import {m}" for m in modules) + "; import warnings; warnings.warn('ours stays')"
+            "; import sys, megatron.core.jit as j; print('torch._dynamo' in sys.modules, j.jit_fuser.__qualname__)")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line for line in out.stderr.splitlines() if "Warning" in line] == ["<string>:1: UserWarning: ours stays"]
+    # megatron's jit_fuser (torch.compile) is deferred to first call: nothing imported dynamo.
+    assert out.stdout.split() == ["False", "_compile_on_first_call.<locals>.jit_fuser"], out.stdout
+
+
+def test_a_deferred_jit_fuser_compiles_once_at_the_first_call():
+    from value_assets.gpu import _compile_on_first_call
+
+    compiled: list = []
+
+    def compile_fn(fn):
+        compiled.append(fn)
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    def swish(x, *, beta=1):
+        """doc"""
+        return x * beta
+
+    fused = _compile_on_first_call(compile_fn)(swish)
+    assert compiled == [] and fused.__name__ == "swish" and fused.__doc__ == "doc"
+    assert fused(3, beta=2) == ("compiled", 6) and fused(4) == ("compiled", 4)
+    assert compiled == [swish]  # once, with the undecorated function

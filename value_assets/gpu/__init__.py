@@ -8,8 +8,18 @@ deprecation its fused kernels trigger): nothing in them is for the user to act o
 that runs the job imports this package before megatron (the CLI commands, the Pipes job, and each
 Ray worker when it loads its actor class), so this one place covers them all; our own warnings and
 everyone else's stay.
+
+For the same reason it defers megatron-core's `jit_fuser` (`torch.compile`, applied as a decorator
+to ~40 fused elementwise functions while `megatron.core` imports) to each function's first call:
+decorating imports torch._dynamo and inductor, ~1.5 s of CPU in every process that imports
+megatron (each Ray worker, each rank), although the critic calls none of those functions (its
+config turns megatron's fusions off). A function that is called compiles then, as torch.compile
+would at its first call anyway.
 """
 
+import functools as _functools
+import importlib.abc as _abc
+import sys as _sys
 import warnings as _warnings
 
 
@@ -19,4 +29,61 @@ def quiet_megatron_warnings() -> None:
     _warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
 
 
+
+def _compile_on_first_call(compile_fn):
+    """A `jit_fuser` that applies `compile_fn` (torch.compile) to a function at its first call."""
+
+    def jit_fuser(fn):
+        compiled = None
+
+        @_functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return jit_fuser
+
+
+class _DeferMegatronJit(_abc.MetaPathFinder):
+    """Runs megatron.core.jit as usual, then swaps its `jit_fuser` for the deferred one, if (and
+    only if) that is `torch.compile`: any other choice (torch.jit.script on an old torch, the
+    no-op decorator) is left as megatron made it."""
+
+    NAME = "megatron.core.jit"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.NAME:
+            return None
+        for finder in _sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_defer(module):
+            exec_module(module)
+            torch = getattr(module, "torch", None)
+            if torch is not None and getattr(module, "jit_fuser", None) is torch.compile:
+                module.jit_fuser = _compile_on_first_call(torch.compile)
+
+        loader.exec_module = exec_then_defer  # this spec's loader instance only
+        return spec
+
+
+def defer_megatron_jit() -> None:
+    """Install the deferral (idempotent); no effect once megatron.core.jit is imported."""
+    if not any(isinstance(f, _DeferMegatronJit) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _DeferMegatronJit())
+
+
 quiet_megatron_warnings()
+defer_megatron_jit()

@@ -43,13 +43,24 @@ from value_assets.gpu.model.rope import apply_rope
 # Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
 LONG_SEQUENCE = 8192
 
-try:  # torch >= 2.9
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+_varlen_attn: Any = None  # torch's varlen_attn (torch >= 2.9), imported at the first CUDA call
+_VARLEN_PARAMS: set[str] = set()
+_VARLEN_LOOKED_UP = False
 
-    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None
-    _VARLEN_PARAMS = set()
+
+def _varlen_kernel() -> Any:
+    """torch.nn.attention.varlen.varlen_attn, or None on an older torch. Imported on first use:
+    the module imports torch._dynamo (~0.5 s of CPU), which a CPU process never needs."""
+    global _varlen_attn, _VARLEN_PARAMS, _VARLEN_LOOKED_UP
+    if not _VARLEN_LOOKED_UP:
+        try:  # torch >= 2.9
+            from torch.nn.attention.varlen import varlen_attn
+
+            _varlen_attn, _VARLEN_PARAMS = varlen_attn, set(inspect.signature(varlen_attn).parameters)
+        except ImportError:  # pragma: no cover - older torch
+            pass
+        _VARLEN_LOOKED_UP = True
+    return _varlen_attn
 
 
 def packed_causal_attention(
@@ -69,9 +80,9 @@ def packed_causal_attention(
         raise ValueError(f"cu_seqlens must run from 0 to {q.shape[0]}, got {list(bounds)}")
     nq, nkv = q.shape[1], k.shape[1]
     if (
-        _varlen_attn is not None
-        and q.is_cuda
+        q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
+        and _varlen_kernel() is not None
     ):
         bounds = [int(b) for b in bounds]
         if max_seqlen is None:
