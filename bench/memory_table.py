@@ -79,8 +79,9 @@ def main() -> int:
     print()
     print("Predicted peak GiB per GPU (first pipeline stage), bf16 weights, fp32 grads, Adam (fp32 master "
           "+ 2 moments), packed micro-batches of the given size; ✗ = over an H200's 139 GiB. Model and "
-          "formula: value_assets/core/memory.py; calibrated on the bold measured points (H200, 1 GPU, "
-          "bench/train_throughput.py: training micro-batches <= 16k tokens, evaluation <= 32k). Selective "
+          "formula: value_assets/core/memory.py; calibrated on the measured points in its MEASURED (H200, 1 GPU, "
+          "bench/train_throughput.py: training with megatron's fused SwiGLU on micro-batches of 15k-83k tokens, "
+          "evaluation on 32k), bold where one falls on a column. Selective "
           "recompute saves little with flash attention (only the roped q, k); full recompute keeps one "
           "layer input per layer, and with --recompute-layers K only for the first K layers of each stage. Pipeline stages under 1F1B hold as many activations as one micro-batch "
           "through all layers, so pp splits weights but not activations.")

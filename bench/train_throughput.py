@@ -47,6 +47,12 @@ and prints, besides the top kernels, the profiled wall time grouped by kind: mat
 attention kernels, elementwise / normalization / other kernels, the optimizer step, copies,
 communication, and the idle / launch gaps where no kernel runs (on CPU: op self time, and the
 time outside any op); also the part that is recomputed forward. The groups go to --json too.
+
+`--sync-audit ROWS` runs one more ours-train step (and one more evaluation batch) of each row
+labelled in ROWS under torch's CUDA sync debug mode and prints every Python line that made the
+host wait for the GPU (`.item()`, `.tolist()`, copies from pageable host memory, ...), with its
+count per step: each such wait drains the launch queue, and the GPU idles until the host has
+queued the next kernels.
 """
 
 from __future__ import annotations
@@ -193,6 +199,7 @@ class Results:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.profiles: list[dict[str, Any]] = []  # profile_steps' summaries
+        self.sync_audits: dict[str, list[dict[str, Any]]] = {}  # sync_audit's rows per model row
 
     def add(self, model: str, system: str, mode: str, *, seconds: Optional[float] = None,
             tokens: int = 0, flops_tok: float = 0.0, steps: int = 1, error: Optional[str] = None,
@@ -305,6 +312,9 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
                 src = emb if mode == "eval" else emb_run
                 model.eval()
                 dt = timed(lambda: go(src[:args.warmup]), lambda: go(src[args.warmup:]))
+                if mode == "eval" and name in args.sync_audit_rows:
+                    res.sync_audits[f"{name} eval"] = sync_audit(lambda: go(src[args.warmup:args.warmup + 1]),
+                                                                 f"ours eval {name}")
                 model.train()
                 res.add(name, "ours", mode, seconds=dt, tokens=real, flops_tok=f_fwd, pred_gib=pred_eval,
                         steps=len(timed_b), notes=eval_note + (" (evaluate_rows)" if mode == "eval" else " (raw)"))
@@ -335,6 +345,8 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
                 n = min(profile_n, len(mbs) - args.warmup)
                 res.profiles.append(profile_steps(lambda: steps(mbs[args.warmup:args.warmup + n]),
                                                   f"ours train {name}", n, opt))
+            if name in args.sync_audit_rows:
+                res.sync_audits[name] = sync_audit(lambda: steps(mbs[args.warmup:args.warmup + 1]), f"ours train {name}")
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 traceback.print_exc()
@@ -472,6 +484,52 @@ def print_profile_groups(summary: dict[str, Any], label: str) -> None:
               f"{summary['recomputed_forward_s']:8.3f}s")
     if summary["host_sync_s"]:
         print(f"  host blocked in CUDA syncs (CPU side): {summary['host_sync_s']:.3f}s")
+
+
+def sync_audit(fn: Callable[[], None], label: str) -> list[dict[str, Any]]:
+    """Run `fn` (one optimizer step) under `torch.cuda.set_sync_debug_mode("warn")`; print and
+    return, most frequent first, each place that synchronised the host with the GPU: the innermost
+    frame of this repository's code (or megatron's) on the stack, with the count and the op."""
+    import traceback
+    import warnings
+
+    if not CUDA:
+        print(f"  sync audit {label}: needs CUDA", flush=True)
+        return []
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    counts: dict[tuple[str, str], int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # other warnings raised during the step
+            return
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if ("value_assets" in f.filename or "megatron" in f.filename)
+                and "warnings" not in f.filename]
+        where = ours[-1] if ours else frames[-1]
+        key = (f"{os.path.relpath(where.filename, here) if where.filename.startswith(here) else where.filename.split('site-packages/')[-1]}"
+               f":{where.lineno}", (where.line or "").strip()[:80])
+        counts[key] = counts.get(key, 0) + 1
+
+    sync()
+    old_show = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            sync()
+    finally:
+        warnings.showwarning = old_show
+    rows = [{"where": w, "code": c, "count": n} for (w, c), n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    print(f"\n==== sync audit: {label}, 1 step: {sum(counts.values())} host syncs at {len(rows)} places ====")
+    for r in rows:
+        print(f"  {r['count']:5d}  {r['where']:<60}  {r['code']}")
+    print("=" * 80, flush=True)
+    return rows
 
 
 def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = None) -> dict[str, Any]:
@@ -660,6 +718,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "comma list ROWS (e.g. 0.5b,1.5b@32k,'1.5b dist-opt'); bare: the 1.5B shape (or the last "
                          "model). Prints the top kernels and the step time grouped by kind (matmul, attention, "
                          "elementwise/norm, optimizer, idle gaps), also written to --json")
+    ap.add_argument("--sync-audit", default="", metavar="ROWS",
+                    help="comma list of rows (as --profile) whose ours-train step is run once more under CUDA sync "
+                         "debug mode: prints each source line that synchronised the host with the GPU, and how often")
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--rows", choices=("default", "long", "all"), default="default",
                     help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows (ours, and hf "
@@ -710,6 +771,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.profile_rows = {"1.5b" if "1.5b" in names else names[-1]}
     else:
         args.profile_rows = {r.strip() for r in args.profile.split(",") if r.strip()}
+    args.sync_audit_rows = {r.strip() for r in args.sync_audit.split(",") if r.strip()}
     args.systems_list = systems
     obj = Objective()  # classification, 51 bins, HL-Gauss (the default objective)
 
@@ -794,7 +856,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.json_out).write_text(json.dumps(
             {"device": dev_name, "peak_tflops": PEAK_TFLOPS, "formula": FORMULA,
              "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
-             "data": data_lines, "results": res.rows, "profiles": res.profiles}, indent=2))
+             "data": data_lines, "results": res.rows, "profiles": res.profiles,
+             "sync_audits": res.sync_audits}, indent=2))
     return 0
 
 

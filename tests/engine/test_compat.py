@@ -58,3 +58,28 @@ def test_a_deferred_jit_fuser_compiles_once_at_the_first_call():
     assert compiled == [] and fused.__name__ == "swish" and fused.__doc__ == "doc"
     assert fused(3, beta=2) == ("compiled", 6) and fused(4) == ("compiled", 4)
     assert compiled == [swish]  # once, with the undecorated function
+
+
+def test_a_jit_fuser_whose_compiler_fails_runs_the_function_as_written_and_says_so():
+    from value_assets.gpu import _compile_on_first_call
+
+    def broken_compiler(fn):
+        def compiled(*a, **k):
+            raise RuntimeError("no triton here\nsecond line")
+        return compiled
+
+    calls = []
+
+    def gate(x):
+        calls.append(x)
+        if x < 0:
+            raise ValueError("negative")
+        return 2 * x
+
+    fused = _compile_on_first_call(broken_compiler)(gate)
+    with pytest.warns(RuntimeWarning, match=r"gate runs uncompiled: torch.compile failed here \(RuntimeError: no triton here\)"):
+        assert fused(3) == 6
+    assert fused(4) == 8 and calls == [3, 4]  # uncompiled from then on, no second compile attempt
+    # The function's own error is not taken for a compiler failure: it raises.
+    with pytest.raises(ValueError, match="negative"):
+        _compile_on_first_call(broken_compiler)(gate)(-1)

@@ -117,3 +117,14 @@ def test_row_without_active_target_is_an_error():
     with pytest.raises(ValueError, match="active target"):
         L.loss_and_stats(torch.zeros(3, 51), torch.zeros(3), torch.tensor([1.0, 0, 0]),
                          torch.tensor([0, 1, 3], dtype=torch.int32), OBJ, 2)
+
+
+def test_the_active_target_check_reads_the_host_copy_when_given():
+    """On the GPU the check reads the host micro-batch, never the device tensors."""
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    full = torch.tensor([1.0, 1.0, 0.0])
+    empty_row = torch.tensor([1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="active target"):
+        L.loss_and_stats(torch.zeros(3, 51), torch.zeros(3), full, cu, OBJ, 2, host_mask=(empty_row, cu))
+    loss, _ = L.loss_and_stats(torch.zeros(3, 51), torch.zeros(3), full, cu, OBJ, 2, host_mask=(full, cu))
+    assert float(loss) == pytest.approx(math.log(OBJ.num_bins), rel=1e-6)

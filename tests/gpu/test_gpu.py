@@ -126,6 +126,24 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
         assert np.isfinite(m["loss"]) and m["grad_norm"] is not None
     assert losses[-1] < 0.5 * losses[0], losses
 
+    # The host waits for the GPU a few times per step (the micro-batch's 8 host->device copies,
+    # the step's metrics, megatron's checks), not once per parameter (megatron's grad-norm
+    # fallback: grad_norm.py).
+    import warnings
+
+    syncs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *a, **k: syncs.append(str(message))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            optimizer_step(ddp, opt, pack_rows(rows, 4096), 32, obj)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [m for m in syncs if "synchronizing CUDA operation" in m]
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    assert 0 < len(syncs) <= 14 < n_params, (len(syncs), n_params, syncs[:3])
+
 
 def test_job_trains_evaluates_and_gates_on_one_gpu(tmp_path):
     """The whole Ray job on the GPU: placement group with a GPU bundle, NCCL, bf16."""

@@ -12,9 +12,9 @@ everyone else's stay.
 For the same reason it defers megatron-core's `jit_fuser` (`torch.compile`, applied as a decorator
 to ~40 fused elementwise functions while `megatron.core` imports) to each function's first call:
 decorating imports torch._dynamo and inductor, ~1.5 s of CPU in every process that imports
-megatron (each Ray worker, each rank), although the critic calls none of those functions (its
-config turns megatron's fusions off). A function that is called compiles then, as torch.compile
-would at its first call anyway.
+megatron (each Ray worker, each rank), although the critic calls at most one of those functions
+(the fused SwiGLU, on CUDA only). A function that is called compiles then, as torch.compile would
+at its first call anyway.
 """
 
 import functools as _functools
@@ -31,7 +31,12 @@ def quiet_megatron_warnings() -> None:
 
 
 def _compile_on_first_call(compile_fn):
-    """A `jit_fuser` that applies `compile_fn` (torch.compile) to a function at its first call."""
+    """A `jit_fuser` that applies `compile_fn` (torch.compile) to a function at its first call.
+
+    If that first compiled call fails and the function as written then succeeds on the same
+    arguments, the compiler cannot build here (no Triton or C compiler, an unsupported GPU): the
+    function runs uncompiled from then on, with one warning naming it. An error of the function
+    itself still raises (from the uncompiled call)."""
 
     def jit_fuser(fn):
         compiled = None
@@ -39,9 +44,20 @@ def _compile_on_first_call(compile_fn):
         @_functools.wraps(fn)
         def call(*args, **kwargs):
             nonlocal compiled
-            if compiled is None:
-                compiled = compile_fn(fn)
-            return compiled(*args, **kwargs)
+            if compiled is not None:
+                return compiled(*args, **kwargs)
+            candidate = compile_fn(fn)
+            try:
+                out = candidate(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (any compiler failure)
+                out = fn(*args, **kwargs)
+                _warnings.warn(f"megatron's fused {fn.__module__}.{fn.__qualname__} runs uncompiled: torch.compile "
+                               f"failed here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                               RuntimeWarning, stacklevel=2)
+                compiled = fn
+                return out
+            compiled = candidate
+            return out
 
         return call
 

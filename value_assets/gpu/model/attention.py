@@ -16,7 +16,7 @@
 Kernels: on CUDA with bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash-attention varlen:
 no compute on other sequences or padding), except for sequences of at least `LONG_SEQUENCE`
 tokens, which get one SDPA call each on cuDNN's attention (measured on an H200, 1.5B critic heads,
-forward + backward: 1.5x varlen at 8k tokens, 1.75x at 16k-32k, equal at 4k, slower below;
+forward + backward: 1.5x varlen at 8k tokens, 1.75x at 16k-32k, equal at 4k (the threshold), slower below;
 `bench/attention_kernels.py`); where cuDNN does not take the call, varlen runs it. Everywhere
 else (CPU, fp32) one causal SDPA call per packed sequence: exact, no cross-sequence compute, deterministic on CPU; the Python loop costs
 one kernel launch per sequence, which is negligible at critic batch sizes on CPU.
@@ -41,7 +41,7 @@ from megatron.core.utils import divide
 from value_assets.gpu.model.rope import apply_rope
 
 # Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
-LONG_SEQUENCE = 8192
+LONG_SEQUENCE = 4096
 
 _varlen_attn: Any = None  # torch's varlen_attn (torch >= 2.9), imported at the first CUDA call
 _VARLEN_PARAMS: set[str] = set()

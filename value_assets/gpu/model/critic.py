@@ -94,7 +94,9 @@ def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
         calculate_per_token_loss=True,
         variable_seq_lengths=True,  # packed micro-batches differ in length (pipeline p2p)
         moe_token_dispatcher_type="alltoall",  # only to satisfy the variable-length check
-        bias_activation_fusion=False,
+        # On CUDA, megatron's fused SwiGLU (one torch.compile'd kernel each way instead of silu,
+        # mul and their backward); on CPU the plain ops (deterministic, nothing to compile).
+        bias_activation_fusion=cuda,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

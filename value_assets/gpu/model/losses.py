@@ -93,6 +93,7 @@ def loss_and_stats(
     global_num_rows: int,
     per_token: bool = False,
     global_num_active: Optional[int] = None,
+    host_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss of one packed micro-batch, scaled so that summing over micro-batches and ranks gives
     the global-batch loss, plus its float64 statistics vector (order `STAT_KEYS`).
@@ -100,7 +101,9 @@ def loss_and_stats(
     head_out float32 [t, K]; returns float [t]; mask float [t] (1 = active target);
     cu_seqlens int [n+1]. Default reduction: sum over rows of (row's mean active-token loss) /
     global_num_rows. per_token=True: sum of active-token losses / global_num_active.
-    Every row must have at least one active target.
+    Every row must have at least one active target: checked on `host_mask` (mask, cu_seqlens) when
+    given, the host copies of a micro-batch on the GPU (reading the device's back would make the
+    host wait for the GPU at every micro-batch), else on `mask` itself.
     """
     mask = mask.to(head_out.device, torch.float32)
     returns = returns.to(head_out.device)
@@ -111,7 +114,8 @@ def loss_and_stats(
             raise ValueError("per_token reduction needs global_num_active > 0")
         loss = tl.sum() / global_num_active
     else:
-        if bool((row_active <= 0).any()):
+        check_mask, check_cu = host_mask if host_mask is not None else (mask, cu_seqlens)
+        if bool((_row_sums(check_mask.to(torch.float32), check_cu) <= 0).any()):
             raise ValueError("every row needs at least one active target")
         row_loss = _row_sums(tl, cu_seqlens) / row_active
         loss = (row_loss.sum() / global_num_rows).to(torch.float32)
@@ -131,7 +135,7 @@ def loss_and_stats(
             correct = torch.zeros_like(m)
         stats = torch.stack([
             loss.detach().to(torch.float64),
-            torch.tensor(float(cu_seqlens.numel() - 1), dtype=torch.float64, device=m.device),
+            m.new_full((), float(cu_seqlens.numel() - 1)),  # a fill, not a host->device copy
             m.sum(), (correct * m).sum(), (ent * m).sum(),
             (r * m).sum(), (r * r * m).sum(), (e * m).sum(), (e * e * m).sum(),
         ])

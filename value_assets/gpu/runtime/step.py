@@ -56,6 +56,9 @@ def wrap_for_training(
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from value_assets.gpu.runtime import grad_norm
+
+    grad_norm.install()
     frozen = set(frozen_parameter_names(model, freeze))
     for name, p in model.named_parameters():
         if name in frozen:
@@ -196,29 +199,31 @@ def optimizer_step(
     optimizer.zero_grad()
     stats_acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=dev)
 
-    def loss_func(mb: MicroBatch, head_out: torch.Tensor):
+    def loss_func(host: MicroBatch, mb: MicroBatch, head_out: torch.Tensor):
         loss, stats = loss_and_stats(head_out, mb.returns, mb.mask, mb.cu_seqlens, objective,
-                                     global_num_rows, per_token, global_num_active)
+                                     global_num_rows, per_token, global_num_active,
+                                     host_mask=(host.mask, host.cu_seqlens))
         stats_acc.add_(stats.to(dev))
         # (loss, num_tokens, reporting): with calculate_per_token_loss the schedule backprops
         # `loss` unscaled; num_tokens is ignored by our finalize function.
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
-    _run_schedule(model, _forward_step(dev, lambda host, mb: partial(loss_func, mb)), microbatches, forward_only=False)
+    _run_schedule(model, _forward_step(dev, lambda host, mb: partial(loss_func, host, mb)), microbatches, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
-    tokens = torch.tensor([float(sum(mb.num_tokens for mb in microbatches))], dtype=torch.float64, device=dev)
+    tokens = torch.full((1,), float(sum(mb.num_tokens for mb in microbatches)), dtype=torch.float64, device=dev)
     _from_last_stage(stats_acc)
     _dp_all_reduce(stats_acc)
     _dp_all_reduce(tokens)
     metrics: dict[str, Any] = finalize_metrics(stats_acc, objective)
+    total_tokens = float(tokens.item())
     dt = time.perf_counter() - t0
     metrics.update(
         grad_norm=None if grad_norm is None else float(grad_norm),
         lr=float(optimizer.param_groups[0]["lr"]),
         update_successful=bool(update_successful),
-        tokens=float(tokens.item()),
+        tokens=total_tokens,
         step_time_s=dt,
-        tokens_per_s=float(tokens.item()) / dt if dt > 0 else None,
+        tokens_per_s=total_tokens / dt if dt > 0 else None,
     )
     return metrics
 
