@@ -1,9 +1,14 @@
-"""Per-step training metrics: a JSON-lines file and TensorBoard event files beside the checkpoints."""
+"""Per-step training metrics: a JSON-lines file and TensorBoard event files beside the checkpoints.
+
+The event files are written with tensorboard's own event writer and protos (what
+`torch.utils.tensorboard` wraps): the driver process that logs them never imports torch.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +23,9 @@ class MetricsLog:
         _truncate_after(self.path, after_step)
         self._file = open(self.path, "a", encoding="utf-8")
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._tb = SummaryWriter(log_dir=str(critic_dir / "tensorboard"))
+            self._tb = EventFileWriter(str(critic_dir / "tensorboard"))
         except ImportError:  # tensorboard is optional at run time; the JSON log always exists
             self._tb = None
 
@@ -29,10 +34,15 @@ class MetricsLog:
         self._file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key in SCALARS:
-                v = metrics.get(key)
-                if v is not None:  # an undefined in-batch EV is left out, never logged as 0
-                    self._tb.add_scalar(f"train/{key}", float(v), step)
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            # an undefined in-batch EV is left out, never logged as 0
+            values = [Summary.Value(tag=f"train/{key}", simple_value=float(v))
+                      for key in SCALARS if (v := metrics.get(key)) is not None]
+            if values:
+                self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+                self._tb.flush()
 
     def close(self) -> None:
         self._file.close()
