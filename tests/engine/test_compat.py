@@ -83,3 +83,18 @@ def test_a_jit_fuser_whose_compiler_fails_runs_the_function_as_written_and_says_
     # The function's own error is not taken for a compiler failure: it raises.
     with pytest.raises(ValueError, match="negative"):
         _compile_on_first_call(broken_compiler)(gate)(-1)
+
+
+def test_on_cpu_the_checkpoint_writers_results_queue_is_served_by_a_forked_manager():
+    """megatron spawns that manager (a fresh interpreter importing torch); on CPU it is forked."""
+    import subprocess
+    import sys
+
+    code = ("import value_assets.gpu; from value_assets.gpu.runtime.compat import apply_cpu_compat; "
+            "assert apply_cpu_compat(); "
+            "import megatron.core.dist_checkpointing.strategies.filesystem_async as fa; "
+            "q = fa._get_write_results_queue(); q.put({'rank': 0}); "
+            "print(type(q._manager._process).__name__, q.get(timeout=10), fa._get_write_results_queue() is q)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ForkProcess", "{'rank':", "0}", "True"], out.stdout

@@ -24,6 +24,11 @@ optimizer, activation recompute, the pipeline schedules, dist_checkpointing), an
 7. The distributed optimizer sorts parameters by `param.type()` against CUDA type names
    ('torch.cuda.FloatTensor', ...) while it builds its shards; during its constructor only, a CPU
    tensor's `type()` answers with the CUDA name of the same dtype.
+8. `dist_checkpointing`'s writer collects its results through a queue served by a manager process
+   it *spawns* (a fresh interpreter that imports torch to unpickle them: ~3 s of CPU in each
+   process that saves). On CPU the manager is forked from the saving process instead, as megatron
+   already forks its writer processes from it; with CUDA (where a fork would inherit a CUDA
+   context) megatron's spawn stays.
 
 The function is idempotent and does nothing when `torch.cuda.is_available()`.
 """
@@ -197,6 +202,20 @@ def check_megatron_version(version: str) -> None:
                            f"supports {supported} only; pin one of these for CPU runs (CUDA runs are unaffected)")
 
 
+def _forked_results_queue(fs_async: types.ModuleType):
+    """megatron's `_get_write_results_queue` (one queue per process, kept in the module), with
+    the manager process forked instead of spawned (item 8 above)."""
+
+    def get_write_results_queue():
+        if fs_async._results_queue is None:
+            import multiprocessing
+
+            fs_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return fs_async._results_queue
+
+    return get_write_results_queue
+
+
 def apply_cpu_compat() -> bool:
     """Patch megatron-core for CPU. Returns True when patches are (or already were) in place,
     False when CUDA is available and nothing was done."""
@@ -237,6 +256,10 @@ def apply_cpu_compat() -> bool:
 
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+
+    fs_async._get_write_results_queue = _forked_results_queue(fs_async)
 
     _APPLIED = True
     return True
