@@ -24,7 +24,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from dagster import Definitions, EnvVar
+from dagster import Definitions, EnvVar, ExecutorDefinition, multi_or_in_process_executor
 
 from value_assets.assets import ALL_ASSETS
 from value_assets.checks import ALL_CHECKS
@@ -83,13 +83,30 @@ def deployment_name(env: Mapping[str, str] = os.environ) -> str:
     return name
 
 
-def make_definitions(resources: Mapping[str, Any]) -> Definitions:
+def _forkserver_unless_told(config: dict[str, Any]) -> dict[str, Any]:
+    if "multiprocess" in config and not config["multiprocess"].get("start_method"):
+        return {"multiprocess": {**config["multiprocess"], "start_method": {"forkserver": {}}}}
+    return config
+
+
+# Dagster's default executor (a process per step, or `in_process` in the run config) with the step
+# processes forked from a server that has imported this code location once, instead of each
+# spawned and importing Dagster and the graph again (~2.5 s of CPU per step, ten steps in a `full`
+# run). Any `execution.config` Dagster's default accepts is accepted; an explicit `start_method`
+# is kept.
+STEP_EXECUTOR = multi_or_in_process_executor.configured(
+    _forkserver_unless_told, name="multi_or_in_process_forkserver",
+    config_schema=multi_or_in_process_executor.config_schema.as_field())
+
+
+def make_definitions(resources: Mapping[str, Any], executor: ExecutorDefinition = STEP_EXECUTOR) -> Definitions:
     return Definitions(
         assets=ALL_ASSETS,
         asset_checks=ALL_CHECKS,
         jobs=ALL_JOBS,
         sensors=ALL_SENSORS,
         resources=dict(resources),
+        executor=executor,
     )
 
 

@@ -1,0 +1,62 @@
+"""The code location's executor (`definitions.STEP_EXECUTOR`): Dagster's default executor whose
+step processes are forked from a forkserver that has imported the code once, unless the run config
+says otherwise. Checked with a real multiprocess run on a persistent instance: each step reports
+the command line of its parent process."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from dagster import DagsterInstance, Definitions, asset, define_asset_job, execute_job, reconstructable
+
+from value_assets.definitions import STEP_EXECUTOR, _forkserver_unless_told, make_definitions, resources_by_deployment_name
+
+pytestmark = pytest.mark.integration
+
+
+REPORT_ENV = "VALUE_ASSETS_TEST_STEP_REPORT"
+
+
+@asset
+def parent_of_a_step() -> None:
+    import psutil
+
+    report = {"pid": os.getpid(), "parent": " ".join(psutil.Process(os.getppid()).cmdline())}
+    with open(os.environ[REPORT_ENV], "w") as f:
+        json.dump(report, f)
+
+
+@asset(deps=[parent_of_a_step])
+def parent_of_another_step() -> None:
+    pass
+
+
+def probe_job():
+    return Definitions(assets=[parent_of_a_step, parent_of_another_step],
+                       jobs=[define_asset_job("probe")], executor=STEP_EXECUTOR).resolve_job_def("probe")
+
+
+def test_the_default_start_method_is_forkserver_and_explicit_settings_are_kept():
+    assert _forkserver_unless_told({"multiprocess": {}}) == {"multiprocess": {"start_method": {"forkserver": {}}}}
+    assert _forkserver_unless_told({"multiprocess": {"max_concurrent": 2}}) == {
+        "multiprocess": {"max_concurrent": 2, "start_method": {"forkserver": {}}}}
+    assert _forkserver_unless_told({"multiprocess": {"start_method": {"spawn": {}}}}) == {
+        "multiprocess": {"start_method": {"spawn": {}}}}
+    assert _forkserver_unless_told({"in_process": {}}) == {"in_process": {}}
+    assert make_definitions(resources_by_deployment_name()["local"]).resolve_job_def("full").executor_def is STEP_EXECUTOR
+
+
+@pytest.mark.parametrize("execution, forked", [(None, True), ({"in_process": {}}, False)])
+def test_steps_fork_from_a_forkserver_and_in_process_still_runs_in_the_run_process(tmp_path, monkeypatch, execution, forked):
+    monkeypatch.setenv(REPORT_ENV, str(tmp_path / "step.json"))
+    (tmp_path / "home").mkdir()
+    with DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        run_config = {"execution": {"config": execution}} if execution else {}
+        with execute_job(reconstructable(probe_job), instance=instance, run_config=run_config) as result:
+            assert result.success
+    step = json.loads((tmp_path / "step.json").read_text())
+    assert ("forkserver" in step["parent"]) is forked, step
+    if not forked:
+        assert step["pid"] == os.getpid()
