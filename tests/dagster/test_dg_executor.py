@@ -7,25 +7,29 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, Definitions, asset, define_asset_job, execute_job, reconstructable
+from dagster import (DagsterInstance, Definitions, asset, define_asset_job, execute_job,
+                     reconstructable)
 
 from value_assets.definitions import STEP_EXECUTOR, _forkserver_unless_told, make_definitions, resources_by_deployment_name
 
 pytestmark = pytest.mark.integration
 
 
-REPORT_ENV = "VALUE_ASSETS_TEST_STEP_REPORT"
+def report_path(instance: DagsterInstance) -> Path:
+    # Not an environment variable: a forkserver already running in this process (another test's)
+    # hands its children its own environment, from when it started.
+    return Path(instance.root_directory) / "step.json"
 
 
 @asset
-def parent_of_a_step() -> None:
+def parent_of_a_step(context) -> None:
     import psutil
 
     report = {"pid": os.getpid(), "parent": " ".join(psutil.Process(os.getppid()).cmdline())}
-    with open(os.environ[REPORT_ENV], "w") as f:
-        json.dump(report, f)
+    report_path(context.instance).write_text(json.dumps(report))
 
 
 @asset(deps=[parent_of_a_step])
@@ -49,14 +53,12 @@ def test_the_default_start_method_is_forkserver_and_explicit_settings_are_kept()
 
 
 @pytest.mark.parametrize("execution, forked", [(None, True), ({"in_process": {}}, False)])
-def test_steps_fork_from_a_forkserver_and_in_process_still_runs_in_the_run_process(tmp_path, monkeypatch, execution, forked):
-    monkeypatch.setenv(REPORT_ENV, str(tmp_path / "step.json"))
-    (tmp_path / "home").mkdir()
-    with DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+def test_steps_fork_from_a_forkserver_and_in_process_still_runs_in_the_run_process(tmp_path, execution, forked):
+    with DagsterInstance.local_temp(str(tmp_path)) as instance:
         run_config = {"execution": {"config": execution}} if execution else {}
         with execute_job(reconstructable(probe_job), instance=instance, run_config=run_config) as result:
             assert result.success
-    step = json.loads((tmp_path / "step.json").read_text())
+        step = json.loads(report_path(instance).read_text())
     assert ("forkserver" in step["parent"]) is forked, step
     if not forked:
         assert step["pid"] == os.getpid()
