@@ -80,3 +80,39 @@ def test_launch_sends_the_config_as_json_and_refuses_a_mismatch():
         with pytest.raises(ValueError, match=task):
             _Recorder().launch(context, task, cfg)
     assert len(sent) == 1
+
+
+def test_ray_submission_waits_for_a_starting_clusters_job_agent_and_no_longer():
+    """Ray refuses a job while the cluster's job agents start ("try again later"): the launcher
+    submits again until a deadline; any other refusal is raised at once."""
+    from value_assets.resources.launchers import NO_AGENT_YET, submit_when_ready
+
+    now = [0.0]
+    logs: list[str] = []
+
+    def sleep(s):
+        now[0] += s
+
+    def refusing(times, message=f"Request failed with status code 500: {NO_AGENT_YET}, please try again later.."):
+        calls = []
+
+        def submit():
+            calls.append(now[0])
+            if len(calls) <= times:
+                raise RuntimeError(message)
+            return "submitted"
+        return submit, calls
+
+    submit, calls = refusing(2)
+    assert submit_when_ready(submit, log=logs.append, sleep=sleep, clock=lambda: now[0]) == "submitted"
+    assert calls == [0.0, 2.0, 4.0] and len(logs) == 2 and "no job agent ready yet" in logs[0]
+
+    submit, calls = refusing(100)
+    with pytest.raises(RuntimeError, match=NO_AGENT_YET):
+        submit_when_ready(submit, log=logs.append, deadline_s=10, sleep=sleep, clock=lambda: now[0])
+    assert len(calls) == 6  # at 0, 2, ..., 10 s, then the deadline
+
+    submit, calls = refusing(1, message="Request failed with status code 400: bad runtime_env")
+    with pytest.raises(RuntimeError, match="bad runtime_env"):
+        submit_when_ready(submit, log=logs.append, sleep=sleep, clock=lambda: now[0])
+    assert len(calls) == 1

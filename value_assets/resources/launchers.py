@@ -190,6 +190,28 @@ class SubprocessLauncher(GpuJobLauncher):
             return PipesSubprocessClient(env=env, cwd=self.cwd).run(context=context, command=command, extras=extras)
 
 
+NO_AGENT_YET = "No available agent to submit job"  # Ray's answer while a cluster's job agents start
+
+
+def submit_when_ready(submit: Any, *, log: Any, deadline_s: float = 60.0, wait_s: float = 2.0,
+                      sleep: Any = None, clock: Any = None) -> Any:
+    """`submit()`, again every `wait_s` for up to `deadline_s` while Ray answers that no job agent
+    can take the job yet (a cluster whose agents are still starting: nothing was submitted, Ray
+    says to try again later). Any other error, or that one past the deadline, is raised."""
+    import time
+
+    sleep, clock = sleep or time.sleep, clock or time.monotonic
+    end = clock() + deadline_s
+    while True:
+        try:
+            return submit()
+        except RuntimeError as exc:
+            if NO_AGENT_YET not in str(exc) or clock() + wait_s > end:
+                raise
+            log(f"the Ray cluster has no job agent ready yet; submitting again in {wait_s:g} s")
+            sleep(wait_s)
+
+
 class RayJobLauncher(GpuJobLauncher):
     """Submits the GPU job to an existing Ray cluster as a Ray job (the driver then places its
     GPU workers with a placement group; the entrypoint itself reserves no GPU)."""
@@ -222,9 +244,12 @@ class RayJobLauncher(GpuJobLauncher):
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
         from dagster_ray import PipesRayJobClient  # heavy; only where this launcher is used
 
-        # Fresh per launch: the client caches its JobSubmissionClient (docs/operations.md).
-        client = PipesRayJobClient(address=self.address, timeout=self.timeout_s, poll_interval=self.poll_interval_s)
-        return client.run(context=context, submit_job_params=self.submit_params(task), extras=extras)
+        def submit() -> PipesClientCompletedInvocation:
+            # Fresh per launch: the client caches its JobSubmissionClient (docs/operations.md).
+            client = PipesRayJobClient(address=self.address, timeout=self.timeout_s, poll_interval=self.poll_interval_s)
+            return client.run(context=context, submit_job_params=self.submit_params(task), extras=extras)
+
+        return submit_when_ready(submit, log=context.log.info)
 
 
 class K8sPodLauncher(GpuJobLauncher):
