@@ -29,7 +29,6 @@ def quiet_megatron_warnings() -> None:
     _warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
 
 
-
 def _compile_on_first_call(compile_fn):
     """A `jit_fuser` that applies `compile_fn` (torch.compile) to a function at its first call.
 

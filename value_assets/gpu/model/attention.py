@@ -27,6 +27,7 @@ the kernel allows.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, Optional, Sequence
@@ -43,24 +44,16 @@ from value_assets.gpu.model.rope import apply_rope
 # Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
 LONG_SEQUENCE = 4096
 
-_varlen_attn: Any = None  # torch's varlen_attn (torch >= 2.9), imported at the first CUDA call
-_VARLEN_PARAMS: set[str] = set()
-_VARLEN_LOOKED_UP = False
-
-
-def _varlen_kernel() -> Any:
-    """torch.nn.attention.varlen.varlen_attn, or None on an older torch. Imported on first use:
-    the module imports torch._dynamo (~0.5 s of CPU), which a CPU process never needs."""
-    global _varlen_attn, _VARLEN_PARAMS, _VARLEN_LOOKED_UP
-    if not _VARLEN_LOOKED_UP:
-        try:  # torch >= 2.9
-            from torch.nn.attention.varlen import varlen_attn
-
-            _varlen_attn, _VARLEN_PARAMS = varlen_attn, set(inspect.signature(varlen_attn).parameters)
-        except ImportError:  # pragma: no cover - older torch
-            pass
-        _VARLEN_LOOKED_UP = True
-    return _varlen_attn
+@functools.cache
+def _varlen_kernel() -> tuple[Any, frozenset[str]]:
+    """torch.nn.attention.varlen.varlen_attn and its parameter names, or (None, {}) on an older
+    torch. Imported on first use: the module imports torch._dynamo (~0.5 s of CPU), which a CPU
+    process never needs."""
+    try:  # torch >= 2.9
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - older torch
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def packed_causal_attention(
@@ -82,7 +75,7 @@ def packed_causal_attention(
     if (
         q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
-        and _varlen_kernel() is not None
+        and _varlen_kernel()[0] is not None
     ):
         bounds = [int(b) for b in bounds]
         if max_seqlen is None:
@@ -130,20 +123,21 @@ def kernel_spans(bounds: Sequence[int], long: int) -> list[tuple[str, list[int]]
 
 
 def _varlen(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
+    varlen_attn, params = _varlen_kernel()
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     nq, nkv = q.shape[1], k.shape[1]
     kwargs: dict[str, Any] = {"scale": scale}
-    if "window_size" in _VARLEN_PARAMS:
+    if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
     if nq != nkv:
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
             k = k.repeat_interleave(nq // nkv, dim=1)
             v = v.repeat_interleave(nq // nkv, dim=1)
-    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def _varlen_span(q, k, v, run: Sequence[int], scale: float) -> torch.Tensor:

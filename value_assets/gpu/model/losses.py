@@ -114,8 +114,8 @@ def loss_and_stats(
             raise ValueError("per_token reduction needs global_num_active > 0")
         loss = tl.sum() / global_num_active
     else:
-        check_mask, check_cu = host_mask if host_mask is not None else (mask, cu_seqlens)
-        if bool((_row_sums(check_mask.to(torch.float32), check_cu) <= 0).any()):
+        active = row_active if host_mask is None else _row_sums(host_mask[0].to(torch.float32), host_mask[1])
+        if bool((active <= 0).any()):
             raise ValueError("every row needs at least one active target")
         row_loss = _row_sums(tl, cu_seqlens) / row_active
         loss = (row_loss.sum() / global_num_rows).to(torch.float32)

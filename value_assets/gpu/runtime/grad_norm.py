@@ -23,11 +23,10 @@ def foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Sequence[Sequ
     the L2 norm over all tensors of `tensor_lists[0]` as a float32 tensor [1] on their device."""
     if per_tensor:
         raise NotImplementedError("foreach_l2_norm computes the total norm only (per_tensor=False)")
-    tensors = [t for t in tensor_lists[0]]
+    tensors = [t.float() for t in tensor_lists[0]]  # float32 ones are returned as they are
     if not tensors:
         return torch.zeros(1, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu"), None
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1).to(torch.float32), None
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).reshape(1), None
 
 
 def install() -> bool:
