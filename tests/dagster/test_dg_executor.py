@@ -43,13 +43,31 @@ def probe_job():
 
 
 def test_the_default_start_method_is_forkserver_and_explicit_settings_are_kept():
-    assert _forkserver_unless_told({"multiprocess": {}}) == {"multiprocess": {"start_method": {"forkserver": {}}}}
+    forkserver = {"forkserver": {"preload_modules": ["value_assets.definitions"]}}
+    assert _forkserver_unless_told({"multiprocess": {}}) == {"multiprocess": {"start_method": forkserver}}
     assert _forkserver_unless_told({"multiprocess": {"max_concurrent": 2}}) == {
-        "multiprocess": {"max_concurrent": 2, "start_method": {"forkserver": {}}}}
+        "multiprocess": {"max_concurrent": 2, "start_method": forkserver}}
     assert _forkserver_unless_told({"multiprocess": {"start_method": {"spawn": {}}}}) == {
         "multiprocess": {"start_method": {"spawn": {}}}}
     assert _forkserver_unless_told({"in_process": {}}) == {"in_process": {}}
-    assert make_definitions(resources_by_deployment_name()["local"]).resolve_job_def("full").executor_def is STEP_EXECUTOR
+    job = make_definitions(resources_by_deployment_name()["local"]).resolve_job_def("full")
+    assert job.executor_def is STEP_EXECUTOR
+
+
+def test_the_forkserver_preloads_the_code_location():
+    """Named explicitly: left out, Dagster preloads nothing of it (its documented default, the
+    job's module, is never used), and every step process imports the graph again."""
+    from dagster._config import process_config
+    from dagster._core.definitions.executor_definition import multiprocess_executor
+    from dagster._core.executor.init import InitExecutorContext
+
+    config = process_config(multiprocess_executor.config_schema.config_type, _forkserver_unless_told({"multiprocess": {}})["multiprocess"])
+    assert config.success, config.errors
+    executor = multiprocess_executor.executor_creation_fn(InitExecutorContext(
+        job=reconstructable(probe_job), executor_def=multiprocess_executor, executor_config=config.value,
+        instance=DagsterInstance.ephemeral()))
+    assert executor._start_method == "forkserver"
+    assert executor._explicit_forkserver_preload == ["value_assets.definitions"]
 
 
 @pytest.mark.parametrize("execution, forked", [(None, True), ({"in_process": {}}, False)])
