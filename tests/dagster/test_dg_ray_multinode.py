@@ -29,7 +29,6 @@ import pytest
 from tests.dagster.processes import RAY, free_port, stop_ray
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.jobs import TrainJob
-from value_assets.core.warm_cluster import POOL_ENV
 from value_assets.gpu.runtime.cluster import rank_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,36 +111,24 @@ def _placement(instance, run_id: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_node_ray_job_spreads_ranks_and_matches_one_node(instance, test_resources, manifests_dir, register, tmp_path):
+def test_two_node_ray_job_spreads_ranks_and_matches_one_node(ray_cluster, instance, test_resources, manifests_dir, register,
+                                                                 tmp_path):
     from dagster import materialize
 
     from value_assets.assets import batch_plan, critic_training, train_dataset, value_manifest
+    from value_assets.gpu.jobs.train import train
     from value_assets.resources import RayJobLauncher
 
     manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0)
 
-    # One node: the same settings, PACK, a local Ray owned by `train`, in a process of its own
-    # (whatever Ray this test process may hold); it runs while the two-node cluster starts.
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POOL_ENV)}
-    code = ("import json, sys; from pathlib import Path; from value_assets.core.jobs import TrainJob; "
-            "from value_assets.gpu.jobs.train import train; "
-            f"r = train(TrainJob(manifest=Path(sys.argv[1]), output=Path(sys.argv[2]), global_batch_size={G}, epochs=1, seed=0, "
-            "gpus=2, placement_strategy='PACK', timeout_s=300), log=lambda _m: None); print(json.dumps(r.losses))")
-    one_node = subprocess.Popen([sys.executable, "-c", code, str(manifest), str(tmp_path / "one_node")], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # One node: the same settings, PACK, on this test process's Ray (the session's `ray_cluster`, whose
+    # worker pool later job tests reuse), before the two-node cluster starts.
+    one_node_losses = train(TrainJob(manifest=manifest, output=tmp_path / "one_node", global_batch_size=G, epochs=1, seed=0,
+                                     gpus=2, placement_strategy="PACK", timeout_s=300), log=lambda _m: None).losses
+    assert len(one_node_losses) == STEPS
     cluster = TwoNodeRay()
     try:
-        try:
-            cluster.start()
-        finally:
-            try:
-                stdout, stderr = one_node.communicate(timeout=300)
-            except subprocess.TimeoutExpired:
-                one_node.kill()
-                raise
-        assert one_node.returncode == 0, stderr[-3000:]
-        one_node_losses = json.loads(stdout.strip().splitlines()[-1])
-        assert len(one_node_losses) == STEPS
+        cluster.start()
         nodes = cluster.nodes()
         assert sorted(nodes.values()) == [SECOND_IP, HEAD_IP], nodes
         launcher = RayJobLauncher(address=cluster.dashboard, python=sys.executable, env={
