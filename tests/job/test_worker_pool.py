@@ -40,12 +40,20 @@ def manifest(tmp_path_factory):
     return make_demo_data(tmp_path_factory.mktemp("data"), seed=0)
 
 
-@pytest.fixture
-def pool(ray_cluster, monkeypatch):
+@pytest.fixture(scope="module")
+def pool_name(ray_cluster):
+    """One pool for the module: the first test makes it, the second starts on it (its first job
+    reuses it, so it starts no processes of its own). Destroyed with the module."""
     name = f"test-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv(POOL_ENV, name)
     yield name
     WorkerPool.destroy(name)
+    assert not pool_workers_alive(name)
+
+
+@pytest.fixture
+def pool(pool_name, monkeypatch):
+    monkeypatch.setenv(POOL_ENV, pool_name)
+    return pool_name
 
 
 def run(manifest, out, log, **kw):
@@ -59,26 +67,21 @@ def pool_workers_alive(name: str) -> bool:
                for e in ray.util.list_named_actors(all_namespaces=True))
 
 
-def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(ray_cluster, manifest, tmp_path, monkeypatch):
+def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool_name, manifest, tmp_path, monkeypatch):
     monkeypatch.delenv(POOL_ENV, raising=False)
     fresh_log = Log()
     fresh = run(manifest, tmp_path / "fresh", fresh_log)
     assert fresh_log.source() == "fresh"
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv(POOL_ENV, name)
-    try:
-        first_log, second_log = Log(), Log()
-        first = run(manifest, tmp_path / "first", first_log)
-        second = run(manifest, tmp_path / "second", second_log)
-        assert first_log.source() == f"{name} (new)" and second_log.source() == f"{name} (reused)"
-        assert second_log.pids() == first_log.pids() and set(first_log.pids()).isdisjoint(fresh_log.pids())
-        for result in (first, second):
-            assert result.losses == fresh.losses  # bitwise: nothing of the last job survives `release`
-            assert result.state_sha256 == fresh.state_sha256
-        assert pool_workers_alive(name)  # kept for the next job
-    finally:
-        WorkerPool.destroy(name)
-    assert not pool_workers_alive(name)
+    monkeypatch.setenv(POOL_ENV, pool_name)
+    first_log, second_log = Log(), Log()
+    first = run(manifest, tmp_path / "first", first_log)
+    second = run(manifest, tmp_path / "second", second_log)
+    assert first_log.source() == f"{pool_name} (new)" and second_log.source() == f"{pool_name} (reused)"
+    assert second_log.pids() == first_log.pids() and set(first_log.pids()).isdisjoint(fresh_log.pids())
+    for result in (first, second):
+        assert result.losses == fresh.losses  # bitwise: nothing of the last job survives `release`
+        assert result.state_sha256 == fresh.state_sha256
+    assert pool_workers_alive(pool_name)  # kept for the next job (the next test's)
 
 
 def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(pool, manifest, tmp_path):
@@ -92,7 +95,7 @@ def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a
     from value_assets.gpu.runtime.cluster import ClusterError
 
     first = Log()
-    run(manifest, tmp_path / "a", first)
+    run(manifest, tmp_path / "a", first)  # the two-worker pool, reused from the test above when it ran
     rank0 = ray.get_actor(f"{pool}-w0", namespace=POOL_NAMESPACE)
     other = {"token": "another-job", "pid": os.getpid(), "host": socket.gethostname()}  # a live holder
     assert ray.get(rank0.acquire_lease.remote(other))
