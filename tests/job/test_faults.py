@@ -249,6 +249,8 @@ def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_r
 
 
 # ---- defect 4: the training data changes mid-run --------------------------------------------------------------
+# The driver checks the data, so one worker is enough; each failed job ends the pool, and the next
+# job starts its workers afresh (one process here instead of two).
 
 
 def _swap_labels(path: Path) -> None:
@@ -269,7 +271,7 @@ def test_training_stops_when_its_data_changes_and_publishes_nothing_later(ray_cl
             _swap_labels(data / "demo" / "train.jsonl")
 
     with pytest.raises(InputError, match="changed since the dataset was validated"):
-        train(cfg_for(m, out, save_interval=2), log=quiet, on_step=rewrite)
+        train(cfg_for(m, out, save_interval=2, gpus=1), log=quiet, on_step=rewrite)
     # steps 1-3 read the validated bytes; step 4 never ran, and the only contract is step 2's
     assert read_latest(out)[0].name == iter_dirname(2)
     assert sorted(p.parent.name for p in out.glob(f"iter_*/{CONTRACT_NAME}")) == [iter_dirname(2)]
@@ -295,7 +297,7 @@ def test_a_change_in_rows_no_step_read_stops_the_next_save(ray_cluster, manifest
 
     out = tmp_path / "critic"
     with pytest.raises(InputError, match="changed while the run read it"):
-        train(cfg_for(m, out, save_interval=2), log=quiet, on_step=rewrite)
+        train(cfg_for(m, out, save_interval=2, gpus=1), log=quiet, on_step=rewrite)
     assert read_latest(out) is None and not list(out.glob(f"iter_*/{CONTRACT_NAME}"))
     assert not list(out.glob("iter_*"))  # the check runs before the save
 
