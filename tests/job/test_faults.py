@@ -347,3 +347,52 @@ def test_a_killed_driver_takes_its_local_ray_along(tmp_path):
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     assert not alive, f"still alive {took:.0f} s after the driver was killed: {[(p.pid, started[p.pid]) for p in alive]}"
+
+
+_OWN_RAY_DRIVER = """
+import json, sys
+from pathlib import Path
+
+import psutil
+
+from tests.job.jobtest_helpers import quiet, tiny_train_job
+from value_assets.gpu.jobs.train import train
+
+started = {}
+
+def record(step, _metrics):
+    if step == 1:  # Ray and its workers are up: everything this driver started
+        started.update({p.pid: [p.name(), p.create_time()] for p in psutil.Process().children(recursive=True)})
+
+result = train(tiny_train_job(Path(sys.argv[1]), Path(sys.argv[2]), gpus=1, stop_after=2), log=quiet, on_step=record)
+print(json.dumps({"started": started, "steps": result.completed_steps, "contract": result.contract_sha256}), flush=True)
+"""
+
+
+def test_a_driver_that_ends_cleanly_ends_its_local_ray(manifest, tmp_path):
+    """The job run by hand: no Ray given, so the driver starts a local one with fresh workers,
+    trains, publishes, and ends that Ray with itself (the SIGKILL counterpart is the test above)."""
+    import psutil
+
+    from value_assets.core.warm_cluster import POOL_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POOL_ENV)}
+    out = tmp_path / "critic"
+    done = subprocess.run([sys.executable, "-c", _OWN_RAY_DRIVER, str(manifest), str(out)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    started = {int(pid): name for pid, (name, _) in report["started"].items()}
+    assert len(started) >= 3, started  # gcs_server, raylet, the worker at least
+    assert report["steps"] == 2 and load_contract(out / iter_dirname(2))[1] == report["contract"]
+    procs = []
+    for pid, (_, created) in report["started"].items():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p = psutil.Process(int(pid))
+            if p.create_time() == created:  # the same process, not a later one with its pid
+                procs.append(p)
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:  # only what that driver started, by pid
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    assert not alive, f"still alive after the driver ended: {[(p.pid, started[p.pid]) for p in alive]}"
