@@ -3,8 +3,8 @@ before anything is reserved when the layout cannot run them, passed to the worke
 the contract's execution facts, and a resume with another optimizer layout is refused.
 
 The jobs run on the session's Ray cluster and its two-worker pool (`ray_cluster`,
-tests/conftest.py), like the other job tests: a job that starts its own Ray and fresh workers is
-tests/dagster/test_dg_ray_multinode.py's one-node reference and test_faults' killed driver."""
+tests/conftest.py), like the other job tests: the jobs that start their own Ray and fresh workers
+are test_faults' driver run by hand and its killed driver."""
 
 from __future__ import annotations
 
