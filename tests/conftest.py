@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # OpenMP spins by default). Several test processes then share few cores, and spinning threads take
 # CPU from the others (measured on 2 cores, test_dg_engine + test_job + test_memory_features under
 # two workers: 92 s and 160 s of CPU spinning, 74-78 s and 128-137 s passive). One process alone
-# (`make test-fast`) is faster spinning: 59 s against 62 s. Set here, before anything imports
+# (`TEST_WORKERS=0`) is faster spinning: the unit tier took 59 s against 62 s. Set here, before anything imports
 # torch, so every process the tests start (Ray workers, rank processes, jobs) inherits it.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
