@@ -322,6 +322,18 @@ def test_disk_full_during_a_save_is_a_clear_refusal(ray_cluster, manifest, tmp_p
         subprocess.run(["umount", str(small)], check=False)
 
 
+def _survivors(procs: list, *, timeout_s: float) -> list:
+    """Wait up to `timeout_s` for a driver's processes to end; kill those still running (only
+    these, by pid) and return them."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return alive
+
+
 def test_a_killed_driver_takes_its_local_ray_along(tmp_path):
     """SIGKILL runs no `finally`: the local Ray the driver started (GCS, raylet, workers, agents)
     must still go within seconds, not linger for a minute."""
@@ -341,11 +353,8 @@ def test_a_killed_driver_takes_its_local_ray_along(tmp_path):
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
     t0 = time.monotonic()
-    _, alive = psutil.wait_procs(procs, timeout=30)
+    alive = _survivors(procs, timeout_s=30)
     took = time.monotonic() - t0
-    for p in alive:  # only what this driver started, by pid
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
     assert not alive, f"still alive {took:.0f} s after the driver was killed: {[(p.pid, started[p.pid]) for p in alive]}"
 
 
@@ -391,8 +400,5 @@ def test_a_driver_that_ends_cleanly_ends_its_local_ray(manifest, tmp_path):
             p = psutil.Process(int(pid))
             if p.create_time() == created:  # the same process, not a later one with its pid
                 procs.append(p)
-    _, alive = psutil.wait_procs(procs, timeout=30)
-    for p in alive:  # only what that driver started, by pid
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+    alive = _survivors(procs, timeout_s=30)
     assert not alive, f"still alive after the driver ended: {[(p.pid, started[p.pid]) for p in alive]}"

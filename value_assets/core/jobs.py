@@ -138,7 +138,7 @@ def _positive_number(value: float | None, where: str, *, allow_zero: bool = Fals
 
 
 class _JobConfig:
-    """Typing, JSON and the construction order shared by `TrainJob` and `EvaluateJob`."""
+    """Typing, JSON and the construction order shared by `TrainJob`, `EvaluateJob` and `HandoffJob`."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
