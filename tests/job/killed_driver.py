@@ -12,6 +12,11 @@ from value_assets.gpu.runtime.cluster import start_workers
 
 with start_workers(world_size=1, tp=1, pp=1, seed=0, backbone=BackboneConfig.tiny().to_json(), objective=Objective().canonical(),
                    train=False, log=lambda _m: None):
-    procs = psutil.Process().children(recursive=True)
-    print(json.dumps({p.pid: p.name() for p in procs}), flush=True)
+    started = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:  # Ray's short-lived helpers may end between the listing and the read
+            started[proc.pid] = proc.name()
+        except psutil.NoSuchProcess:
+            pass
+    print(json.dumps(started), flush=True)
     time.sleep(600)

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -339,10 +340,13 @@ def test_a_killed_driver_takes_its_local_ray_along(tmp_path):
     must still go within seconds, not linger for a minute."""
     import psutil
 
-    driver = subprocess.Popen([sys.executable, str(Path(__file__).with_name("killed_driver.py"))], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, RAY_ADDRESS=""))
+    errors = tmp_path / "driver.stderr"
+    with errors.open("w") as err:
+        driver = subprocess.Popen([sys.executable, str(Path(__file__).with_name("killed_driver.py"))], stdout=subprocess.PIPE,
+                                  stderr=err, text=True, env=dict(os.environ, RAY_ADDRESS=""))
     try:
         line = driver.stdout.readline()
+        assert line, f"the driver ended before it listed its processes (exit code {driver.wait(timeout=30)}):\n{errors.read_text()[-3000:]}"
         started = {int(pid): name for pid, name in json.loads(line).items()}
         assert len(started) >= 3, started  # gcs_server, raylet, a worker at least
         procs = []
@@ -371,7 +375,11 @@ started = {}
 
 def record(step, _metrics):
     if step == 1:  # Ray and its workers are up: everything this driver started
-        started.update({p.pid: [p.name(), p.create_time()] for p in psutil.Process().children(recursive=True)})
+        for p in psutil.Process().children(recursive=True):
+            try:  # Ray's short-lived helpers may end between the listing and the read
+                started[p.pid] = [p.name(), p.create_time()]
+            except psutil.NoSuchProcess:
+                pass
 
 result = train(tiny_train_job(Path(sys.argv[1]), Path(sys.argv[2]), gpus=1, stop_after=2), log=quiet, on_step=record)
 print(json.dumps({"started": started, "steps": result.completed_steps, "contract": result.contract_sha256}), flush=True)
@@ -380,15 +388,25 @@ print(json.dumps({"started": started, "steps": result.completed_steps, "contract
 
 def test_a_driver_that_ends_cleanly_ends_its_local_ray(manifest, tmp_path):
     """The job run by hand: no Ray given, so the driver starts a local one with fresh workers,
-    trains, publishes, and ends that Ray with itself (the SIGKILL counterpart is the test above)."""
+    trains, publishes, and ends that Ray with itself (the SIGKILL counterpart is the test above).
+
+    Ray's temp folder holds the address an earlier `ray start` recorded (its cluster gone): the
+    driver still starts its own Ray instead of joining, or failing on, that one."""
     import psutil
 
     from value_assets.core.warm_cluster import POOL_ENV
 
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtd", dir="/tmp"))  # short: Ray's socket paths are capped at 107 bytes
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")  # nothing listens there
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", POOL_ENV)}
+    env["RAY_TMPDIR"] = str(ray_tmp)
     out = tmp_path / "critic"
-    done = subprocess.run([sys.executable, "-c", _OWN_RAY_DRIVER, str(manifest), str(out)], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    try:
+        done = subprocess.run([sys.executable, "-c", _OWN_RAY_DRIVER, str(manifest), str(out)], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     started = {int(pid): name for pid, (name, _) in report["started"].items()}

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +49,21 @@ def ray_processes_of(address: str) -> list[int]:
     return found
 
 
-def test_the_warm_cluster_is_shared_kept_while_used_and_ended_when_idle_or_stopped(tmp_path):
-    folder = tmp_path / "warm"
+def test_the_warm_cluster_is_shared_kept_while_used_and_ended_when_idle_or_stopped(tmp_path, monkeypatch):
+    # Ray's temp folder holds the address of a `ray start` cluster that is gone: the helper
+    # starts its own Ray all the same (ray.init without address="local" would try to join it).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtw", dir="/tmp"))  # short: Ray's socket paths are capped at 107 bytes
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        _warm_cluster_lifecycle(tmp_path / "warm")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _warm_cluster_lifecycle(folder):
     with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as first:
         assert json.loads((folder / INFO_NAME).read_text())["address"] == first.address
         assert first.job_env() == {"RAY_ADDRESS": first.address, POOL_ENV: "warm"}

@@ -302,7 +302,9 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
             else:
                 cpus = max(world_size, os.cpu_count() or 1)
                 # Worker output stays in Ray's session logs; failures reach the driver as exceptions.
-                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+                # "local": a new Ray of this driver's own, even where `ray start` left a cluster's
+                # address in Ray's temp folder (ray.init would join that one, or fail on a stale one).
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
                 reaper = _start_reaper()
             started_ray = True
         # GPU bundles where the cluster has GPUs; CPU slots otherwise (laptop, CI).

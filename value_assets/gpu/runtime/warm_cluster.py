@@ -47,7 +47,8 @@ def serve(folder: Path, idle_s: float, num_cpus: int | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
     cpus = num_cpus or max(os.cpu_count() or 1, 8)  # logical slots: a job may ask for more workers than cores
-    ctx = ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # "local": its own Ray, never one whose address an earlier `ray start` left in Ray's temp folder.
+    ctx = ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     reaper = _start_reaper()
     started = time.time()
     try:
