@@ -162,6 +162,48 @@ def test_shards_of_another_step_are_refused(critic, manifest, no_cluster):
         prepare(cfg_for(manifest, critic, epochs=2), log=quiet)
 
 
+
+def _swap_after_the_driver_checked(monkeypatch, swap):
+    """Run `swap()` in the window an attacker with write access has: after the driver verified the
+    save and its workers started, right before the workers read the files."""
+    from value_assets.gpu.runtime.cluster import Cluster
+
+    call_all = getattr(Cluster.call_all, "__wrapped__", Cluster.call_all)  # one swap at a time
+
+    def planted(self, method, *args, **kwargs):
+        if method == "load":
+            swap()
+        return call_all(self, method, *args, **kwargs)
+
+    planted.__wrapped__ = call_all
+    monkeypatch.setattr(Cluster, "call_all", planted)
+
+
+def test_a_file_swapped_after_the_driver_checked_it_is_never_used(ray_cluster, trained, critic, manifest, tmp_path, monkeypatch):
+    """The workers use only bytes they checked themselves: a pickle planted as the index is never
+    unpickled (evaluation), a changed weight shard is never loaded (resume)."""
+    marker = tmp_path / "pwned"
+    index = last_save(critic) / ".metadata"
+    _swap_after_the_driver_checked(monkeypatch, lambda: index.write_bytes(pickle.dumps(_Payload(marker))))
+    report = tmp_path / "ev.json"
+    with pytest.raises(InputError, match=r"\.metadata: read \d+ bytes, the contract binds \d+; the file changed after"):
+        evaluate(eval_cfg(critic, manifest, report), log=quiet)
+    assert not marker.exists() and not report.exists()
+
+    shutil.copy(last_save(trained[0]) / ".metadata", index)
+    shard = last_save(critic) / "__0_0.distcp"
+
+    def flip():
+        data = bytearray(shard.read_bytes())
+        data[-4096:] = bytes(b ^ 0xFF for b in data[-4096:])
+        shard.write_bytes(bytes(data))
+
+    _swap_after_the_driver_checked(monkeypatch, flip)
+    with pytest.raises(InputError, match=r"__0_0\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
+        train(cfg_for(manifest, critic, epochs=2), log=quiet)
+    assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [iter_dirname(4), iter_dirname(8)]
+
+
 # ---- defect 12: a deleted file is a clear refusal, before any worker starts ---------------------------------
 
 

@@ -55,7 +55,9 @@ def describe_folder(step_dir: str | Path) -> list[dict[str, Any]]:
     return files
 
 
-def _bound_files(contract: Mapping[str, Any], where: str) -> dict[str, tuple[int, str]]:
+def bound_files(contract: Mapping[str, Any], where: str) -> dict[str, tuple[int, str]]:
+    """relative path -> (size, sha256) of every file the contract binds; InputError when the
+    binding is absent or malformed."""
     files = contract.get(FIELD)
     if not isinstance(files, list) or not files:
         raise InputError(where, f"the contract binds no checkpoint files ({FIELD} = {show(files)}); it cannot be verified")
@@ -76,7 +78,7 @@ def checkpoint_differences(step_dir: str | Path, contract: Mapping[str, Any]) ->
     Sizes and names are compared first; a file is hashed only when its size matches."""
     root = Path(step_dir)
     where = str(root / CONTRACT_NAME)
-    bound = _bound_files(contract, where)
+    bound = bound_files(contract, where)
     diffs = []
     named = contract.get("checkpoint")
     if not isinstance(named, str) or PurePosixPath(named).name != root.name:

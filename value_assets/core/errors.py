@@ -20,6 +20,9 @@ class InputError(ValueError):
         self.message = message
         super().__init__(f"{self.where}: {message}" if self.where else message)
 
+    def __reduce__(self):  # pickled whole, e.g. from a Ray worker to its driver
+        return type(self), (self.where, self.message)
+
 
 def show(value: object, limit: int = 80) -> str:
     """A short printable rendering of an offending value for error messages."""

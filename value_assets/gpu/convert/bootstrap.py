@@ -59,14 +59,17 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
     if (folder / BACKBONE_JSON).is_file():
         from value_assets.core.contract import CONTRACT_NAME, load_verified
 
+        contract = None
         if (folder / CONTRACT_NAME).is_file():
-            load_verified(folder)  # a contracted save reused as a backbone: its files must match first
+            # A contracted save reused as a backbone: its files must match first, and the workers
+            # use only bytes that still match (gpu/runtime/checkpoint.py).
+            contract, _ = load_verified(folder)
         try:
             cfg = BackboneConfig.from_json(json.loads((folder / BACKBONE_JSON).read_text()))
         except (ValueError, TypeError) as exc:
             raise InputError(str(folder / BACKBONE_JSON), f"not a backbone config: {exc}") from None
         ident = {"kind": "megatron", "path": str(folder.resolve()), "sha256": _folder_digest(folder, ("*",))}
-        return cfg, {"kind": "megatron", "path": str(folder.resolve())}, ident
+        return cfg, {"kind": "megatron", "path": str(folder.resolve()), "contract": contract}, ident
     from value_assets.gpu.convert import megatron_lm
 
     if megatron_lm.is_megatron_lm_folder(folder):
@@ -115,12 +118,13 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        from value_assets.gpu.runtime.checkpoint import safe_byte_entries
+        from value_assets.gpu.runtime.checkpoint import checked_reads, safe_byte_entries
 
         safe_byte_entries()
         sd = module.sharded_state_dict(prefix="")
         backbone_sd = {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
-        loaded = dist_checkpointing.load({"model": backbone_sd}, source["path"], strict=StrictHandling.LOG_UNEXPECTED)
+        with checked_reads(source["path"], source.get("contract")) as strategies:
+            loaded = dist_checkpointing.load({"model": backbone_sd}, source["path"], strict=StrictHandling.LOG_UNEXPECTED, **strategies)
         result = module.load_state_dict(loaded["model"], strict=False)
         _check_only_head_missing(result.missing_keys, result.unexpected_keys, source["path"])
         return {"loaded": len(loaded["model"])}

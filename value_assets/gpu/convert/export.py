@@ -41,7 +41,7 @@ def _load_full_state(step_dir: Path, contract: dict[str, Any]):
     init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
     try:
         model = build_critic(backbone, objective, bf16=False)
-        load_model_weights(step_dir, model)
+        load_model_weights(step_dir, model, contract=contract)
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if hasattr(v, "detach")}
     finally:
         destroy()

@@ -131,11 +131,18 @@ def load_common(path: Path) -> Any:
 def load_dcp_metadata(path: Path) -> Any:
     """torch.distributed.checkpoint's `.metadata` index at `path`, restricted as described above."""
     try:
-        with open(path, "rb") as f:
-            return _Unpickler(f, str(path), opaque=False, allow_dcp=True).load()
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise InputError(str(path), "missing: not a torch_dist checkpoint folder") from None
+    return loads_dcp_metadata(data, str(path))
+
+
+def loads_dcp_metadata(data: bytes, where: str) -> Any:
+    """The `.metadata` index from bytes already read (and checked) by the caller; `where` names
+    them in errors."""
+    try:
+        return _Unpickler(io.BytesIO(data), where, opaque=False, allow_dcp=True).load()
     except InputError:
         raise
     except Exception as exc:
-        raise InputError(str(path), f"cannot be read: {type(exc).__name__}: {exc}") from None
+        raise InputError(where, f"cannot be read: {type(exc).__name__}: {exc}") from None

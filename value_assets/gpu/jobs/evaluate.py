@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
@@ -130,8 +129,9 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
     with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=contract["backbone_config"],
                        objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log,
                        placement_strategy=cfg.placement_strategy) as cluster:
-        verify_checkpoint(step_dir, contract)  # again, right before the workers deserialize it
-        loaded = cluster.call_all("load", str(step_dir), False)
+        # The files may have changed since `prepare` verified them: the workers use only bytes that
+        # match the contract (gpu/runtime/checkpoint.py).
+        loaded = cluster.call_all("load", str(step_dir), False, contract)
         if sorted(set(loaded)) != [contract["completed_steps"]]:
             raise InputError(str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}")
         for k, batch in enumerate(batches):

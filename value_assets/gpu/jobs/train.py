@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from value_assets.core.checkpoint_files import describe_folder, verify_checkpoint
+from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import (
     CONTRACT_NAME, build_contract, build_receipt, check_resume, existing_iterations, find_resume_point, iter_dirname,
     point_latest, read_latest, write_contract,
@@ -279,8 +279,9 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                        freeze=cfg.freeze, placement_strategy=cfg.placement_strategy) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
-            verify_checkpoint(prep.resume_dir, prep.resume_contract)  # again: the files may have changed while workers started
-            loaded = cluster.call_all("load", str(prep.resume_dir), True)
+            # The files may have changed since `prepare` verified them: the workers use only bytes
+            # that match the contract (gpu/runtime/checkpoint.py).
+            loaded = cluster.call_all("load", str(prep.resume_dir), True, prep.resume_contract)
             check_resume(prep.resume_contract, where=str(prep.resume_dir), manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
                          objective=objective_json, plan=plan, model=prep.backbone_identity, loaded_iterations=loaded)
         else:

@@ -6,19 +6,32 @@ folder must exist and be empty before saving (megatron refuses otherwise). psuti
 installed: without it `dist_checkpointing.save` hangs.
 
 All ranks call `save_critic` / `load_critic` collectively. Only tensors are stored (the iteration
-is a tensor too). On load, torch's reader still unpickles `.metadata` (the format's index), and its
-planner loads byte entries (megatron's `_extra_state`) with `weights_only=False`; we load those with
-`weights_only=True` (`safe_byte_entries`), and the driver verifies every file against the contract
-before any worker reads one (core/checkpoint_files.py).
+is a tensor too). Loading never runs pickled code and, given the contract, uses only bytes it has
+checked itself (docs/rules.md#checkpoint-binding): the driver verifies the folder before it reserves
+workers, but a file can change between that check and a worker's read, so each worker reads every
+file it needs whole, once, hashes it, and uses the bytes it kept only when size and sha256 match
+the contract (`_CheckedReader`). The index (`.metadata`) is unpickled from those bytes with a
+restricted unpickler (torch's checkpoint index classes only; gpu/convert/safe_pickle.py),
+`common.pt` with `torch.load(weights_only=True)`, and byte entries (megatron's `_extra_state`) with
+`weights_only=True` too (`safe_byte_entries`).
 """
-
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from value_assets.core.checkpoint_files import CONTRACT_NAME, bound_files
+from value_assets.core.errors import InputError
+
+_CHUNK = 8 << 20  # bytes hashed per read
 
 
 def _load_bytes_weights_only(self, read_item, value) -> None:
@@ -37,6 +50,193 @@ def safe_byte_entries() -> None:
     from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 
     MCoreLoadPlanner.load_bytes = _load_bytes_weights_only
+
+
+# ---- reading only checked bytes ------------------------------------------------------------------
+
+
+def _changed(path: Path, what: str) -> InputError:
+    return InputError(str(path), f"{what}; the file changed after the checkpoint was verified, nothing of it was used")
+
+
+def read_checked(path: Path, pin: tuple[int, str] | None, spans: list[tuple[int, int]] | None = None) -> dict[tuple[int, int], bytes]:
+    """Read `path` whole, once, hashing it, and keep the (offset, length) `spans` (all of it, as
+    span (0, -1), when None). With a `pin` (size, sha256) the kept bytes are returned only when
+    what was read matches it; without one (a backbone the user names, not a contracted save) as read."""
+    wanted = sorted(set(spans)) if spans is not None else None
+    parts: dict[tuple[int, int], list[bytes]] = {span: [] for span in wanted or []}
+    whole: list[bytes] = []
+    digest = hashlib.sha256()
+    pos, first = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            end = pos + len(chunk)
+            if wanted is None:
+                whole.append(chunk)
+            else:
+                while first < len(wanted) and sum(wanted[first]) <= pos:
+                    first += 1  # spans wholly before this chunk are complete
+                j = first
+                while j < len(wanted) and wanted[j][0] < end:
+                    off, length = wanted[j]
+                    lo, hi = max(off, pos), min(off + length, end)
+                    if lo < hi:
+                        parts[wanted[j]].append(chunk[lo - pos:hi - pos])
+                    j += 1
+            pos = end
+    if pin is not None:
+        size, sha = pin
+        if pos != size:
+            raise _changed(path, f"read {pos} bytes, the contract binds {size}")
+        if digest.hexdigest() != sha:
+            raise _changed(path, f"read sha256 {digest.hexdigest()}, the contract binds {sha}")
+    if wanted is None:
+        return {(0, -1): b"".join(whole)}
+    out = {span: b"".join(p) for span, p in parts.items()}
+    short = [span for span, data in out.items() if len(data) != span[1]]
+    if short:
+        raise InputError(str(path), f"ends at byte {pos}, before the index's entry at (offset, length) {short[0]}")
+    return out
+
+
+class _Unread:
+    """What `_CheckedReader` hands torch instead of an open file: only the checked slices are read."""
+
+    def __init__(self, relative_path: str):
+        self.relative_path = relative_path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _CheckedFileSystem:
+    """torch's FileSystem, except that opening a data file gives an `_Unread` (the bytes come from
+    `_CheckedReader`'s checked slices)."""
+
+    def __init__(self, fs: Any, root: Path):
+        self._fs, self._root = fs, root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def create_stream(self, path: Any, mode: str):
+        if mode != "rb":
+            raise PermissionError(f"{path}: a checkpoint is only read")
+        return _Unread(Path(path).relative_to(self._root).as_posix())
+
+
+class _CheckedReader(FileSystemReader):
+    """torch's file-system reader for a save whose files are `pins` (relative path -> (size, sha),
+    the contract's binding; None for an unpinned backbone folder).
+
+    `.metadata` is read whole, checked, and unpickled from those bytes with the restricted
+    unpickler; the data files are read file by file: each whole, once, hashed, keeping the slices
+    the load asked for, which torch then decodes (tensors with weights_only) only once the file
+    matched. A file the contract does not bind is never read."""
+
+    def __init__(self, path: str | os.PathLike, pins: Mapping[str, tuple[int, str]] | None):
+        super().__init__(path)
+        self._root = Path(path)
+        self._pins = pins
+        self._slices: dict[tuple[str, int, int], bytes] = {}
+        self.fs = _CheckedFileSystem(self.fs, self._root)
+
+    def _pin(self, rel: str) -> tuple[int, str] | None:
+        if self._pins is None:
+            return None
+        if rel not in self._pins:
+            raise InputError(str(self._root / rel), "the contract does not bind this file; it is not read")
+        return self._pins[rel]
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        from value_assets.gpu.convert.safe_pickle import loads_dcp_metadata
+
+        rel = Path(self._get_metadata_path(kwargs.get("rank"))).relative_to(self._root).as_posix()
+        path = self._root / rel
+        try:
+            data = read_checked(path, self._pin(rel))[(0, -1)]
+        except FileNotFoundError:
+            raise InputError(str(path), "missing: not a torch_dist checkpoint folder") from None
+        metadata = loads_dcp_metadata(data, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+        if not isinstance(file, _Unread):
+            raise TypeError("checkpoint data is read through _CheckedReader only")
+        return io.BytesIO(self._slices[(file.relative_path, sinfo.offset, sinfo.length)])
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        fut = None
+        for rel, items in per_file.items():  # one file's slices in memory at a time
+            spans = [(self.storage_data[i.storage_index].offset, self.storage_data[i.storage_index].length) for i in items]
+            kept = read_checked(self._root / rel, self._pin(rel), spans)
+            self._slices = {(rel, off, length): data for (off, length), data in kept.items()}
+            fut = super().read_data(dataclasses.replace(plan, items=items), planner)
+            fut.wait()
+            self._slices = {}
+        if fut is None:
+            fut = super().read_data(plan, planner)
+        return fut
+
+
+@contextlib.contextmanager
+def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -> Iterator[dict[str, Any]]:
+    """Keyword arguments for `dist_checkpointing.load` under which every byte megatron loads from
+    `path` comes through `_CheckedReader` (and `common.pt` through `_CheckedCommon`)."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    pins = None if contract is None else bound_files(contract, str(Path(path) / CONTRACT_NAME))
+    if not hasattr(mcore_torch, "_get_filesystem_reader") or not hasattr(FileSystemReader, "_slice_file"):
+        # Fail closed: never fall back to reads nobody checked.
+        raise RuntimeError("this megatron-core / torch reads torch_dist checkpoints through other functions than the "
+                           "checked reader replaces (strategies.torch._get_filesystem_reader, FileSystemReader._slice_file)")
+    original = mcore_torch._get_filesystem_reader
+    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: _CheckedReader(checkpoint_dir, pins)
+    try:
+        yield {"sharded_strategy": mcore_torch.TorchDistLoadShardedStrategy(), "common_strategy": _checked_common(pins)}
+    except CheckpointException as exc:  # torch gathers each rank's read error; a refusal is raised as itself
+        refusals = [err for err, _ in exc.failures.values() if isinstance(err, InputError)]
+        if refusals:
+            raise refusals[0] from None
+        raise
+    finally:
+        mcore_torch._get_filesystem_reader = original
+
+
+def _checked_common(pins: Mapping[str, tuple[int, str]] | None) -> Any:
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+
+    class _CheckedCommon(TorchCommonLoadStrategy):
+        """`common.pt` read whole, checked against its pin, then `torch.load(weights_only=True)`."""
+
+        def load_common(self, checkpoint_dir: str | Path) -> Any:
+            path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+            if pins is not None and COMMON_STATE_FNAME not in pins:
+                raise InputError(str(path), "the contract does not bind this file; it is not read")
+            try:
+                data = read_checked(path, None if pins is None else pins[COMMON_STATE_FNAME])[(0, -1)]
+            except FileNotFoundError as exc:
+                raise CheckpointingException(f"Common file {path} does not exist") from exc
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+        def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+            raise InputError(str(checkpoint_dir), "this checkpoint format stores objects in separate pickles; it is not read")
+
+    return _CheckedCommon()
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -86,9 +286,10 @@ def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
 
 
 def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
-                strict: bool = True) -> int:
+                strict: bool = True, contract: Mapping[str, Any] | None = None) -> int:
     """Load model (and optimizer when given) from `path` into the already-built modules, for any
-    TP size. Returns the stored iteration. Collective."""
+    TP size. Returns the stored iteration. Collective. With the save's `contract`, every byte used
+    is checked against it (see the module docstring)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -98,10 +299,9 @@ def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
     state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(0, dtype=torch.int64)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIMIZER_METADATA)
-    loaded = dist_checkpointing.load(
-        state, str(path),
-        strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED,
-    )
+    with checked_reads(path, contract) as strategies:
+        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED,
+                                         **strategies)
     m.load_state_dict(loaded["model"], strict=strict)
     if optimizer is not None:
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
@@ -130,15 +330,17 @@ def _own_adam_steps(optimizer: Any) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> int:
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, contract: Mapping[str, Any] | None = None) -> int:
     """Load only the model's tensors (forward-only use, export); every one must be in the
-    checkpoint, its optimizer state is left unread. Returns the stored iteration. Collective."""
+    checkpoint, its optimizer state is left unread. Returns the stored iteration. Collective.
+    `contract` as for `load_critic`."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     safe_byte_entries()
     m = _unwrap(model)
     state = {"model": _model_sharded_state_dict(m), "iteration": torch.tensor(0, dtype=torch.int64)}
-    loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
+    with checked_reads(path, contract) as strategies:
+        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED, **strategies)
     m.load_state_dict(loaded["model"], strict=True)
     return int(loaded["iteration"])

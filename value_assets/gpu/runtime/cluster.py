@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from value_assets.core.errors import InputError
 from value_assets.core.jobs import PLACEMENT_STRATEGIES
 from value_assets.core.warm_cluster import POOL_ENV
 
@@ -65,6 +66,10 @@ class Cluster:
             return ray.get(refs, timeout=timeout_s or self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise ClusterError(f"workers did not answer within {timeout_s or self.timeout_s:.0f} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, InputError):  # a worker's refusal is the job's refusal (exit 2, its message)
+                raise exc.cause from None
+            raise
 
 
 def _start_reaper() -> subprocess.Popen | None:

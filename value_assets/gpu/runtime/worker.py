@@ -114,16 +114,17 @@ class CriticWorker:
 
         return load_backbone_into(self._module(), source, tp=self.tp)
 
-    def load(self, path: str, with_optimizer: bool) -> int:
-        """Load a saved critic (model and, for a resume, optimizer); return its iteration."""
+    def load(self, path: str, with_optimizer: bool, contract: dict[str, Any]) -> int:
+        """Load a saved critic (model and, for a resume, optimizer); return its iteration. Only
+        bytes that match `contract` (the save's, verified by the driver) are used."""
         if with_optimizer:
             from value_assets.gpu.runtime.checkpoint import load_critic
 
-            return load_critic(path, self.model, self.optimizer)
+            return load_critic(path, self.model, self.optimizer, contract=contract)
         # Forward-only: the model's tensors must all be there; the optimizer state is left unread.
         from value_assets.gpu.runtime.checkpoint import load_model_weights
 
-        return load_model_weights(path, self.model)
+        return load_model_weights(path, self.model, contract=contract)
 
     def save(self, path: str, iteration: int) -> None:
         from value_assets.gpu.runtime.checkpoint import save_critic
