@@ -186,3 +186,43 @@ def test_two_gpu_layouts_train_like_one_gpu(tmp_path, layout):
         evs.append(ev.report["aggregates"]["trajectory"]["ev"])
     print(json.dumps({"layout": layout, "losses_one": one.losses, "losses_two": two.losses, "traj_ev": evs}))
     assert evs[0] == pytest.approx(evs[1], abs=1e-2)
+
+
+def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_refused(single_rank, tmp_path):
+    """megatron-core's loader on the GPU machine goes through the checked reader
+    (gpu/runtime/checkpoint.py): model and optimizer come back exactly, and a shard that no
+    longer matches the contract's binding is refused by name."""
+    from value_assets.core.checkpoint_files import describe_folder
+    from value_assets.core.errors import InputError
+    from value_assets.core.objective import Objective
+    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.packing import Row, pack_rows
+    from value_assets.gpu.runtime.checkpoint import load_critic, load_model_weights, save_critic
+    from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
+
+    obj = Objective()
+    rng = np.random.default_rng(0)
+    rows = [Row(row_id=i, tokens=rng.integers(2000, 49152, size=40), response_length=20, returns=np.full(20, float(i % 2)))
+            for i in range(16)]
+    ddp, opt = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3)
+    for _ in range(2):
+        optimizer_step(ddp, opt, pack_rows(rows, 4096), 16, obj)
+    save = tmp_path / "iter_0000002"
+    save.mkdir()
+    save_critic(save, ddp, opt, iteration=2)
+    contract = {"checkpoint_files": describe_folder(save)}
+
+    ddp2, opt2 = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3)
+    assert load_critic(save, ddp2, opt2, contract=contract) == 2
+    for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values()):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), name
+    after = [optimizer_step(m, o, pack_rows(rows, 4096), 16, obj)["loss"] for m, o in ((ddp, opt), (ddp2, opt2))]
+    assert after[0] == after[1]  # the optimizer state came back too
+
+    shard = next(save.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=rf"{shard.name}: read sha256 [0-9a-f]{{64}}, the contract binds"):
+        load_model_weights(save, build_critic(BackboneConfig.tiny(), obj), contract=contract)

@@ -194,50 +194,75 @@ class _CheckedReader(FileSystemReader):
 @contextlib.contextmanager
 def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -> Iterator[dict[str, Any]]:
     """Keyword arguments for `dist_checkpointing.load` under which every byte megatron loads from
-    `path` comes through `_CheckedReader` (and `common.pt` through `_CheckedCommon`)."""
+    `path` comes through `_CheckedReader` (and a `common.pt` through `_load_common`).
+
+    megatron-core opens a torch_dist folder through `strategies.torch._get_filesystem_reader` (0.19
+    also through the copy of that name in `serialization`, and reads a legacy `common.pt` through
+    `serialization.load_common`; 0.16 reads `common.pt` through the load's common strategy): each of
+    these present in this version is replaced for the load. Fails closed when none is found."""
+    import inspect
+
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
     from torch.distributed.checkpoint.api import CheckpointException
 
     pins = None if contract is None else bound_files(contract, str(Path(path) / CONTRACT_NAME))
     if not hasattr(mcore_torch, "_get_filesystem_reader") or not hasattr(FileSystemReader, "_slice_file"):
-        # Fail closed: never fall back to reads nobody checked.
         raise RuntimeError("this megatron-core / torch reads torch_dist checkpoints through other functions than the "
                            "checked reader replaces (strategies.torch._get_filesystem_reader, FileSystemReader._slice_file)")
-    original = mcore_torch._get_filesystem_reader
-    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: _CheckedReader(checkpoint_dir, pins)
+
+    def reader(checkpoint_dir: str | os.PathLike, *_args: Any, **_kwargs: Any) -> _CheckedReader:
+        return _CheckedReader(checkpoint_dir, pins)
+
+    replaced = [(module, "_get_filesystem_reader", reader) for module in (mcore_torch, serialization)
+                if hasattr(module, "_get_filesystem_reader")]
+    if hasattr(serialization, "load_common"):  # 0.19: a legacy common.pt
+        replaced.append((serialization, "load_common", lambda checkpoint_dir: _load_common(checkpoint_dir, pins)))
+    kwargs: dict[str, Any] = {"sharded_strategy": mcore_torch.TorchDistLoadShardedStrategy()}
+    if "common_strategy" in inspect.signature(serialization.load).parameters:  # 0.16
+        kwargs["common_strategy"] = _common_strategy(pins)
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
+    for module, name, fn in replaced:
+        setattr(module, name, fn)
     try:
-        yield {"sharded_strategy": mcore_torch.TorchDistLoadShardedStrategy(), "common_strategy": _checked_common(pins)}
+        yield kwargs
     except CheckpointException as exc:  # torch gathers each rank's read error; a refusal is raised as itself
         refusals = [err for err, _ in exc.failures.values() if isinstance(err, InputError)]
         if refusals:
             raise refusals[0] from None
         raise
     finally:
-        mcore_torch._get_filesystem_reader = original
+        for module, name, fn in originals:
+            setattr(module, name, fn)
 
 
-def _checked_common(pins: Mapping[str, tuple[int, str]] | None) -> Any:
+def _load_common(checkpoint_dir: str | os.PathLike, pins: Mapping[str, tuple[int, str]] | None) -> Any:
+    """`common.pt` read whole, checked against its pin, then `torch.load(weights_only=True)`."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+
+    name = "common.pt"
+    path = Path(checkpoint_dir) / name
+    if pins is not None and name not in pins:
+        raise InputError(str(path), "the contract does not bind this file; it is not read")
+    try:
+        data = read_checked(path, None if pins is None else pins[name])[(0, -1)]
+    except FileNotFoundError as exc:
+        raise CheckpointingException(f"Common file {path} does not exist") from exc
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _common_strategy(pins: Mapping[str, tuple[int, str]] | None) -> Any:
+    """megatron-core 0.16's common load strategy, reading through `_load_common`."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     class _CheckedCommon(TorchCommonLoadStrategy):
-        """`common.pt` read whole, checked against its pin, then `torch.load(weights_only=True)`."""
-
         def load_common(self, checkpoint_dir: str | Path) -> Any:
-            path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-            if pins is not None and COMMON_STATE_FNAME not in pins:
-                raise InputError(str(path), "the contract does not bind this file; it is not read")
-            try:
-                data = read_checked(path, None if pins is None else pins[COMMON_STATE_FNAME])[(0, -1)]
-            except FileNotFoundError as exc:
-                raise CheckpointingException(f"Common file {path} does not exist") from exc
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return _load_common(checkpoint_dir, pins)
 
         def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path) -> Any:
-            raise InputError(str(checkpoint_dir), "this checkpoint format stores objects in separate pickles; it is not read")
+            raise InputError(str(checkpoint_dir), "this checkpoint stores objects as separate pickles; they are not read")
 
     return _CheckedCommon()
-
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
