@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,9 @@ def test_real_megatron_lm_arguments_are_read(tmp_path):
         backbone_from_args({**read, "swiglu": read["attention_backend"]}, "common.pt")
     with pytest.raises(InputError, match="MoE backbones are not supported"):
         backbone_from_args({**read, "num_experts": 8}, "common.pt")
+    # Settings without a trace in the tensors, which the critic would silently compute otherwise.
+    for key, value in (("rotary_interleaved", True), ("rotary_percent", 0.5), ("apply_layernorm_1p", True),
+                       ("rotary_seq_len_interpolation_factor", 4), ("window_size", (4096, 0))):
+        with pytest.raises(InputError, match=rf"common\.pt: args\.{key}: is {re.escape(repr(value))}; the critic computes with"):
+            backbone_from_args({**read, key: value}, "common.pt")
+    assert backbone_from_args({**read, "rotary_interleaved": False, "rotary_percent": 1.0, "window_size": None}, "common.pt") == cfg

@@ -117,6 +117,14 @@ def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None
             raise InputError(f"{where}: args.{key}", f"is {show(get(key))}; the critic supports {want!r} only")
     if get("num_experts"):
         raise InputError(f"{where}: args.num_experts", f"is {get('num_experts')}; MoE backbones are not supported")
+    # Settings that change what the actor computes but leave no trace in its tensors: the critic
+    # (rotate-half RoPE over the whole head, full causal attention, plain RMSNorm weights) would
+    # load every tensor strictly and still compute something else, so these are refused here.
+    for key, plain in (("rotary_interleaved", False), ("rotary_percent", 1.0), ("apply_layernorm_1p", False),
+                       ("rotary_seq_len_interpolation_factor", None), ("window_size", None)):
+        value = get(key)
+        if value is not None and value != plain:
+            raise InputError(f"{where}: args.{key}", f"is {show(value)}; the critic computes with {plain!r} only")
     kw = {field: get(key) for key, field in _ARG_FIELDS.items()}
     missing = sorted(k for k, v in kw.items() if v is None)
     if missing:
