@@ -33,8 +33,8 @@ def ray_cluster():
     joins it instead of starting its own (it starts Ray only where none is initialized), and takes
     its workers from the session's worker pool.
 
-    Started on first use, ended with the session. (tests/dagster/test_dg_ray.py starts a cluster of
-    its own with `ray start`, on free ports, so the two never meet.)"""
+    Started on first use, ended with the session. (tests/dagster/test_dg_ray_multinode.py starts a
+    cluster of its own with `ray start`, on free ports, so the two never meet.)"""
     import ray
 
     from value_assets.core.warm_cluster import POOL_ENV
@@ -60,7 +60,7 @@ def ray_address():
     """The address of one local Ray cluster for GPU jobs run as subprocesses (they join it through
     RAY_ADDRESS instead of each starting Ray). It lives in a helper process, so Ray is not
     initialized in this one; ended with the module (by closing the helper's stdin, then by pid), so
-    it never overlaps tests/dagster/test_dg_ray.py's own cluster: two local Rays on one machine
+    it never overlaps tests/dagster/test_dg_ray_multinode.py's own cluster: two local Rays on one machine
     compete for the dashboard agent's fixed port and Ray job submission then finds no agent."""
     proc = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -90,7 +90,6 @@ SLOW_MODULES = (
     "tests/job/test_faults.py",
     "tests/engine/test_memory_features.py",
     "tests/engine/test_distributed.py",
-    "tests/dagster/test_dg_ray.py",
     "tests/job/test_memory_job.py",
     "tests/dagster/test_dg_postgres.py",
     "tests/job/test_warm_cluster.py",

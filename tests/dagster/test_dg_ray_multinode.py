@@ -1,6 +1,8 @@
-"""A real two-node Ray cluster on one machine: the GPU job (tiny backbone, gloo) submitted through
-the Ray launcher (dagster-ray's Pipes job client) from a real Dagster materialization of
-`critic_training`, its placement group spread over both nodes.
+"""The Ray launcher for real, on a real two-node Ray cluster on one machine: the GPU job (tiny
+backbone, gloo) submitted through the Ray launcher (dagster-ray's Pipes job client) from a real
+Dagster materialization of `critic_training`, its placement group spread over both nodes; then the
+whole `full` job through the same launcher with the Pipes stand-in as the GPU command, its messages
+read back from the job logs by dagster-ray's reader.
 
 The nodes are two raylets with distinct loopback addresses (head 127.0.0.3, second node 127.0.0.2,
 so rank 0 must be on the node that is *not* the driver's). Both are started with `ray start`
@@ -32,6 +34,7 @@ from value_assets.core.jobs import TrainJob
 from value_assets.gpu.runtime.cluster import rank_order
 
 ROOT = Path(__file__).resolve().parents[2]
+STANDIN = Path(__file__).resolve().with_name("pipes_standin.py")
 HEAD_IP, SECOND_IP = "127.0.0.3", "127.0.0.2"  # the second node sorts first: rank 0 is not on the head
 ROWS, G, STEPS = 16, 8, 2
 
@@ -111,11 +114,13 @@ def _placement(instance, run_id: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_node_ray_job_spreads_ranks_and_matches_one_node(ray_cluster, instance, test_resources, manifests_dir, register,
-                                                                 tmp_path):
+def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(ray_cluster, instance, test_resources, manifests_dir,
+                                                                          register, write_manifest, tmp_path):
     from dagster import materialize
 
     from value_assets.assets import batch_plan, critic_training, train_dataset, value_manifest
+    from value_assets.assets.common import latest_metadata
+    from value_assets.definitions import make_definitions
     from value_assets.gpu.jobs.train import train
     from value_assets.resources import RayJobLauncher
 
@@ -143,9 +148,21 @@ def test_two_node_ray_job_spreads_ranks_and_matches_one_node(ray_cluster, instan
                                 "critic_training": {"config": {"gpus": 2, "placement_strategy": "SPREAD"}}}})
         assert result.success, [e.message for e in result.all_events if e.is_failure]
         placement = _placement(instance, result.run_id)
+
+        # The whole graph (training, evaluation, gate, promotion) through the same launcher, the
+        # stand-in as the GPU command: every step's Pipes messages come back through Ray's job logs.
+        standin = RayJobLauncher(address=cluster.dashboard, command=[sys.executable, str(STANDIN)], env={
+            "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+            poll_interval_s=0.1, entrypoint_num_cpus=0)
+        (full_key,) = register(instance, test_resources, write_manifest(manifests_dir, "onray", standin={"ev": 0.5}))
+        full = make_definitions({**test_resources, "launcher": standin}).resolve_job_def("full").execute_in_process(
+            instance=instance, partition_key=full_key, raise_on_error=False)
+        assert full.success, [e.message for e in full.all_events if e.is_failure]
     finally:
         left = cluster.stop()
     assert not left, f"processes that outlived SIGKILL: {left}"
+    assert latest_metadata(instance, "critic_checkpoint", full_key)["steps"] == latest_metadata(instance, "batch_plan", full_key)["steps"] >= 1
+    assert latest_metadata(instance, "ev_report", full_key)["token_ev"] == pytest.approx(0.5)
 
     ranks = placement["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
