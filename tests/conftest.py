@@ -1,7 +1,4 @@
 import os
-import select
-import subprocess
-import sys
 
 import pytest
 
@@ -15,16 +12,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # torch, so every process the tests start (Ray workers, rank processes, jobs) inherits it.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-# A local Ray cluster owned by a helper process: prints its GCS address, ends it when stdin closes.
-_RAY_HEAD = """
-import sys
-import ray
-ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-print(ctx.address_info["gcs_address"], flush=True)
-sys.stdin.read()
-ray.shutdown()
-"""
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +31,7 @@ def ray_cluster():
     # Logical slots beyond the cores, so that a job with fresh workers (pool unset) fits beside the pool.
     previous = os.environ.get(POOL_ENV)
     os.environ[POOL_ENV] = "tests"
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -53,29 +40,6 @@ def ray_cluster():
             os.environ.pop(POOL_ENV, None)
         else:
             os.environ[POOL_ENV] = previous
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    """The address of one local Ray cluster for GPU jobs run as subprocesses (they join it through
-    RAY_ADDRESS instead of each starting Ray). It lives in a helper process, so Ray is not
-    initialized in this one; ended with the module (by closing the helper's stdin, then by pid), so
-    it never overlaps tests/dagster/test_dg_ray_multinode.py's own cluster: two local Rays on one machine
-    compete for the dashboard agent's fixed port and Ray job submission then finds no agent."""
-    proc = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 300)  # Ray starts in ~5 s; far longer on a loaded machine
-        address = proc.stdout.readline().strip() if ready else ""
-        if not address:
-            raise RuntimeError(f"the Ray helper gave no address within 300 s (exit code {proc.poll()})")
-        yield address
-    finally:
-        try:
-            proc.stdin.close()
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 # The slowest modules, slowest first (measured with `--durations`; keep roughly in order). Under

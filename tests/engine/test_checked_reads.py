@@ -88,3 +88,10 @@ def test_an_index_file_the_contract_does_not_bind_is_not_read(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"anything")
     with pytest.raises(InputError, match=r"\.metadata: the contract does not bind this file; it is not read"):
         _CheckedReader(tmp_path, {"common.pt": (1, "0" * 64)}).read_metadata()
+
+
+def test_a_file_gone_after_the_check_is_named(tmp_path):
+    from value_assets.gpu.runtime.checkpoint import _CheckedReader
+
+    with pytest.raises(InputError, match=r"\.metadata: missing; the file changed after the checkpoint was verified"):
+        _CheckedReader(tmp_path, {".metadata": (1, "0" * 64)}).read_metadata()

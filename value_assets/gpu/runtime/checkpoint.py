@@ -162,6 +162,8 @@ class _CheckedReader(FileSystemReader):
         try:
             data = read_checked(path, self._pin(rel))[(0, -1)]
         except FileNotFoundError:
+            if self._pins is not None:
+                raise _changed(path, "missing") from None
             raise InputError(str(path), "missing: not a torch_dist checkpoint folder") from None
         metadata = loads_dcp_metadata(data, str(path))
         if getattr(metadata, "storage_meta", None) is None:
@@ -181,7 +183,10 @@ class _CheckedReader(FileSystemReader):
         fut = None
         for rel, items in per_file.items():  # one file's slices in memory at a time
             spans = [(self.storage_data[i.storage_index].offset, self.storage_data[i.storage_index].length) for i in items]
-            kept = read_checked(self._root / rel, self._pin(rel), spans)
+            try:
+                kept = read_checked(self._root / rel, self._pin(rel), spans)
+            except FileNotFoundError:
+                raise _changed(self._root / rel, "missing") from None
             self._slices = {(rel, off, length): data for (off, length), data in kept.items()}
             fut = super().read_data(dataclasses.replace(plan, items=items), planner)
             fut.wait()
