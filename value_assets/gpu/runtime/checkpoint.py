@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import io
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -180,17 +181,29 @@ class _CheckedReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        fut = None
-        for rel, items in per_file.items():  # one file's slices in memory at a time
-            spans = [(self.storage_data[i.storage_index].offset, self.storage_data[i.storage_index].length) for i in items]
+        def checked(rel: str) -> dict[tuple[int, int], bytes]:
+            infos = [self.storage_data[i.storage_index] for i in per_file[rel]]
             try:
-                kept = read_checked(self._root / rel, self._pin(rel), spans)
+                return read_checked(self._root / rel, self._pin(rel), [(m.offset, m.length) for m in infos])
             except FileNotFoundError:
                 raise _changed(self._root / rel, "missing") from None
-            self._slices = {(rel, off, length): data for (off, length), data in kept.items()}
-            fut = super().read_data(dataclasses.replace(plan, items=items), planner)
-            fut.wait()
-            self._slices = {}
+
+        fut = None
+        # Files are hashed in parallel (hashlib and file reads release the GIL; one file's hash is
+        # sequential), and decoded in order as each is checked.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(per_file), os.cpu_count() or 1, 8))) as pool:
+            pending = {rel: pool.submit(checked, rel) for rel in per_file}
+            try:
+                for rel, items in per_file.items():
+                    kept = pending.pop(rel).result()
+                    self._slices = {(rel, off, length): data for (off, length), data in kept.items()}
+                    del kept
+                    fut = super().read_data(dataclasses.replace(plan, items=items), planner)
+                    fut.wait()
+                    self._slices = {}
+            finally:
+                for later in pending.values():
+                    later.cancel()
         if fut is None:
             fut = super().read_data(plan, planner)
         return fut
