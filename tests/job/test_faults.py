@@ -163,17 +163,17 @@ def test_shards_of_another_step_are_refused(critic, manifest, no_cluster):
 
 
 
-def _swap_after_the_driver_checked(monkeypatch, swap):
+def _swap_after_the_driver_checked(monkeypatch, swap, method: str = "load"):
     """Run `swap()` in the window an attacker with write access has: after the driver verified the
-    save and its workers started, right before the workers read the files."""
+    save and its workers started, right before the workers read the files (`method`)."""
     from value_assets.gpu.runtime.cluster import Cluster
 
     call_all = getattr(Cluster.call_all, "__wrapped__", Cluster.call_all)  # one swap at a time
 
-    def planted(self, method, *args, **kwargs):
-        if method == "load":
+    def planted(self, called, *args, **kwargs):
+        if called == method:
             swap()
-        return call_all(self, method, *args, **kwargs)
+        return call_all(self, called, *args, **kwargs)
 
     planted.__wrapped__ = call_all
     monkeypatch.setattr(Cluster, "call_all", planted)
@@ -203,6 +203,23 @@ def test_a_file_swapped_after_the_driver_checked_it_is_never_used(ray_cluster, t
         train(cfg_for(manifest, critic, epochs=2), log=quiet)
     assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [iter_dirname(4), iter_dirname(8)]
 
+
+
+def test_a_critic_reused_as_backbone_is_read_through_the_same_check(ray_cluster, critic, manifest, tmp_path, monkeypatch):
+    """A contracted save named as another critic's backbone: its workers check its bytes against its
+    contract too (gpu/convert/bootstrap.py), so a shard swapped after the driver's check is refused."""
+    shard = last_save(critic) / "__0_1.distcp"
+
+    def flip():
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+
+    _swap_after_the_driver_checked(monkeypatch, flip, method="bootstrap")
+    out = tmp_path / "next"
+    with pytest.raises(InputError, match=r"__0_1\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
+        train(cfg_for(manifest, out, backbone=str(last_save(critic)), stop_after=1), log=quiet)
+    assert read_latest(out) is None and not list(out.glob("iter_*"))
 
 # ---- defect 12: a deleted file is a clear refusal, before any worker starts ---------------------------------
 
