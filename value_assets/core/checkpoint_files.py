@@ -48,12 +48,19 @@ def describe_folder(step_dir: str | Path) -> list[dict[str, Any]]:
     root = Path(step_dir)
     if not root.is_dir() or root.is_symlink():
         raise InputError(str(root), "checkpoint folder does not exist (or is a symlink)")
-    files = []
-    for rel, st in sorted(_walk(root).items()):
+    found = sorted(_walk(root).items())
+    for rel, st in found:
         if not stat.S_ISREG(st.st_mode):
             raise InputError(str(root / rel), "a checkpoint may hold only regular files (a symlink is never followed)")
-        files.append({"path": rel, "size": int(st.st_size), "sha256": sha256_file(root / rel)})
-    return files
+    shas = _sha256_files(root, [rel for rel, _ in found])
+    return [{"path": rel, "size": int(st.st_size), "sha256": shas[rel]} for rel, st in found]
+
+
+def _sha256_files(root: Path, rels: list[str]) -> dict[str, str]:
+    """relative path -> sha256 of each file under `root`, hashed in parallel (hashlib and file
+    reads release the GIL): a save is a few large files."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(rels), os.cpu_count() or 1, 8))) as pool:
+        return dict(zip(rels, pool.map(lambda rel: sha256_file(root / rel), rels)))
 
 
 def bound_files(contract: Mapping[str, Any], where: str) -> dict[str, tuple[int, str]]:
@@ -93,9 +100,7 @@ def checkpoint_differences(step_dir: str | Path, contract: Mapping[str, Any]) ->
         diffs.append(f"extra file {rel}")
     common = sorted(set(bound) & set(present))
     to_hash = [rel for rel in common if stat.S_ISREG(present[rel].st_mode) and present[rel].st_size == bound[rel][0]]
-    # Hashed in parallel (hashlib and file reads release the GIL): a save is a few large files.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(to_hash), os.cpu_count() or 1, 8))) as pool:
-        actual = dict(zip(to_hash, pool.map(lambda rel: sha256_file(root / rel), to_hash)))
+    actual = _sha256_files(root, to_hash)
     for rel in common:
         st = present[rel]
         size, sha = bound[rel]

@@ -15,6 +15,7 @@ restricted unpickler (torch's checkpoint index classes only; gpu/convert/safe_pi
 `common.pt` with `torch.load(weights_only=True)`, and byte entries (megatron's `_extra_state`) with
 `weights_only=True` too (`safe_byte_entries`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -181,6 +182,7 @@ class _CheckedReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+
         def checked(rel: str) -> dict[tuple[int, int], bytes]:
             infos = [self.storage_data[i.storage_index] for i in per_file[rel]]
             try:
@@ -281,6 +283,7 @@ def _common_strategy(pins: Mapping[str, tuple[int, str]] | None) -> Any:
             raise InputError(str(checkpoint_dir), "this checkpoint stores objects as separate pickles; they are not read")
 
     return _CheckedCommon()
+
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
