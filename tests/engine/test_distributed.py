@@ -144,9 +144,51 @@ def test_pipeline_layouts_match_one_stage(request, one_stage, world, tp, pp):
 def in_process(fn, *args):
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
-    init_distributed(0, 1, master_port=free_port(), seed=1234)
+    init_distributed(0, 1, master_port=0, seed=1234)  # 0: rank 0's store binds a free port itself
     try:
         fn(0, 1, 1, *args)
+    finally:
+        destroy()
+
+
+@pytest.mark.timeout(60)
+def test_rank_zero_holds_the_rendezvous_port_it_reports_until_it_joins(monkeypatch):
+    """A port found free and then closed can be taken by any process before rank 0 binds it (seen
+    under load: EADDRINUSE in a worker's setup). The port rank 0 reports is already its store's."""
+    import errno
+    import os
+    import socket
+
+    from value_assets.core.objective import Objective
+    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed, open_rendezvous
+    from value_assets.gpu.runtime.worker import RENDEZVOUS_ADDR_ENV, CriticWorker
+
+    def taken(host: str, port: int) -> bool:
+        with socket.socket() as other:
+            try:
+                other.bind((host, port))
+            except OSError as e:
+                assert e.errno == errno.EADDRINUSE, e
+                return True
+            return False
+
+    monkeypatch.setenv(RENDEZVOUS_ADDR_ENV, "127.0.0.1")
+    worker = CriticWorker(rank=0, world_size=1, tp=1, pp=1, seed=0, backbone=BackboneConfig.tiny().to_json(),
+                          objective=Objective().canonical())
+    host, port = worker.address()
+    assert host == "127.0.0.1" and taken(host, port)
+    worker.shutdown()  # drops the store unused: the port is free again
+    assert not taken(host, port)
+
+    store = open_rendezvous("127.0.0.1")
+    assert taken("127.0.0.1", store.port)
+    init_distributed(0, 1, "127.0.0.1", store.port, seed=1234, store=store)
+    try:
+        assert os.environ["MASTER_PORT"] == str(store.port)
+        t = torch.ones(3)
+        torch.distributed.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
     finally:
         destroy()
 

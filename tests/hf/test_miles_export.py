@@ -32,12 +32,12 @@ def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = Non
     from value_assets.core.plan import build_plan
     from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward, init_layout_invariant
     from value_assets.gpu.runtime.checkpoint import save_critic
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     cfg = BackboneConfig.tiny(family="qwen2", vocab_size=256, max_seq_len=64)
     step = root / iter_dirname(STEPS)
     step.mkdir(parents=True)
-    init_distributed(0, 1, "127.0.0.1", free_port())
+    init_distributed(0, 1, "127.0.0.1", 0)
     try:
         model = build_critic(cfg, objective, bf16=False).eval()
         init_layout_invariant(model, 0)
@@ -106,11 +106,11 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
     # ... and a critic bootstrapped from the export (head copied in) gives the engine's values.
     from value_assets.gpu.convert.bootstrap import load_backbone_into, resolve_backbone
     from value_assets.gpu.model.critic import build_critic, critic_forward
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     boot_cfg, source, ident = resolve_backbone(str(out))
     assert boot_cfg == cfg and ident["layer_spec"] == spec
-    init_distributed(0, 1, "127.0.0.1", free_port())
+    init_distributed(0, 1, "127.0.0.1", 0)
     try:
         model = build_critic(boot_cfg, Objective(loss_type="mse"), bf16=False).eval()
         load_backbone_into(model, source, tp=1)

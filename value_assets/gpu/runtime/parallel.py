@@ -31,11 +31,14 @@ def init_distributed(
     seed: int = 1234,
     timeout_s: float = 600.0,
     local_rank: Optional[int] = None,
+    store: Optional["torch.distributed.TCPStore"] = None,
 ) -> None:
     """Join the process group and build megatron's parallel state (dp = world / (tp * pp)).
 
-    On CUDA the device is `local_rank` (default: rank modulo visible devices); on CPU the megatron
-    compatibility layer is applied first.
+    The rendezvous is a TCP store at `master_addr:master_port`, served by rank 0: `store` is the
+    one `open_rendezvous` already bound (rank 0), else rank 0 binds the port here (0: any free one)
+    and the other ranks connect to it. On CUDA the device is `local_rank` (default: rank modulo
+    visible devices); on CPU the megatron compatibility layer is applied first.
     """
     if world_size % (tp * pp):
         raise ValueError(f"world_size {world_size} not divisible by tp*pp = {tp}*{pp}")
@@ -50,16 +53,14 @@ def init_distributed(
     from megatron.core import parallel_state as ps
 
     if not torch.distributed.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = torch.distributed.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
+                                               wait_for_workers=False)
         # Assigned, not defaulted: a pooled worker joins a new rendezvous for every job.
         os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port)
-        torch.distributed.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        os.environ["MASTER_PORT"] = str(store.port)
+        torch.distributed.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
     )
@@ -77,8 +78,18 @@ def destroy() -> None:
             torch.distributed.destroy_process_group()
 
 
+def open_rendezvous(host: str, timeout_s: float = 600.0) -> "torch.distributed.TCPStore":
+    """Rank 0's rendezvous store, listening from now on a port the system picks (`.port`), for
+    `init_distributed(store=...)`. Bound before its port is told to anyone, so no other process
+    can take the port in between (as it could with `free_port`, whose port is free only until
+    it is closed: seen as EADDRINUSE under load)."""
+    return torch.distributed.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                      wait_for_workers=False)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on `host` (an address of this machine; default loopback, for tests)."""
+    """An unused TCP port on `host` (an address of this machine; default loopback, for tests),
+    free until someone else binds it: a rank 0 in this process uses `open_rendezvous` instead."""
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -44,6 +44,7 @@ class CriticWorker:
         self.model = None
         self.optimizer = None
         self._lease: dict[str, Any] | None = None
+        self._rendezvous = None  # rank 0: the store `address` bound, until `setup` joins through it
         if job:
             self.configure(**job)
 
@@ -71,11 +72,13 @@ class CriticWorker:
 
     # -- setup ------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
-        """Rank 0's rendezvous: its node's address and a port free on that address."""
-        from value_assets.gpu.runtime.parallel import free_port
+        """Rank 0's rendezvous: its node's address and the port of the store it now listens on
+        (held until `setup`, so that no other process takes the port in between)."""
+        from value_assets.gpu.runtime.parallel import open_rendezvous
 
         host = node_address()
-        return host, free_port(host)
+        self._rendezvous = open_rendezvous(host)
+        return host, self._rendezvous.port
 
     def setup(self, master_addr: str, master_port: int, *, train: bool, lr: float, weight_decay: float,
               clip_grad: float, timeout_s: float) -> dict[str, Any]:
@@ -85,8 +88,9 @@ class CriticWorker:
         from value_assets.gpu.model.critic import BackboneConfig, build_critic
         from value_assets.gpu.runtime.parallel import init_distributed
 
+        store, self._rendezvous = (self._rendezvous if self.rank == 0 else None), None
         init_distributed(self.rank, self.world_size, master_addr, master_port, tp=self.tp, pp=self.pp,
-                         seed=self.seed, timeout_s=timeout_s)
+                         seed=self.seed, timeout_s=timeout_s, store=store)
         from megatron.core import parallel_state as ps
 
         torch.manual_seed(self.seed)
@@ -172,6 +176,7 @@ class CriticWorker:
     def shutdown(self) -> None:
         from value_assets.gpu.runtime.parallel import destroy
 
+        self._rendezvous = None
         destroy()
 
     # -- pooled use (cluster.start_workers with a worker pool) --------------------------------
