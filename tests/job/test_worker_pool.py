@@ -1,5 +1,6 @@
 """Warm workers (`cluster.WorkerPool`): jobs on a cluster that outlives them reuse the same worker
-processes, and a reused worker trains bitwise like a fresh one. A failed job ends the pool; a pool
+processes, and a reused worker trains bitwise like a fresh one. A failed job ends the pool (a
+refusal raised by the driver between worker calls does not); a pool
 another live job holds is waited for (and refused after the job's timeout); a job of another shape
 replaces it."""
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.job.jobtest_helpers import tiny_train_job
 from value_assets.core.demo_data import make_demo_data
+from value_assets.core.errors import InputError
 from value_assets.gpu.jobs.train import train
 from value_assets.gpu.runtime.cluster import POOL_ENV, POOL_NAMESPACE, WorkerPool
 from value_assets.gpu.runtime.worker import CriticWorker
@@ -86,8 +88,8 @@ def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool_name, 
 
 def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(pool, manifest, tmp_path):
     """One flow, so that each pool start (fresh processes importing torch and megatron) serves
-    several checks: held -> waited for and refused; another shape -> replaced; a failed job on
-    that pool -> ended, and the next job starts fresh processes."""
+    several checks: held -> waited for and refused; another shape -> replaced; a job refused by
+    its driver -> kept; a failed job on that pool -> ended, and the next job starts fresh processes."""
     import socket
 
     import ray
@@ -112,7 +114,19 @@ def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a
     with pytest.raises(ValueError):
         ray.get_actor(f"{pool}-w1", namespace=POOL_NAMESPACE)  # the two-worker pool is gone
 
-    # A failed job ends the pool (here the one-worker pool it reused); the next starts fresh processes.
+    # A refusal the driver raises between worker calls (as when the data changes mid-run) leaves
+    # the workers as a clean job does: they are released and the pool is kept.
+    def refuse(step, _metrics):
+        if step == 2:
+            raise InputError("step 2", "planted refusal")
+
+    refused = Log()
+    with pytest.raises(InputError, match="planted refusal"):
+        train(tiny_train_job(manifest, tmp_path / "r", gpus=1, stop_after=3), log=refused, on_step=refuse)
+    assert refused.source() == f"{pool} (reused)" and refused.pids() == one.pids()
+    assert pool_workers_alive(pool)
+
+    # Any other failure ends the pool (here the one-worker pool it reused); the next starts fresh processes.
     def fail(step, _metrics):
         if step == 2:
             raise RuntimeError("planted failure")

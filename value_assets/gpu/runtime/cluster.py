@@ -37,6 +37,7 @@ class Cluster:
     infos: list[dict[str, Any]]
     timeout_s: float
     rendezvous: str = ""  # host:port of rank 0's torch.distributed store
+    in_flight: bool = False  # a call was made that has not returned on every rank
 
     @property
     def world_size(self) -> int:
@@ -62,8 +63,11 @@ class Cluster:
     def _get(self, refs, timeout_s):
         import ray
 
+        self.in_flight = True
         try:
-            return ray.get(refs, timeout=timeout_s or self.timeout_s)
+            results = ray.get(refs, timeout=timeout_s or self.timeout_s)
+            self.in_flight = False
+            return results
         except ray.exceptions.GetTimeoutError:
             raise ClusterError(f"workers did not answer within {timeout_s or self.timeout_s:.0f} s") from None
         except ray.exceptions.RayTaskError as exc:
@@ -175,7 +179,8 @@ class WorkerPool:
     cleanly, `release`s them: process group, parallel state, model and optimizer are gone, torch and
     megatron stay imported. A pool of another shape (world size, bundle, strategy) is replaced; a
     pool whose lease a live job holds is waited for, like any reservation; a job that
-    fails ends the pool, so the next starts from fresh processes.
+    fails ends the pool, so the next starts from fresh processes, unless the failure is a refusal
+    the driver raised with no call to the workers outstanding (they are then as after a clean job).
     """
 
     def __init__(self, name: str, actors: list[Any], token: str, reused: bool):
@@ -340,7 +345,13 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
         log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, pp {pp}, {'GPU' if use_gpu else 'CPU'} bundles "
             f"on {nodes} node(s) ({placement_strategy}), rendezvous {addr}:{port}{source}")
         log("placement " + json.dumps(cluster.placement(), sort_keys=True))
-        yield cluster
+        try:
+            yield cluster
+        except InputError:
+            # A refusal the driver raised while every call it made had returned on every rank (the
+            # data changed mid-run, ...): the workers are as after a clean job, so a pool is kept.
+            ok = not cluster.in_flight
+            raise
         ok = True
     finally:
         if pool is not None:
