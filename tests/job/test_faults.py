@@ -163,64 +163,6 @@ def test_shards_of_another_step_are_refused(critic, manifest, no_cluster):
 
 
 
-def _swap_after_the_driver_checked(monkeypatch, swap, method: str = "load"):
-    """Run `swap()` in the window an attacker with write access has: after the driver verified the
-    save and its workers started, right before the workers read the files (`method`)."""
-    from value_assets.gpu.runtime.cluster import Cluster
-
-    call_all = getattr(Cluster.call_all, "__wrapped__", Cluster.call_all)  # one swap at a time
-
-    def planted(self, called, *args, **kwargs):
-        if called == method:
-            swap()
-        return call_all(self, called, *args, **kwargs)
-
-    planted.__wrapped__ = call_all
-    monkeypatch.setattr(Cluster, "call_all", planted)
-
-
-def test_a_file_swapped_after_the_driver_checked_it_is_never_used(ray_cluster, trained, critic, manifest, tmp_path, monkeypatch):
-    """The workers use only bytes they checked themselves: a pickle planted as the index is never
-    unpickled (evaluation), a changed weight shard is never loaded (resume)."""
-    marker = tmp_path / "pwned"
-    index = last_save(critic) / ".metadata"
-    _swap_after_the_driver_checked(monkeypatch, lambda: index.write_bytes(pickle.dumps(_Payload(marker))))
-    report = tmp_path / "ev.json"
-    with pytest.raises(InputError, match=r"\.metadata: read \d+ bytes, the contract binds \d+; the file changed after"):
-        evaluate(eval_cfg(critic, manifest, report), log=quiet)
-    assert not marker.exists() and not report.exists()
-
-    shutil.copy(last_save(trained[0]) / ".metadata", index)
-    shard = last_save(critic) / "__0_0.distcp"
-
-    def flip():
-        data = bytearray(shard.read_bytes())
-        data[-4096:] = bytes(b ^ 0xFF for b in data[-4096:])
-        shard.write_bytes(bytes(data))
-
-    _swap_after_the_driver_checked(monkeypatch, flip)
-    with pytest.raises(InputError, match=r"__0_0\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
-        train(cfg_for(manifest, critic, epochs=2), log=quiet)
-    assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [iter_dirname(4), iter_dirname(8)]
-
-
-
-def test_a_critic_reused_as_backbone_is_read_through_the_same_check(ray_cluster, critic, manifest, tmp_path, monkeypatch):
-    """A contracted save named as another critic's backbone: its workers check its bytes against its
-    contract too (gpu/convert/bootstrap.py), so a shard swapped after the driver's check is refused."""
-    shard = last_save(critic) / "__0_1.distcp"
-
-    def flip():
-        data = bytearray(shard.read_bytes())
-        data[-1] ^= 1
-        shard.write_bytes(bytes(data))
-
-    _swap_after_the_driver_checked(monkeypatch, flip, method="bootstrap")
-    out = tmp_path / "next"
-    with pytest.raises(InputError, match=r"__0_1\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
-        train(cfg_for(manifest, out, backbone=str(last_save(critic)), stop_after=1), log=quiet)
-    assert read_latest(out) is None and not list(out.glob("iter_*"))
-
 # ---- defect 12: a deleted file is a clear refusal, before any worker starts ---------------------------------
 
 
@@ -285,8 +227,8 @@ def test_a_deleted_latest_recovers_too(critic, manifest, no_cluster):
 
 
 # ---- defect 13: kill and resume ---------------------------------------------------------------------------------------
-# Before the tests whose jobs fail: a failed job ends the session's worker pool, and this one would
-# then start fresh worker processes.
+# Before the tests whose jobs a worker refuses: that ends the session's worker pool, and this job
+# would then start fresh worker processes.
 
 
 def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_run(critic, manifest, trained, tmp_path):
@@ -308,9 +250,72 @@ def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_r
     assert diff <= WEIGHT_ATOL
 
 
+# ---- defect 3, after the driver's check: files swapped while the workers start ----------------------------
+# Each of these jobs is refused by a worker, which ends the session's worker pool.
+
+
+def _swap_after_the_driver_checked(monkeypatch, swap, method: str = "load"):
+    """Run `swap()` in the window an attacker with write access has: after the driver verified the
+    save and its workers started, right before the workers read the files (`method`)."""
+    from value_assets.gpu.runtime.cluster import Cluster
+
+    call_all = getattr(Cluster.call_all, "__wrapped__", Cluster.call_all)  # one swap at a time
+
+    def planted(self, called, *args, **kwargs):
+        if called == method:
+            swap()
+        return call_all(self, called, *args, **kwargs)
+
+    planted.__wrapped__ = call_all
+    monkeypatch.setattr(Cluster, "call_all", planted)
+
+
+def test_a_file_swapped_after_the_driver_checked_it_is_never_used(ray_cluster, trained, critic, manifest, tmp_path, monkeypatch):
+    """The workers use only bytes they checked themselves: a pickle planted as the index is never
+    unpickled (evaluation), a changed weight shard is never loaded (resume)."""
+    marker = tmp_path / "pwned"
+    index = last_save(critic) / ".metadata"
+    _swap_after_the_driver_checked(monkeypatch, lambda: index.write_bytes(pickle.dumps(_Payload(marker))))
+    report = tmp_path / "ev.json"
+    with pytest.raises(InputError, match=r"\.metadata: read \d+ bytes, the contract binds \d+; the file changed after"):
+        evaluate(eval_cfg(critic, manifest, report), log=quiet)
+    assert not marker.exists() and not report.exists()
+
+    shutil.copy(last_save(trained[0]) / ".metadata", index)
+    shard = last_save(critic) / "__0_0.distcp"
+
+    def flip():
+        data = bytearray(shard.read_bytes())
+        data[-4096:] = bytes(b ^ 0xFF for b in data[-4096:])
+        shard.write_bytes(bytes(data))
+
+    _swap_after_the_driver_checked(monkeypatch, flip)
+    with pytest.raises(InputError, match=r"__0_0\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
+        train(cfg_for(manifest, critic, epochs=2), log=quiet)
+    assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [iter_dirname(4), iter_dirname(8)]
+
+
+
+def test_a_critic_reused_as_backbone_is_read_through_the_same_check(ray_cluster, critic, manifest, tmp_path, monkeypatch):
+    """A contracted save named as another critic's backbone: its workers check its bytes against its
+    contract too (gpu/convert/bootstrap.py), so a shard swapped after the driver's check is refused."""
+    shard = last_save(critic) / "__0_1.distcp"
+
+    def flip():
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+
+    _swap_after_the_driver_checked(monkeypatch, flip, method="bootstrap")
+    out = tmp_path / "next"
+    with pytest.raises(InputError, match=r"__0_1\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
+        train(cfg_for(manifest, out, backbone=str(last_save(critic)), stop_after=1, gpus=1), log=quiet)
+    assert read_latest(out) is None and not list(out.glob("iter_*"))
+
+
 # ---- defect 4: the training data changes mid-run --------------------------------------------------------------
-# The driver checks the data, so one worker is enough; each failed job ends the pool, and the next
-# job starts its workers afresh (one process here instead of two).
+# The driver checks the data, so one worker is enough; its refusal keeps the pool of one worker
+# (started here), which the next two tests reuse.
 
 
 def _swap_labels(path: Path) -> None:
@@ -375,7 +380,7 @@ def test_disk_full_during_a_save_is_a_clear_refusal(ray_cluster, manifest, tmp_p
     try:
         out = small / "critic"
         with pytest.raises(InputError, match=r"iter_0000001: no space left on device \(ENOSPC\)") as ei:
-            train(cfg_for(manifest, out, stop_after=1), log=quiet)
+            train(cfg_for(manifest, out, stop_after=1, gpus=1), log=quiet)
         assert "nothing was published" in ei.value.message
         assert read_latest(out) is None and not list(out.glob("iter_*"))
     finally:
