@@ -14,51 +14,104 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+class _SessionRay:
+    """The local Ray cluster the tests that run the GPU job in this process share (`ray_cluster`):
+    started before the first test that needs it, stopped when this process moves on to a module
+    with no such test (an idle Ray, its agents and the pool's workers, costs 5-10% of a core for as
+    long as it runs), started again if a later module needs it."""
+
+    def __init__(self):
+        self.running = False
+        self.previous_pool: str | None = None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        import ray
+
+        from value_assets.core.warm_cluster import POOL_ENV
+
+        # Jobs in this process share one worker pool (gpu/runtime/cluster.py `WorkerPool`): after the
+        # first job of a shape, no worker process starts and nothing imports torch or megatron again.
+        # Logical slots beyond the cores, so that a job with fresh workers (pool unset) fits beside the pool.
+        self.previous_pool = os.environ.get(POOL_ENV)
+        os.environ[POOL_ENV] = "tests"
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        self.running = True
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        import ray
+
+        from value_assets.core.warm_cluster import POOL_ENV
+
+        self.running = False
+        ray.shutdown()
+        if self.previous_pool is None:
+            os.environ.pop(POOL_ENV, None)
+        else:
+            os.environ[POOL_ENV] = self.previous_pool
+
+
+SESSION_RAY = _SessionRay()
+# Modules with a test that uses `ray_cluster` (filled at collection).
+RAY_MODULES: set[str] = set()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for every test that runs the GPU job in this process; `start_workers`
     joins it instead of starting its own (it starts Ray only where none is initialized), and takes
     its workers from the session's worker pool.
 
-    Started on first use, ended with the session. (tests/dagster/test_dg_ray_multinode.py starts a
-    cluster of its own with `ray start`, on free ports, so the two never meet.)"""
-    import ray
-
-    from value_assets.core.warm_cluster import POOL_ENV
-
-    # Jobs in this process share one worker pool (gpu/runtime/cluster.py `WorkerPool`): after the
-    # first job of a shape, no worker process starts and nothing imports torch or megatron again.
-    # Logical slots beyond the cores, so that a job with fresh workers (pool unset) fits beside the pool.
-    previous = os.environ.get(POOL_ENV)
-    os.environ[POOL_ENV] = "tests"
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    Running while this process is on a module that uses it (`_SessionRay`). (tests/dagster/
+    test_dg_ray_multinode.py starts a cluster of its own with `ray start`, on free ports, so the two
+    never meet.)"""
+    SESSION_RAY.start()
     try:
         yield
     finally:
-        ray.shutdown()
-        if previous is None:
-            os.environ.pop(POOL_ENV, None)
-        else:
-            os.environ[POOL_ENV] = previous
+        SESSION_RAY.stop()
 
 
-# The slowest modules, slowest first (measured with `--durations`; keep roughly in order). Under
-# `make test` (pytest-xdist, a module per worker at a time) they are handed out first, so the run
-# does not end with one worker alone on a long module while the other idles.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of a module that uses the session's Ray (module fixtures train on it)."""
+    if item.nodeid.split("::", 1)[0] in RAY_MODULES:
+        SESSION_RAY.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a module that used the session's Ray, if the next module does not."""
+    yield
+    if SESSION_RAY.running and (nextitem is None or nextitem.nodeid.split("::", 1)[0] not in RAY_MODULES):
+        SESSION_RAY.stop()
+
+
+# The slowest modules, in the order they are handed out (measured with `--durations`; keep roughly
+# in order). Under `make test` (pytest-xdist, a module per worker at a time) they go first, so the
+# run does not end with one worker alone on a long module while the other idles. Those on the
+# session's Ray (RAY_MODULES) come first and together: each worker then stops its Ray once, early
+# (`_SessionRay`), instead of keeping it idle to the end or starting it again.
 SLOW_MODULES = (
-    "tests/dagster/test_dg_engine.py",
     "tests/dagster/test_dg_ray_multinode.py",
-    "tests/dagster/test_dg_ui.py",
+    "tests/job/test_faults.py",
     "tests/job/test_job.py",
     "tests/job/test_worker_pool.py",
-    "tests/job/test_faults.py",
-    "tests/engine/test_memory_features.py",
-    "tests/engine/test_distributed.py",
     "tests/job/test_memory_job.py",
+    "tests/dagster/test_dg_engine.py",
+    "tests/dagster/test_dg_ui.py",
     "tests/dagster/test_dg_postgres.py",
+    "tests/dagster/test_dg_pipeline.py",
+    "tests/dagster/test_dg_promotion.py",
+    "tests/engine/test_distributed.py",
+    "tests/engine/test_memory_features.py",
     "tests/job/test_warm_cluster.py",
-    "tests/hf/test_hf_parallel.py",
     "tests/hf/test_miles_megatron_load.py",
+    "tests/dagster/test_dg_handoff.py",
+    "tests/hf/test_hf_parallel.py",
 )
 
 
@@ -72,3 +125,4 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(path, len(SLOW_MODULES))
 
     items.sort(key=key)
+    RAY_MODULES.update(item.nodeid.split("::", 1)[0] for item in items if "ray_cluster" in item.fixturenames)
