@@ -9,7 +9,8 @@ majority of positive batches) refuse it only by chance: measured, it passed them
 (1024 rows) and for 512 rows at G = 16, and failed them at 2048 rows / 64 steps with token EV
 -0.00000 and 4 of 8 batches. The interval mode's bootstrap lower bound refuses it for a reason (seeds
 0-2: lower bounds -1.5e-4 to -5.7e-4), while the learnable critic passes with a wide margin (seed 0:
-EV 0.33, lower bound 0.25; seeds 1, 2: lower bounds 0.16, 0.13)."""
+EV 0.33, lower bound 0.25; seeds 1, 2: lower bounds 0.16, 0.13). This is the suite's one real-engine
+negative control (the engine's own tests, tests/job/test_job.py, train only the learnable data)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from value_assets.assets.common import latest_metadata
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress, report_every
+from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import loads
 from value_assets.core.warm_cluster import pid_alive, read_live
 
@@ -92,6 +94,11 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
         assert meta["ev_report"]["trajectory_ev"] == pytest.approx(report["aggregates"]["trajectory"]["ev"], abs=1e-12)
         assert report["contract_sha256"] == contract_sha and report["source_manifest_sha256"] == sha256_file(manifest)
         assert report["gate"]["mode"] == "interval"
+        assert verify_published(report_path) == meta["ev_report"]["report_sha256"]  # a failing report is published too
+    # The control's critic predicts a near-constant (EV ~0 +- 1e-4): every bootstrap lower bound is <= 0.
+    bad_report = json.loads((artifacts / bad_key / "reports" / f"ev-{latest_metadata(instance, 'training_contract', bad_key)['contract_sha256'][:12]}.json").read_text())
+    assert bad_report["passed"] is False
+    assert all(low is not None and low <= 0 for low in bad_report["gate"]["interval_low"].values()), bad_report["gate"]
 
     # The real job's progress reached the event log live: every step of 32 (K = 1; K > 1 is
     # tests/core/test_progress.py and, through Pipes, tests/dagster/test_dg_pipeline.py).
