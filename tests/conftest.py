@@ -59,6 +59,11 @@ SESSION_RAY = _SessionRay()
 RAY_MODULES: set[str] = set()
 
 
+def _module(item) -> str:
+    """The test's module as its node id names it (tests/job/test_job.py)."""
+    return item.nodeid.split("::", 1)[0]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for every test that runs the GPU job in this process; `start_workers`
@@ -78,7 +83,7 @@ def ray_cluster():
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before any fixture of a module that uses the session's Ray (module fixtures train on it)."""
-    if item.nodeid.split("::", 1)[0] in RAY_MODULES:
+    if _module(item) in RAY_MODULES:
         SESSION_RAY.start()
 
 
@@ -86,7 +91,7 @@ def pytest_runtest_setup(item):
 def pytest_runtest_teardown(item, nextitem):
     """After the last test of a module that used the session's Ray, if the next module does not."""
     yield
-    if SESSION_RAY.running and (nextitem is None or nextitem.nodeid.split("::", 1)[0] not in RAY_MODULES):
+    if SESSION_RAY.running and (nextitem is None or _module(nextitem) not in RAY_MODULES):
         SESSION_RAY.stop()
 
 
@@ -125,4 +130,4 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(path, len(SLOW_MODULES))
 
     items.sort(key=key)
-    RAY_MODULES.update(item.nodeid.split("::", 1)[0] for item in items if "ray_cluster" in item.fixturenames)
+    RAY_MODULES.update(_module(item) for item in items if "ray_cluster" in item.fixturenames)

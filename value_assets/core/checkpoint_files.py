@@ -56,10 +56,16 @@ def describe_folder(step_dir: str | Path) -> list[dict[str, Any]]:
     return [{"path": rel, "size": int(st.st_size), "sha256": shas[rel]} for rel, st in found]
 
 
+def hash_threads(files: int) -> int:
+    """Threads for hashing `files` checkpoint files at once (hashlib and file reads release the
+    GIL; one file's hash is sequential): one per file, at most one per core and 8."""
+    return max(1, min(files, os.cpu_count() or 1, 8))
+
+
 def _sha256_files(root: Path, rels: list[str]) -> dict[str, str]:
-    """relative path -> sha256 of each file under `root`, hashed in parallel (hashlib and file
-    reads release the GIL): a save is a few large files."""
-    with ThreadPoolExecutor(max_workers=max(1, min(len(rels), os.cpu_count() or 1, 8))) as pool:
+    """relative path -> sha256 of each file under `root`, hashed in parallel: a save is a few
+    large files."""
+    with ThreadPoolExecutor(max_workers=hash_threads(len(rels))) as pool:
         return dict(zip(rels, pool.map(lambda rel: sha256_file(root / rel), rels)))
 
 

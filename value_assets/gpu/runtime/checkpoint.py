@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from value_assets.core.checkpoint_files import CONTRACT_NAME, bound_files
+from value_assets.core.checkpoint_files import CONTRACT_NAME, bound_files, hash_threads
 from value_assets.core.errors import InputError
 
 _CHUNK = 8 << 20  # bytes hashed per read
@@ -191,9 +191,8 @@ class _CheckedReader(FileSystemReader):
                 raise _changed(self._root / rel, "missing") from None
 
         fut = None
-        # Files are hashed in parallel (hashlib and file reads release the GIL; one file's hash is
-        # sequential), and decoded in order as each is checked.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(per_file), os.cpu_count() or 1, 8))) as pool:
+        # Files are hashed in parallel and decoded in order as each is checked.
+        with ThreadPoolExecutor(max_workers=hash_threads(len(per_file))) as pool:
             pending = {rel: pool.submit(checked, rel) for rel in per_file}
             try:
                 for rel, items in per_file.items():
