@@ -108,7 +108,6 @@ SLOW_MODULES = (
     "tests/job/test_memory_job.py",
     "tests/dagster/test_dg_engine.py",
     "tests/dagster/test_dg_ui.py",
-    "tests/dagster/test_dg_postgres.py",
     "tests/dagster/test_dg_pipeline.py",
     "tests/dagster/test_dg_promotion.py",
     "tests/engine/test_distributed.py",

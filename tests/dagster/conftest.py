@@ -56,8 +56,8 @@ def instance(tmp_path):
     """A real Dagster instance with in-memory run, event-log and schedule storage (what
     `materialize` uses by default): a fresh SQLite instance per test cost ~0.3 s to create and a
     file (with its schema) per run, ~40 CPU-s over the suite. Persistent storage is tested where it
-    matters: `dagster dev` on SQLite (test_dg_ui.py), the daemon on Postgres (test_dg_postgres.py),
-    step processes on a local instance (test_dg_executor.py)."""
+    matters: `dagster dev` and its daemon on Postgres (test_dg_ui.py), step processes on a local
+    SQLite instance (test_dg_executor.py)."""
     from dagster import DagsterInstance
 
     home = tmp_path / "dagster_home"
