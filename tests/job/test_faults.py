@@ -3,7 +3,7 @@
 One small critic is trained once (8 steps, saves at 4 and 8) and copied per test; each test
 tampers with its copy the way a tester did, and the job must refuse before deserializing anything,
 or recover where the rule says so. Only a few tests train (data changed mid-run, disk full, kill and
-resume): every training costs tens of seconds on a 2-core machine.
+resume, a run stopped early and resumed): every training costs seconds on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -18,13 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference
-
-from tests.job.jobtest_helpers import quiet, tiny_train_job
+from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference, quiet, tiny_train_job
 from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
@@ -248,6 +245,20 @@ def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_r
     diff = max_weight_difference(last_save(critic), last_save(trained[0]), tmp_path)
     print(f"resume: max weight difference {diff:.3g}, state digests equal: {resumed.state_sha256 == full.state_sha256}")
     assert diff <= WEIGHT_ATOL
+
+
+def test_a_run_stopped_early_then_resumed_matches_the_uninterrupted_one(manifest, trained, tmp_path):
+    """`stop_after` between saves (step 2, saves every 4): the run saves where it stopped, and the
+    next run resumes there, skips the completed batches and ends where the uninterrupted run did."""
+    full = trained[1]
+    out = tmp_path / "critic"
+    first = train(cfg_for(manifest, out, stop_after=2), log=quiet)
+    assert first.completed_steps == 2 and read_latest(out)[0].name == iter_dirname(2)
+    second = train(cfg_for(manifest, out), log=quiet)
+    assert second.resumed_from == 2 and second.completed_steps == STEPS
+    assert len(second.losses) == STEPS - 2  # completed batches are skipped, never replayed
+    assert second.losses == full.losses[2:]  # bitwise
+    assert max_weight_difference(last_save(out), last_save(trained[0]), tmp_path) <= WEIGHT_ATOL
 
 
 # ---- defect 3, after the driver's check: files swapped while the workers start ----------------------------

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference, quiet, tiny_train_job
+from tests.job.jobtest_helpers import quiet, tiny_train_job
 
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, build_contract, iter_dirname, load_contract, read_latest, write_contract
 from value_assets.core.demo_data import make_demo_data
@@ -130,20 +130,6 @@ def test_contract_and_report_bind_the_lineage(learned, data):
     assert [l["step"] for l in lines] == list(range(1, STEPS + 1))
     assert all(l["explained_variance"] is None or isinstance(l["explained_variance"], float) for l in lines)
     assert any((cfg.output / "tensorboard").iterdir())
-
-
-def test_interrupted_then_resumed_run_matches_the_uninterrupted_one(learned, data, tmp_path):
-    cfg, full, _ = learned
-    out = tmp_path / "critic"
-    first = train(base_cfg(data["learnable"], out, stop_after=10), log=quiet)
-    assert first.completed_steps == 10 and read_latest(out)[0].name == "iter_0000010"
-    second = train(base_cfg(data["learnable"], out), log=quiet)
-    assert second.resumed_from == 10 and second.completed_steps == STEPS
-    assert len(second.losses) == STEPS - 10  # completed batches are skipped, never replayed
-    assert second.losses == full.losses[10:]  # bitwise
-    # Parameters: within WEIGHT_ATOL, not necessarily bitwise (two uninterrupted CPU runs differ
-    # by up to ~3e-6 too).
-    assert max_weight_difference(out / iter_dirname(STEPS), cfg.output / iter_dirname(STEPS), tmp_path) <= WEIGHT_ATOL
 
 
 def _retarget_contract(critic: Path, **changes) -> None:

@@ -69,21 +69,18 @@ def pool_workers_alive(name: str) -> bool:
                for e in ray.util.list_named_actors(all_namespaces=True))
 
 
-def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool_name, manifest, tmp_path, monkeypatch):
-    monkeypatch.delenv(POOL_ENV, raising=False)
-    fresh_log = Log()
-    fresh = run(manifest, tmp_path / "fresh", fresh_log)
-    assert fresh_log.source() == "fresh"
-    monkeypatch.setenv(POOL_ENV, pool_name)
+def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool, manifest, tmp_path):
+    """A new pool's first job runs on fresh processes; the next job reuses them and trains bitwise
+    like it. (Jobs without a pool, their workers ended with them: the own-Ray drivers of
+    tests/job/test_faults.py.)"""
     first_log, second_log = Log(), Log()
     first = run(manifest, tmp_path / "first", first_log)
     second = run(manifest, tmp_path / "second", second_log)
-    assert first_log.source() == f"{pool_name} (new)" and second_log.source() == f"{pool_name} (reused)"
-    assert second_log.pids() == first_log.pids() and set(first_log.pids()).isdisjoint(fresh_log.pids())
-    for result in (first, second):
-        assert result.losses == fresh.losses  # bitwise: nothing of the last job survives `release`
-        assert result.state_sha256 == fresh.state_sha256
-    assert pool_workers_alive(pool_name)  # kept for the next job (the next test's)
+    assert first_log.source() == f"{pool} (new)" and second_log.source() == f"{pool} (reused)"
+    assert second_log.pids() == first_log.pids()
+    assert second.losses == first.losses  # bitwise: nothing of the last job survives `release`
+    assert second.state_sha256 == first.state_sha256
+    assert pool_workers_alive(pool)  # kept for the next job (the next test's)
 
 
 def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(pool, manifest, tmp_path):
