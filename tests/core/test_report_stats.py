@@ -82,18 +82,20 @@ def naive_position(rows):
 
 def naive_intervals(rows, seed, resamples=2000, level=0.95):
     """Percentile bootstrap over rows by a loop: each resample draws len(rows) rows with replacement
-    (the same generator stream as the implementation) and computes both EVs from the drawn tokens."""
+    (the same generator stream as the implementation) and computes both EVs from the drawn tokens.
+    Each row's active tokens and per-row means are taken out once; a resample concatenates them."""
     rng = np.random.default_rng(seed)
+    active = [(r[m.astype(bool)], (r - v)[m.astype(bool)]) for _, r, v, m in rows]
+    per_row = np.array([[x.mean(), (x ** 2).mean(), e.mean(), (e ** 2).mean()] for x, e in active])
     tok, traj = [], []
     for _ in range(resamples):
         idx = rng.integers(0, len(rows), size=len(rows))
-        r = np.concatenate([rows[i][1][rows[i][3].astype(bool)] for i in idx])
-        e = np.concatenate([(rows[i][1] - rows[i][2])[rows[i][3].astype(bool)] for i in idx])
+        r = np.concatenate([active[i][0] for i in idx])
+        e = np.concatenate([active[i][1] for i in idx])
         if r.var() <= 1e-8:  # every drawn row has one label: EV undefined, the resample is dropped
             continue
         tok.append(1 - e.var() / r.var())
-        means = np.array([[x[a].mean(), (x[a] ** 2).mean(), (x - y)[a].mean(), ((x - y)[a] ** 2).mean()]
-                          for _, x, y, a in (rows[i][:3] + (rows[i][3].astype(bool),) for i in idx)])
+        means = per_row[idx]
         vr = means[:, 1].mean() - means[:, 0].mean() ** 2
         ve = means[:, 3].mean() - means[:, 2].mean() ** 2
         traj.append(1 - ve / vr)

@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
-from sklearn.metrics import explained_variance_score, roc_auc_score
 
 from value_assets.core.errors import InputError
 from value_assets.core.report import build_report
@@ -56,6 +55,8 @@ def test_merge_shards_equals_union(rows, cut):
 @settings(max_examples=150, deadline=None)
 @given(rows=token_rows())
 def test_token_ev_matches_numpy_and_sklearn(rows):
+    from sklearn.metrics import explained_variance_score  # here, not at collection: ~2 s in every test process
+
     r = np.concatenate([x[0][x[2] == 1] for x in rows])
     v = np.concatenate([x[1][x[2] == 1] for x in rows])
     assume(r.size > 1 and r.var() > 1e-3)
@@ -179,6 +180,8 @@ def test_rank_report_multiset_counts_duplicates():
 @settings(max_examples=150, deadline=None)
 @given(data=st.lists(st.tuples(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.sampled_from([0.0, 1.0])), min_size=2, max_size=40))
 def test_auroc_matches_sklearn_with_ties(data):
+    from sklearn.metrics import roc_auc_score
+
     scores = [s for s, _ in data]
     labels = [y for _, y in data]
     got = auroc(scores, labels)

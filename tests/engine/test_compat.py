@@ -20,9 +20,14 @@ def test_other_megatron_versions_are_refused(version):
         check_megatron_version(version)
 
 
-def test_importing_the_job_prints_no_megatron_warning():
-    """A fresh process importing what the driver and each Ray worker import (even with every
-    warning shown) prints none of megatron-core's import-time warnings; another's still shows."""
+MARK = "--- the imports are done ---"
+
+
+@pytest.fixture(scope="module")
+def fresh_gpu_process():
+    """One fresh interpreter, every warning shown, that imports what the driver and each Ray worker
+    import, then asks megatron for the checkpoint writer's results queue: the two tests below read
+    its output (one start of torch and megatron, ~5 CPU-s, instead of two)."""
     import os
     import subprocess
     import sys
@@ -30,15 +35,29 @@ def test_importing_the_job_prints_no_megatron_warning():
 
     modules = ["value_assets.gpu.cli", "value_assets.gpu.runtime.worker", "value_assets.gpu.runtime.step",
                "value_assets.gpu.model.critic", "value_assets.gpu.runtime.checkpoint", "value_assets.gpu.convert.bootstrap"]
-    code = ("; ".join(f"import {m}" for m in modules) + "; import warnings; warnings.warn('ours stays')"
-            "; import sys, megatron.core.jit as j; print('torch._dynamo' in sys.modules, j.jit_fuser.__qualname__)")
+    code = "; ".join([
+        *(f"import {m}" for m in modules), "import sys, warnings", "warnings.warn('ours stays')",
+        "import megatron.core.jit as j", "print('torch._dynamo' in sys.modules, j.jit_fuser.__qualname__)",
+        f"print({MARK!r}, file=sys.stderr, flush=True)",
+        "from value_assets.gpu.runtime.compat import apply_cpu_compat", "assert apply_cpu_compat()",
+        "import megatron.core.dist_checkpointing.strategies.filesystem_async as fa",
+        "q = fa._get_write_results_queue(); q.put({'rank': 0})",
+        "print(type(q._manager._process).__name__, q.get(timeout=10), fa._get_write_results_queue() is q)"])
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [line for line in out.stderr.splitlines() if "Warning" in line] == ["<string>:1: UserWarning: ours stays"]
+    return out
+
+
+def test_importing_the_job_prints_no_megatron_warning(fresh_gpu_process):
+    """A fresh process importing what the driver and each Ray worker import (even with every
+    warning shown) prints none of megatron-core's import-time warnings; another's still shows."""
+    imports = fresh_gpu_process.stderr.split(MARK, 1)[0]
+    assert [line for line in imports.splitlines() if "Warning" in line] == ["<string>:1: UserWarning: ours stays"]
     # megatron's jit_fuser (torch.compile) is deferred to first call: nothing imported dynamo.
-    assert out.stdout.split() == ["False", "_compile_on_first_call.<locals>.jit_fuser"], out.stdout
+    assert fresh_gpu_process.stdout.splitlines()[0].split() == ["False", "_compile_on_first_call.<locals>.jit_fuser"], \
+        fresh_gpu_process.stdout
 
 
 def test_a_deferred_jit_fuser_compiles_once_at_the_first_call():
@@ -85,16 +104,6 @@ def test_a_jit_fuser_whose_compiler_fails_runs_the_function_as_written_and_says_
         _compile_on_first_call(broken_compiler)(gate)(-1)
 
 
-def test_on_cpu_the_checkpoint_writers_results_queue_is_served_by_a_forked_manager():
+def test_on_cpu_the_checkpoint_writers_results_queue_is_served_by_a_forked_manager(fresh_gpu_process):
     """megatron spawns that manager (a fresh interpreter importing torch); on CPU it is forked."""
-    import subprocess
-    import sys
-
-    code = ("import value_assets.gpu; from value_assets.gpu.runtime.compat import apply_cpu_compat; "
-            "assert apply_cpu_compat(); "
-            "import megatron.core.dist_checkpointing.strategies.filesystem_async as fa; "
-            "q = fa._get_write_results_queue(); q.put({'rank': 0}); "
-            "print(type(q._manager._process).__name__, q.get(timeout=10), fa._get_write_results_queue() is q)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["ForkProcess", "{'rank':", "0}", "True"], out.stdout
+    assert fresh_gpu_process.stdout.splitlines()[1].split() == ["ForkProcess", "{'rank':", "0}", "True"], fresh_gpu_process.stdout
