@@ -148,7 +148,7 @@ def test_job_drivers_read_the_backbone_without_torch_and_jsonl_without_pyarrow(t
     code = ("import sys; from value_assets.gpu.jobs.train import prepare; from value_assets.gpu.jobs.evaluate import evaluate; "
             "from value_assets.gpu.convert.bootstrap import resolve_backbone; resolve_backbone('tiny', seed=0, hf_config=None); "
             "from value_assets.core.manifest import load_manifest; from value_assets.core.dataset import validate_dataset; "
-            f"m = load_manifest({str(manifest)!r}); assert len(validate_dataset(m.train, m.objective)) == 8; "
+            f"mf = load_manifest({str(manifest)!r}); assert len(validate_dataset(mf.train, mf.objective)) == 8; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'ray', 'pyarrow'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
