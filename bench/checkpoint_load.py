@@ -69,7 +69,7 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="ckload", dir=args.dir))
     try:
         obj, cfg = Objective(), presets[args.model]()
-        ddp, opt = wrap_for_training(build_critic(cfg, obj), lr=1e-5)
+        ddp, opt = wrap_for_training(build_critic(cfg, obj), lr=1e-5, weight_decay=0.0, clip_grad=1.0)
         rows = [Row(row_id=i, tokens=torch.randint(0, cfg.vocab_size, (64,)).numpy(), response_length=32,
                     returns=torch.zeros(32).numpy()) for i in range(2)]
         optimizer_step(ddp, opt, pack_rows(rows, 4096), 2, obj)  # Adam state exists

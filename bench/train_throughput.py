@@ -332,7 +332,7 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
             return
         reset_peak()
         try:
-            ddp, opt = wrap_for_training(model, lr=1e-6, distributed_optimizer=memory.distributed_optimizer)
+            ddp, opt = wrap_for_training(model, lr=1e-6, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer)
 
             def steps(bs):
                 for m in bs:

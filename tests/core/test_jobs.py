@@ -237,3 +237,81 @@ def test_handoff_job_round_trip_and_rules():
     with pytest.raises(InputError) as err:
         HandoffJob.from_json({**job.to_json(), "model_identity": ""})
     assert err.value.where == "model_identity"
+
+
+# The functions below the job drivers that receive job settings: (module file, function or Class.method).
+_SETTING_RECEIVERS = (
+    ("value_assets/gpu/runtime/cluster.py", "start_workers"),
+    ("value_assets/gpu/runtime/worker.py", "CriticWorker.configure"),
+    ("value_assets/gpu/runtime/worker.py", "CriticWorker.address"),
+    ("value_assets/gpu/runtime/worker.py", "CriticWorker.setup"),
+    ("value_assets/gpu/runtime/step.py", "wrap_for_training"),
+    ("value_assets/gpu/runtime/parallel.py", "open_rendezvous"),
+)
+# Receivers' parameters whose default is the neutral one the jobs have too (no freezing, the plain
+# optimizer, a local Ray).
+_NEUTRAL = {"freeze": "none", "distributed_optimizer": False, "ray_address": None}
+
+
+def _parameters_with_defaults(path: Path, qualname: str) -> dict[str, object]:
+    """{parameter: default expression} of `qualname` in the module at `path`, read from its source
+    (the GPU modules import torch; this reads them without)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    *owner, name = qualname.split(".")
+    body = tree.body
+    for cls_name in owner:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls_name).body
+    fn = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+    a = fn.args
+    positional = a.posonlyargs + a.args
+    pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
+    pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+    return {arg.arg: d for arg, d in pairs}
+
+
+def test_job_settings_have_one_default_the_layers_below_take_them_from_the_job():
+    """A training setting (lr, weight_decay, clip_grad), the deadline or the placement has its default
+    in the job config only: the Ray cluster, the worker and the optimizer take it from the job, so no
+    second default can disagree (as 1e-4 in the cluster and 1e-5 in the optimizer once did with the
+    jobs' 2e-3 / 1e-5)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    settings = {f.name for cls in (TrainJob, EvaluateJob) for f in dataclasses.fields(cls)} | {"timeout_s"}
+    seen = set()
+    for path, qualname in _SETTING_RECEIVERS:
+        defaults = _parameters_with_defaults(root / path, qualname)
+        for name, node in defaults.items():
+            if name not in settings:
+                continue
+            default = ast.unparse(node)
+            if default == "None" and name not in _NEUTRAL:
+                continue  # not given: taken from the job where it is needed (below)
+            assert name in _NEUTRAL and ast.literal_eval(node) == _NEUTRAL[name], f"{path} {qualname}({name}={default})"
+            seen.add(name)
+    for name, neutral in _NEUTRAL.items():
+        assert field_default(TrainJob, name) == neutral
+    assert seen == set(_NEUTRAL)  # the rule reads the real signatures
+
+    from value_assets.gpu.runtime.cluster import start_workers
+
+    with pytest.raises(ValueError, match="training workers need lr, weight_decay and clip_grad"):
+        with start_workers(world_size=1, tp=1, pp=1, seed=0, backbone={}, objective={}, train=True, timeout_s=1.0,
+                           placement_strategy="PACK", lr=1e-3, clip_grad=1.0):
+            pass
+
+
+def test_a_job_config_without_its_rules_cannot_be_built():
+    """`_validate` is abstract: a job type that forgot its rules fails at construction (a TypeError
+    naming the method), not with a config that was never checked."""
+
+    from value_assets.core.jobs import _JobConfig
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Unchecked(_JobConfig):
+        size: int = 1
+
+    with pytest.raises(TypeError, match="_validate"):
+        Unchecked()

@@ -104,7 +104,7 @@ def train_dp(rank, world, tp, rows_per_step, steps, out_file):
     from value_assets.gpu.runtime.step import wrap_for_training
 
     model = build_critic(BACKBONE, OBJ, tp=tp)
-    ddp, opt = wrap_for_training(model, lr=1e-3)
+    ddp, opt = wrap_for_training(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
     rows = make_rows(rows_per_step * steps, seed=1)
     history = _train(rows, steps, 0, ddp, opt, rows_per_step)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -119,7 +119,7 @@ def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file)
 
     rows = make_rows(rows_per_step * steps, seed=1)
     model = build_critic(BACKBONE, OBJ, tp=tp)
-    ddp, opt = wrap_for_training(model, lr=1e-3)
+    ddp, opt = wrap_for_training(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
     full = _train(rows, save_at, 0, ddp, opt, rows_per_step)
     save_critic(ckpt, ddp, opt, iteration=save_at)
     full += _train(rows, steps, save_at, ddp, opt, rows_per_step)
@@ -127,7 +127,7 @@ def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file)
 
     torch.manual_seed(999)
     model2 = build_critic(BACKBONE, OBJ, tp=tp, head_seed=3)
-    ddp2, opt2 = wrap_for_training(model2, lr=1e-3)
+    ddp2, opt2 = wrap_for_training(model2, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
     start = load_critic(ckpt, ddp2, opt2)
     resumed = _train(rows, steps, start, ddp2, opt2, rows_per_step)
     params2 = {n: p.detach().clone() for n, p in model2.named_parameters()}
@@ -159,7 +159,7 @@ def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_fil
         res["init_equal"] = all(torch.equal(ref[k], v) for k, v in init.items() if k in ref)
     else:
         torch.save(init, init_file)
-    ddp, opt = wrap_for_training(model, lr=1e-3)
+    ddp, opt = wrap_for_training(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
     res["history"] = _train(make_rows(rows_per_step * steps, seed=1), steps, 0, ddp, opt, rows_per_step)
     save_critic(ckpt, ddp, opt, iteration=steps)
     values = evaluate_rows(ddp, pack_rows(make_rows(5, seed=99), micro_batch_tokens=30), OBJ)
@@ -186,7 +186,7 @@ def train_frozen(rank, world, tp, freeze, distributed_optimizer, rows_per_step, 
     model = build_critic(BACKBONE, OBJ, tp=tp)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     frozen = frozen_parameter_names(model, freeze)
-    ddp, opt = wrap_for_training(model, lr=1e-2, freeze=freeze, distributed_optimizer=distributed_optimizer)
+    ddp, opt = wrap_for_training(model, lr=1e-2, weight_decay=0.0, clip_grad=1.0, freeze=freeze, distributed_optimizer=distributed_optimizer)
     history = _train(make_rows(rows_per_step * steps, seed=1), steps, 0, ddp, opt, rows_per_step)
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     if rank == 0:

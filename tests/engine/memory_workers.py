@@ -32,7 +32,7 @@ def _build(tp: int, memory: MemoryConfig, train: bool = True):
     init_layout_invariant(model, seed=7)
     if not train:
         return model, None, None
-    ddp, opt = wrap_for_training(model, lr=1e-3, distributed_optimizer=memory.distributed_optimizer)
+    ddp, opt = wrap_for_training(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer)
     return model, ddp, opt
 
 

@@ -8,6 +8,8 @@ check their own body's results.
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 
@@ -176,12 +178,14 @@ def test_rank_zero_holds_the_rendezvous_port_it_reports_until_it_joins(monkeypat
     monkeypatch.setenv(RENDEZVOUS_ADDR_ENV, "127.0.0.1")
     worker = CriticWorker(rank=0, world_size=1, tp=1, pp=1, seed=0, backbone=BackboneConfig.tiny().to_json(),
                           objective=Objective().canonical())
-    host, port = worker.address()
+    host, port = worker.address(timeout_s=42.0)
     assert host == "127.0.0.1" and taken(host, port)
+    # the job's deadline (TrainJob/EvaluateJob timeout_s) is the store's: the other ranks may join that late
+    assert worker._rendezvous.timeout == datetime.timedelta(seconds=42)
     worker.shutdown()  # drops the store unused: the port is free again
     assert not taken(host, port)
 
-    store = open_rendezvous("127.0.0.1")
+    store = open_rendezvous("127.0.0.1", 60.0)
     assert taken("127.0.0.1", store.port)
     init_distributed(0, 1, "127.0.0.1", store.port, seed=1234, store=store)
     try:

@@ -112,7 +112,7 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     out = critic_forward(model, torch.arange(8, device="cuda"), torch.arange(8, device="cuda"),
                          torch.tensor([0, 8], dtype=torch.int32, device="cuda"), 8)
     assert out.dtype == torch.float32 and out.shape == (8, obj.head_size)  # the head outputs float32
-    ddp, opt = wrap_for_training(model, lr=2e-3)
+    ddp, opt = wrap_for_training(model, lr=2e-3, weight_decay=0.0, clip_grad=1.0)
     rng = np.random.default_rng(0)
     rows = []
     for i in range(32):
@@ -204,7 +204,7 @@ def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_ref
     rng = np.random.default_rng(0)
     rows = [Row(row_id=i, tokens=rng.integers(2000, 49152, size=40), response_length=20, returns=np.full(20, float(i % 2)))
             for i in range(16)]
-    ddp, opt = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3)
+    ddp, opt = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3, weight_decay=0.0, clip_grad=1.0)
     for _ in range(2):
         optimizer_step(ddp, opt, pack_rows(rows, 4096), 16, obj)
     save = tmp_path / "iter_0000002"
@@ -212,7 +212,7 @@ def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_ref
     save_critic(save, ddp, opt, iteration=2)
     contract = {"checkpoint_files": describe_folder(save)}
 
-    ddp2, opt2 = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3)
+    ddp2, opt2 = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3, weight_decay=0.0, clip_grad=1.0)
     assert load_critic(save, ddp2, opt2, contract=contract) == 2
     for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values()):
         if torch.is_tensor(a):

@@ -19,6 +19,7 @@ Paths are `pathlib.Path` here and strings in JSON. Torch-free: the Dagster proce
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import os
@@ -40,6 +41,15 @@ SPLITS = ("heldout", "train")
 AUTO = "auto"
 FREEZE = ("none", "attention", "backbone")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
+# Settings the train and evaluate jobs share, defined once for both (the layers below take them
+# from the job, without defaults of their own: tests/core/test_jobs.py checks it).
+PLACEMENT_STRATEGY = "PACK"
+PLACEMENT_DOC = (
+    "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "
+    "where possible), 'STRICT_PACK' (one node) or 'STRICT_SPREAD' (one slot per node). Ranks are ordered by node "
+    "address either way, so tensor-parallel groups stay inside a node.")
+TIMEOUT_S = 900.0
+TIMEOUT_DOC = "Deadline in seconds for the workers to start and for each call to them."
 
 _MISSING = dataclasses.MISSING
 J = TypeVar("J", bound="_JobConfig")
@@ -137,7 +147,7 @@ def _positive_number(value: float | None, where: str, *, allow_zero: bool = Fals
         raise InputError(where, f"must be a finite number {'>=' if allow_zero else '>'} 0, got {show(value)}")
 
 
-class _JobConfig:
+class _JobConfig(abc.ABC):
     """Typing, JSON and the construction order shared by `TrainJob`, `EvaluateJob` and `HandoffJob`."""
 
     def __post_init__(self) -> None:
@@ -146,8 +156,9 @@ class _JobConfig:
             object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
         self._validate()
 
-    def _validate(self) -> None:  # the rules of one job's settings
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _validate(self) -> None:
+        """The rules of one job's settings: raise `InputError` naming the field and its value."""
 
     def to_json(self) -> dict[str, Any]:
         """Every field, as plain JSON types (paths as strings, folder lists as lists)."""
@@ -211,12 +222,9 @@ class TrainJob(_JobConfig):
     manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
-    placement_strategy: str = setting("PACK", doc=(
-        "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "
-        "where possible), 'STRICT_PACK' (one node) or 'STRICT_SPREAD' (one slot per node). Ranks are ordered by node "
-        "address either way, so tensor-parallel groups stay inside a node."))
+    placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
     hf_config: Path | None = setting(None, doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder without saved arguments.")
-    timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
+    timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
 
     def _validate(self) -> None:
         if not self.backbone:
@@ -275,11 +283,8 @@ class EvaluateJob(_JobConfig):
     micro_batch_tokens: int = setting(8192, doc="Tokens packed per forward micro-batch (raised to the longest row).")
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
-    placement_strategy: str = setting("PACK", doc=(
-        "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "
-        "where possible), 'STRICT_PACK' (one node) or 'STRICT_SPREAD' (one slot per node). Ranks are ordered by node "
-        "address either way, so tensor-parallel groups stay inside a node."))
-    timeout_s: float = setting(900.0, doc="Deadline in seconds for the workers to start and for each call to them.")
+    placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
+    timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
     gate_mode: str = setting("miles", doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
                                           "both weightings) or 'interval' (also the lower bound of each aggregate EV's "
                                           "bootstrap interval over rows, level 0.95, > 0).")

@@ -24,8 +24,6 @@ from value_assets.core.errors import InputError
 from value_assets.core.jobs import PLACEMENT_STRATEGIES
 from value_assets.core.warm_cluster import POOL_ENV
 
-DEFAULT_TIMEOUT_S = 900.0
-
 
 class ClusterError(RuntimeError):
     """The cluster could not be reserved or a worker failed."""
@@ -286,15 +284,20 @@ class WorkerPool:
 
 @contextlib.contextmanager
 def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any], objective: dict[str, Any],
-                  train: bool, lr: float = 1e-4, weight_decay: float = 0.0, clip_grad: float = 1.0,
-                  ray_address: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, log=print,
-                  memory: dict[str, Any] | None = None, freeze: str = "none", placement_strategy: str = "PACK") -> Iterator[Cluster]:
+                  train: bool, timeout_s: float, placement_strategy: str, lr: float | None = None,
+                  weight_decay: float | None = None, clip_grad: float | None = None, ray_address: str | None = None,
+                  log=print, memory: dict[str, Any] | None = None, freeze: str = "none") -> Iterator[Cluster]:
     """Workers for one job, wired and set up; ended (or, with a pool, released) on exit.
+
+    The job's settings come from its config (core/jobs.py), which holds their one default: training
+    workers (`train`) need `lr`, `weight_decay` and `clip_grad`; forward-only ones take none.
 
     With `$VALUE_ASSETS_WORKER_POOL` set and a Ray cluster that outlives this driver (joined by
     address, or already initialized in this process), the workers come from that pool
     (`WorkerPool`): no process start and no torch/megatron import after the first job.
     """
+    if train and None in (lr, weight_decay, clip_grad):
+        raise ValueError(f"training workers need lr, weight_decay and clip_grad, got {lr}, {weight_decay}, {clip_grad}")
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -337,7 +340,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
             pg = _reserve(world_size, bundle, placement_strategy, timeout_s)
             actors = _place_workers(pg, world_size, bundle, kwargs=lambda rank: {**job, "rank": rank})
             cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
-        addr, port = cluster._get([cluster.workers[0].address.remote()], timeout_s)[0]
+        addr, port = cluster._get([cluster.workers[0].address.remote(timeout_s)], timeout_s)[0]
         cluster.rendezvous = f"{addr}:{port}"
         cluster.infos = cluster.call_all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
         nodes = len({info["node_id"] for info in cluster.infos})

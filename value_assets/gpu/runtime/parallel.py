@@ -78,7 +78,7 @@ def destroy() -> None:
             torch.distributed.destroy_process_group()
 
 
-def open_rendezvous(host: str, timeout_s: float = 600.0) -> "torch.distributed.TCPStore":
+def open_rendezvous(host: str, timeout_s: float) -> "torch.distributed.TCPStore":
     """Rank 0's rendezvous store, listening from now on a port the system picks (`.port`), for
     `init_distributed(store=...)`. Bound before its port is told to anyone, so no other process
     can take the port in between (as it could with `free_port`, whose port is free only until

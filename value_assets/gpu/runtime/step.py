@@ -35,11 +35,11 @@ def _device() -> torch.device:
 def wrap_for_training(
     model: torch.nn.Module,
     *,
-    lr: float = 1e-5,
-    weight_decay: float = 0.0,
+    lr: float,
+    weight_decay: float,
+    clip_grad: float,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
-    clip_grad: float = 1.0,
     distributed_optimizer: bool = False,
     freeze: str = "none",
 ) -> tuple[torch.nn.Module, Any]:

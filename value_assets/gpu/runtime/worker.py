@@ -71,17 +71,17 @@ class CriticWorker:
         return os.getpid()
 
     # -- setup ------------------------------------------------------------------------------
-    def address(self) -> tuple[str, int]:
+    def address(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0's rendezvous: its node's address and the port of the store it now listens on
         (held until `setup`, so that no other process takes the port in between)."""
         from value_assets.gpu.runtime.parallel import open_rendezvous
 
         host = node_address()
-        self._rendezvous = open_rendezvous(host)
+        self._rendezvous = open_rendezvous(host, timeout_s)
         return host, self._rendezvous.port
 
-    def setup(self, master_addr: str, master_port: int, *, train: bool, lr: float, weight_decay: float,
-              clip_grad: float, timeout_s: float) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int, *, train: bool, lr: float | None, weight_decay: float | None,
+              clip_grad: float | None, timeout_s: float) -> dict[str, Any]:
         import torch
 
         from value_assets.core.memory import MemoryConfig
