@@ -80,6 +80,12 @@ def test_launch_sends_the_config_as_json_and_refuses_a_mismatch():
         with pytest.raises(ValueError, match=task):
             _Recorder().launch(context, task, cfg)
     assert len(sent) == 1
+    # a launcher that does not say how it runs a job cannot be configured, rather than failing at launch
+    class Unfinished(GpuJobLauncher):
+        pass
+
+    with pytest.raises(TypeError, match="_invoke"):
+        Unfinished()
 
 
 def test_ray_submission_waits_for_a_starting_clusters_job_agent_and_no_longer():

@@ -14,6 +14,7 @@ step was asked to produce fails the step: silence is never success.
 """
 
 
+import abc
 import contextlib
 import json
 import os
@@ -89,8 +90,9 @@ class GpuJobLauncher(ConfigurableResource):
             tags[f"{RUN_TAG_PREFIX}backbone"] = str(config.backbone)
         return tags
 
+    @abc.abstractmethod
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
-        raise NotImplementedError(f"{type(self).__name__} does not implement _invoke")
+        """Run the Pipes task with `extras` (the job config as JSON) where this launcher runs GPU jobs."""
 
 
 def tag_run(context: Any, tags: Mapping[str, str]) -> None:
