@@ -1,4 +1,4 @@
-"""Every test module declares exactly one tier (STYLE.md item 7), module-wide, in `pytestmark`:
+"""Every test module declares exactly one tier, module-wide, in `pytestmark`:
 
 - unit: fast and self-contained: no Ray, no spawned ranks, no Dagster run; `make test-fast`;
 - integration: Dagster runs, local Ray, spawned ranks, the GPU job on CPU;
