@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 from .errors import InputError, require_int, show
 from .hashing import require_sha
-from .report import GATE_MODES, check_min_ev
+from .report import GATE_MODE_DEFAULT, GATE_MODES, MIN_EV_DEFAULT, check_min_ev
 
 DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
 TINY_BACKBONE = "tiny"
@@ -285,10 +285,10 @@ class EvaluateJob(_JobConfig):
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
     placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
     timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
-    gate_mode: str = setting("miles", doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
+    gate_mode: str = setting(GATE_MODE_DEFAULT, doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
                                           "both weightings) or 'interval' (also the lower bound of each aggregate EV's "
                                           "bootstrap interval over rows, level 0.95, > 0).")
-    gate_min_ev: float = setting(0.0, doc=(
+    gate_min_ev: float = setting(MIN_EV_DEFAULT, doc=(
         "The least EV that passes, in [0, 1): each aggregate EV ('miles') or each interval's lower bound ('interval') "
         "must be above it, for both weightings. 0 is Miles' rule; a small positive value (e.g. 0.005) refuses critics "
         "whose EV is real but too small to help RL, and noise that a zero bar passes at its false-positive rate."))

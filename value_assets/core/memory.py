@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional
 
 from value_assets.core.errors import InputError
+from value_assets.core.objective import Objective
 
 RECOMPUTE = ("none", "selective", "full")
 GIB = 2**30
@@ -117,6 +118,8 @@ class MemoryConfig:
 
 # ---- the memory model -------------------------------------------------------------------------
 
+DEFAULT_HEAD_SIZE = Objective().head_size  # the default objective's value head (its bins)
+
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """The critic's shape as the memory model needs it (duck-types `BackboneConfig`)."""
@@ -128,10 +131,10 @@ class ModelShape:
     num_query_groups: int
     vocab_size: int
     head_dim: int
-    head_size: int = 51  # value head outputs K (the default objective: 51 bins)
+    head_size: int = DEFAULT_HEAD_SIZE  # value head outputs K
 
     @classmethod
-    def of(cls, backbone: Any, head_size: int = 51) -> "ModelShape":
+    def of(cls, backbone: Any, head_size: int = DEFAULT_HEAD_SIZE) -> "ModelShape":
         """From a `BackboneConfig` (or anything with its attribute names)."""
         return cls(num_layers=backbone.num_layers, hidden_size=backbone.hidden_size,
                    ffn_hidden_size=backbone.ffn_hidden_size, num_attention_heads=backbone.num_attention_heads,

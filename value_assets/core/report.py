@@ -28,6 +28,7 @@ GATE_SPLIT = "heldout"
 WEIGHTINGS = ("token", "trajectory")
 CRITERIA = {**GATE_CRITERIA, "split": f"{GATE_SPLIT} rows only; train-split EV is a fit diagnostic, never the gate"}
 GATE_MODES = ("miles", "interval")  # "miles": the Miles-compatible rule above (the default); "interval": stricter
+GATE_MODE_DEFAULT = "miles"  # also the mode of a report written before reports stated theirs
 INTERVAL_CRITERION = ("the lower bound of the bootstrap 95% interval of the aggregate EV (over rows) is > 0, "
                       "for both weightings")
 MIN_EV_DEFAULT = 0.0  # Miles' rule: any positive EV passes
@@ -160,7 +161,7 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
     failures: list[str] = []
     weightings: dict[str, WeightingGate] = {}
     gate_json = report.get("gate")
-    mode = gate_json.get("mode", "miles") if isinstance(gate_json, dict) else "miles"
+    mode = gate_json.get("mode", GATE_MODE_DEFAULT) if isinstance(gate_json, dict) else GATE_MODE_DEFAULT
     if mode not in GATE_MODES:
         failures.append(f"gate mode {mode!r} is not one of {', '.join(GATE_MODES)}")
     min_ev = gate_json.get("min_ev", MIN_EV_DEFAULT) if isinstance(gate_json, dict) else MIN_EV_DEFAULT
@@ -241,7 +242,7 @@ def ev_summary(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{weighting}_ev_low"] = iv.get("low")
         out[f"{weighting}_ev_high"] = iv.get("high")
     gate = report.get("gate") if isinstance(report.get("gate"), dict) else {}
-    out["gate_mode"] = gate.get("mode", "miles")
+    out["gate_mode"] = gate.get("mode", GATE_MODE_DEFAULT)
     out["gate_min_ev"] = gate.get("min_ev", MIN_EV_DEFAULT)
     return out
 
@@ -261,7 +262,7 @@ def position_table(deciles: np.ndarray) -> dict[str, Any]:
 def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, checkpoint: str, contract_sha256: str,
                  dp: int, seed: int, global_batch_size: int, batches: Sequence[Sequence[int]],
                  rank_reports: Sequence[Sequence[RankReport]], active_targets: Sequence[int],
-                 labels: Sequence[float], gate_mode: str = "miles", gate_min_ev: float = MIN_EV_DEFAULT) -> dict[str, Any]:
+                 labels: Sequence[float], gate_mode: str = GATE_MODE_DEFAULT, gate_min_ev: float = MIN_EV_DEFAULT) -> dict[str, Any]:
     """Check every batch's rank reports, compute EVs from summed statistics and decide the gate.
 
     `batches[k]` are the planned row indices of batch k, `rank_reports[k]` what the ranks returned
