@@ -120,6 +120,7 @@ class MemoryConfig:
 
 DEFAULT_HEAD_SIZE = Objective().head_size  # the default objective's value head (its bins)
 
+
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """The critic's shape as the memory model needs it (duck-types `BackboneConfig`)."""
