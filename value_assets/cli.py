@@ -184,27 +184,57 @@ def cmd_verify(args) -> int:
 
 
 def cmd_handoff(args) -> int:
-    """Print the RL-side settings of a promoted critic, after verifying its bundles' bytes."""
+    """Print the RL-side settings of a promoted critic, after verifying the registry record against
+    its pin and its bundles' bytes against the record."""
     import shlex
     from pathlib import Path
 
-    from .core.handoff import record_rl_settings, verify_handoff
-    from .core.strict_json import loads
+    from .core.handoff import read_registry_record, record_rl_settings, verify_handoff
+    from .core.hashing import require_sha
 
     path = Path(args.record)
-    try:
-        record = loads(path.read_bytes(), str(path))
-    except OSError as exc:
-        raise InputError(str(path), f"cannot read the registry record: {exc.strerror or exc}") from None
-    if not isinstance(record, dict):
-        raise InputError(str(path), "is not a registry record (a JSON object)")
+    pin, pinned_by = args.record_sha256, "--record-sha256"
+    if pin is not None:
+        require_sha(pin, "--record-sha256")
+    if args.instance:
+        promoted = _instance_record_sha(path)
+        if pin is not None and pin != promoted:
+            raise InputError("--record-sha256", f"{pin} is not the record the Dagster instance's latest promotion of "
+                             f"{path.stem!r} wrote ({promoted})")
+        pin, pinned_by = promoted, f"the Dagster instance ({os.environ.get('DAGSTER_HOME')})"
+    if pin is None:
+        raise InputError(str(path), "the registry record is not pinned, and whoever can write the artifacts folder can rewrite "
+                         "it with its bundles: pass --record-sha256 HEX (promoted_critic's registry_record_sha256 in "
+                         "Dagster) or --instance (the latest promotion in the instance at $DAGSTER_HOME)")
+    record, sha = read_registry_record(path, pin)
     verify_handoff(record, str(path))
     settings = record_rl_settings(record)
     if args.json:
-        print(json.dumps({"registry_record": str(path), "partition_key": record.get("partition_key"),
+        print(json.dumps({"registry_record": str(path), "registry_record_sha256": sha, "partition_key": record.get("partition_key"),
                           "training_contract_sha256": record.get("contract_sha256"),
                           "model_identity": record["handoff"]["model_identity"], **settings}, indent=2, sort_keys=True))
         return 0
+    print(f"# promoted critic of partition {record.get('partition_key')} (training contract {record.get('contract_sha256')})")
+    print(f"# registry record {sha} pinned by {pinned_by}; bundles verified against it")
+    print("# Miles RL trainer (Megatron-LM):")
+    print(shlex.join(settings["miles_args"]))
+    if settings["verl"] is not None:
+        print("# verl (Hugging Face critic):")
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in settings["verl"].items()))
+    return 0
+
+
+def _instance_record_sha(record_path) -> str:
+    """The record sha the latest promotion of the record's partition (its file name,
+    `registry/<partition>.json`) wrote, read from the Dagster instance at $DAGSTER_HOME."""
+    if not os.environ.get("DAGSTER_HOME"):
+        raise InputError("--instance", "DAGSTER_HOME is not set: it names the Dagster instance that recorded the promotion")
+    from dagster import DagsterInstance
+
+    from .assets.common import promoted_record_sha
+
+    with DagsterInstance.get() as instance:
+        return promoted_record_sha(instance, record_path.stem)
     print(f"# promoted critic of partition {record.get('partition_key')} (training contract {record.get('contract_sha256')})")
     print(f"# bundles verified against {path}")
     print("# Miles RL trainer (Megatron-LM):")
@@ -279,8 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     vf.set_defaults(func=cmd_verify)
 
-    h = sub.add_parser("handoff", help="print the RL-side settings of a promoted critic (verifies its bundles first)")
+    h = sub.add_parser("handoff", help="print the RL-side settings of a promoted critic (verifies the pinned record and its bundles first)")
     h.add_argument("record", help="registry record (<artifacts>/registry/<partition>.json)")
+    h.add_argument("--record-sha256", help="pin the record's sha256 (promoted_critic's registry_record_sha256 in Dagster)")
+    h.add_argument("--instance", action="store_true",
+                   help="pin the record the latest promotion of its partition wrote, read from the Dagster instance at $DAGSTER_HOME")
     h.add_argument("--json", action="store_true", help="print the settings as one JSON object")
     h.set_defaults(func=cmd_handoff)
 

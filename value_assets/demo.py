@@ -105,6 +105,8 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
             "token_ev_low": report.get("token_ev_low"),
             "trajectory_ev_low": report.get("trajectory_ev_low"),
             "promoted": record.is_file(),
+            "record": record,
+            "record_sha256": (latest_metadata(instance, "promoted_critic", key) or {}).get("registry_record_sha256"),
             "seconds": time.monotonic() - t,
         })
 
@@ -128,6 +130,9 @@ def _print_rows(rows: list, requests, home: Path, artifacts: Path, t0: float) ->
               f"{f(r['trajectory_ev']):>8} {f(_lowest(r), '.4f'):>8} {f(r['optimal_ev']):>8} {r['gate']:<7} {'promoted' if r['promoted'] else 'refused':<9} {r['seconds']:>5.0f}s")
     print("\nlow: the lower of the two 95% interval bounds (token, trajectory); the gate (mode 'interval') needs it > 0")
     print(f"artifacts: {artifacts}/<partition>/{{plan,critic,reports}}, promotion records: {artifacts}/registry/")
+    for r in rows:
+        if r["promoted"] and r["record_sha256"]:  # the RL side's settings, from the record pinned in the instance
+            print(f"hand-off: .venv/bin/value-assets handoff {r['record']} --record-sha256 {r['record_sha256']}")
     print(f"total {time.monotonic() - t0:.0f}s; `make ui` shows both lineages, the checks and the plots on http://127.0.0.1:3000")
     by_name = {Path(r.tags["value_assets/manifest"]).stem: row for r, row in zip(sorted(requests, key=lambda r: r.tags["value_assets/manifest"]), rows)}
     ok = by_name["demo"]["promoted"] and not by_name["demo-shuffled"]["promoted"]

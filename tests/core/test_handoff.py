@@ -8,6 +8,7 @@ from value_assets.cli import main
 from value_assets.core.errors import InputError
 from value_assets.core.handoff import (build_handoff, describe_bundle, model_identity, objective_flags, record_rl_settings,
                                        reusable_handoff, verify_handoff)
+from value_assets.core.hashing import sha256_file
 from value_assets.core.miles import MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract
 from value_assets.core.strict_json import canonical_bytes
 
@@ -86,14 +87,20 @@ def test_reusable_handoff_only_for_the_same_contract_with_intact_bundles(tmp_pat
     assert reusable_handoff(record, contract_sha256=SHA_C, miles_contract=miles, scalar_hf=False) is None
 
 
+def pin(path) -> list[str]:
+    return ["--record-sha256", sha256_file(path)]
+
+
 def test_handoff_cli_prints_the_settings(tmp_path, capsys):
     record, path, _ = bundles(tmp_path, MSE)
-    assert main(["handoff", str(path)]) == 0
+    assert main(["handoff", str(path), *pin(path)]) == 0
     out = capsys.readouterr().out
     assert f"--critic-load {tmp_path / 'handoff' / 'miles'}" in out and "--no-load-optim --value-loss-type mse" in out
     assert f"critic.model.path={tmp_path / 'handoff' / 'hf'}" in out
-    assert main(["handoff", str(path), "--json"]) == 0
+    assert f"registry record {sha256_file(path)} pinned by --record-sha256" in out
+    assert main(["handoff", str(path), "--json", *pin(path)]) == 0
     shown = json.loads(capsys.readouterr().out)
+    assert shown["registry_record_sha256"] == sha256_file(path)
     assert shown["contract_sha256_to_pin"] == record["handoff"]["miles"]["contract_sha256"]
     assert shown["critic_load"] == str(tmp_path / "handoff" / "miles") and shown["model_identity"] == f"value-assets:tiny@{SHA_C}"
 
@@ -108,7 +115,7 @@ def test_handoff_cli_refuses_a_tampered_bundle_with_the_difference(tmp_path, cap
         (weights.parent / "more.distcp").write_bytes(b"")
     else:
         weights.unlink()
-    assert main(["handoff", str(path)]) == 2
+    assert main(["handoff", str(path), *pin(path)]) == 2
     err = capsys.readouterr().err
     assert {"changed": "changed iter_0000004/common.pt", "extra": "unexpected iter_0000004/more.distcp",
             "missing": "missing iter_0000004/common.pt"}[tamper] in err
@@ -117,8 +124,34 @@ def test_handoff_cli_refuses_a_tampered_bundle_with_the_difference(tmp_path, cap
 def test_handoff_cli_refuses_a_record_without_bundles(tmp_path, capsys):
     path = tmp_path / "old.json"
     path.write_bytes(canonical_bytes({"schema": "value-assets.promotion.v1", "contract_sha256": SHA_C}))
-    assert main(["handoff", str(path)]) == 2
+    assert main(["handoff", str(path), *pin(path)]) == 2
     assert "no hand-off bundles" in capsys.readouterr().err
+
+
+def test_handoff_cli_vouches_only_for_a_pinned_record(tmp_path, capsys, monkeypatch):
+    """Whoever can write the artifacts folder can swap a bundle's weights and rewrite the record's
+    file list and shas to match: the bundles then agree with the record. Only the record's pin, held
+    outside that folder (the promotion's metadata in the Dagster instance), tells them apart."""
+    record, path, _ = bundles(tmp_path, CLASSIFICATION)
+    genuine = sha256_file(path)
+    weights = tmp_path / "handoff" / "miles" / "iter_0000004" / "common.pt"
+    weights.write_bytes(b"the attacker's weights")
+    forged = {**record, "handoff": {**record["handoff"], "miles": {**record["handoff"]["miles"],
+                                                                   **describe_bundle(tmp_path / "handoff" / "miles")}}}
+    verify_handoff(forged, "forged")  # self-consistent: the bundle matches the rewritten record
+    path.write_bytes(canonical_bytes(forged))
+
+    assert main(["handoff", str(path), "--record-sha256", genuine]) == 2
+    captured = capsys.readouterr()
+    assert f"record sha256 is {sha256_file(path)}, but {genuine} was pinned" in captured.err and captured.out == ""
+    assert main(["handoff", str(path)]) == 2  # unpinned: refused, nothing printed for the RL side
+    captured = capsys.readouterr()
+    assert "the registry record is not pinned" in captured.err and "--critic-load" not in captured.out
+    assert main(["handoff", str(path), "--record-sha256", "not-a-sha"]) == 2
+    assert "--record-sha256" in capsys.readouterr().err
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    assert main(["handoff", str(path), "--instance"]) == 2
+    assert "DAGSTER_HOME is not set" in capsys.readouterr().err
 
 
 def test_verify_refuses_an_edited_file_list(tmp_path):

@@ -4,14 +4,16 @@ record names each bundle with its files and the Miles contract sha, the metadata
 settings, re-promotion is idempotent, and a failed export writes no record."""
 
 import json
+from pathlib import Path
 
 import pytest
 from dagster import AssetKey
 
-from value_assets.assets.common import latest_metadata
+from value_assets.assets.common import latest_metadata, promoted_record_sha
 from value_assets.core.handoff import describe_bundle, verify_handoff
 from value_assets.core.hashing import sha256_file
 from value_assets.core.miles import read_miles_contract
+from value_assets.core.strict_json import canonical_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +45,9 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
 
     meta = latest_metadata(instance, "promoted_critic", key)
     assert meta["miles_contract_sha256"] == sha and meta["miles_files_sha256"] == handoff["miles"]["files_sha256"]
+    record_path = artifacts / "registry" / f"{key}.json"
+    assert meta["registry_record_sha256"] == sha256_file(record_path) == promoted_record_sha(instance, key)
+    assert f"value-assets handoff {record_path} --record-sha256 {sha256_file(record_path)}" in str(meta["handoff_command"])
     assert str(meta["miles_bundle"]) == str(miles_dir) and str(meta["verl_critic_model_path"]) == str(hf_dir)
     assert meta["rl_settings"]["miles_args"][:5] == ["--critic-load", str(miles_dir),
                                                      "--critic-value-pretrain-contract-sha256", sha, "--no-load-optim"]
@@ -59,6 +64,43 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
     assert {k: v for k, v in second.items() if k != "promoted_at"} == {k: v for k, v in record.items() if k != "promoted_at"}
     second_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
     assert second_version["dagster/data_version"] == first_version["dagster/data_version"]
+    # the record was written again (a new promoted_at): the pin follows the newest promotion
+    assert promoted_record_sha(instance, key) == sha256_file(record_path) != meta["registry_record_sha256"]
+
+
+def test_handoff_cli_pins_the_record_through_the_dagster_instance(tmp_path, test_defs, test_resources, manifests_dir,
+                                                                write_manifest, register, monkeypatch, capsys):
+    """`value-assets handoff --instance` in another process's place: it reads the promotion from the
+    instance on disk at $DAGSTER_HOME, so a record rewritten in the artifacts folder (with bundles to
+    match) or a record of a partition that was never promoted is refused."""
+    from dagster import DagsterInstance
+
+    from value_assets.cli import main
+    from value_assets.core.handoff import describe_bundle
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    with DagsterInstance.get() as instance:  # SQLite on disk, as `make demo` and `dagster dev` keep it
+        (key,) = register(instance, test_resources, write_manifest(manifests_dir, "pinned", standin={"ev": 0.3}))
+        result = run(test_defs, instance, key)
+        assert result.success, [e.message for e in result.all_events if e.is_failure]
+    record_path = tmp_path / "artifacts" / "registry" / f"{key}.json"
+    assert main(["handoff", str(record_path), "--instance"]) == 0
+    assert f"pinned by the Dagster instance ({home})" in capsys.readouterr().out
+
+    record = json.loads(record_path.read_text())
+    miles_dir = Path(record["handoff"]["miles"]["dir"])
+    (miles_dir / "latest_checkpointed_iteration.txt").write_text("9\n")
+    record["handoff"]["miles"].update(describe_bundle(miles_dir))
+    record_path.write_bytes(canonical_bytes(record))
+    assert main(["handoff", str(record_path), "--instance"]) == 2
+    assert "was pinned" in capsys.readouterr().err
+
+    elsewhere = record_path.with_name("never-promoted.json")
+    elsewhere.write_bytes(record_path.read_bytes())
+    assert main(["handoff", str(elsewhere), "--instance"]) == 2
+    assert "has no promoted_critic materialization" in capsys.readouterr().err
 
 
 def test_classification_critic_has_no_hf_bundle(instance, test_defs, test_resources, manifests_dir, tmp_path,

@@ -72,6 +72,22 @@ def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: st
     return _values(materialization.metadata)
 
 
+def promoted_record_sha(instance: DagsterInstance, partition_key: str) -> str:
+    """The sha256 of the registry record the latest `promoted_critic` materialization of this
+    partition wrote: the pin of `value-assets handoff --instance` (docs/rules.md#hand-off)."""
+    from value_assets.core.errors import InputError
+    from value_assets.core.hashing import is_sha
+
+    meta = latest_metadata(instance, "promoted_critic", partition_key)
+    if meta is None:
+        raise InputError(f"partition {partition_key!r}", "has no promoted_critic materialization in the Dagster instance: nothing was promoted")
+    sha = meta.get("registry_record_sha256")
+    if not is_sha(sha):
+        raise InputError(f"partition {partition_key!r}", "its latest promotion recorded no registry_record_sha256 (promoted before "
+                         "records were pinned): materialize promoted_critic again")
+    return sha
+
+
 def ev_report_records(instance: DagsterInstance, partition_key: str) -> Iterator[ReportRecord]:
     """Every `ev_report` materialization of one partition, newest first, as the rules read them."""
     records_filter = AssetRecordsFilter(asset_key=AssetKey("ev_report"), asset_partitions=[partition_key])

@@ -357,12 +357,19 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
     registry_path = artifacts.registry_path(key)
     previous = read_registry_record(registry_path)
     record["handoff"], reused = export_handoff(context, artifacts, launcher, ref, previous, _job_extras(context, manifest))
-    atomic_write(registry_path, canonical_bytes(record))
+    record_bytes = canonical_bytes(record)
+    atomic_write(registry_path, record_bytes)
+    record_sha256 = sha256_bytes(record_bytes)
     identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
     return MaterializeResult(
         data_version=DataVersion(identity),
         metadata={
             "registry_record": MetadataValue.path(str(registry_path)),
+            # The pin that makes the record (and through it every bundle byte) trustworthy: the
+            # artifacts folder alone cannot vouch for itself (docs/rules.md#hand-off).
+            "registry_record_sha256": record_sha256,
+            "handoff_command": MetadataValue.md(
+                "```\n" + shlex.join(["value-assets", "handoff", str(registry_path), "--record-sha256", record_sha256]) + "\n```"),
             "checkpoint": MetadataValue.path(record["checkpoint"]),
             "contract_sha256": record["contract_sha256"],
             "report_sha256": record["report_sha256"],

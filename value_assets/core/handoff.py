@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import InputError, show
-from .hashing import is_sha, sha256_bytes, sha256_file
+from .hashing import is_sha, read_pinned, sha256_bytes, sha256_file
 from .miles import MILES_CONTRACT_NAME, read_miles_contract
 from .objective import Objective
-from .strict_json import canonical_bytes
+from .strict_json import canonical_bytes, loads
 
 MILES_BUNDLE = "miles"
 HF_BUNDLE = "hf"
@@ -89,6 +89,20 @@ def verify_bundle(bundle: Mapping[str, Any], where: str) -> None:
                          f"now size {actual[p]['size']} sha256 {actual[p]['sha256']})")
     if diffs:
         raise InputError(f"{where}: {bundle['dir']}", "does not match the registry record: " + "; ".join(diffs))
+
+
+def read_registry_record(path: str | Path, pinned_sha256: str) -> tuple[dict[str, Any], str]:
+    """(record, sha) of a registry record whose sha256 was pinned, checked before it is parsed.
+
+    The record names the bundles' files and their shas, so whoever can write the artifacts folder
+    could rewrite a record and its bundles to match each other: only a record pinned from outside
+    that folder (the sha `promoted_critic` recorded in the Dagster instance, shown in its metadata
+    as `registry_record_sha256`) vouches for the bundles it names (docs/rules.md#hand-off)."""
+    data, sha = read_pinned(Path(path), pinned_sha256, "registry record")
+    record = loads(data, str(path))
+    if not isinstance(record, dict):
+        raise InputError(str(path), "is not a registry record (a JSON object)")
+    return record, sha
 
 
 def verify_handoff(record: Mapping[str, Any], where: str) -> None:
