@@ -235,14 +235,6 @@ def _instance_record_sha(record_path) -> str:
 
     with DagsterInstance.get() as instance:
         return promoted_record_sha(instance, record_path.stem)
-    print(f"# promoted critic of partition {record.get('partition_key')} (training contract {record.get('contract_sha256')})")
-    print(f"# bundles verified against {path}")
-    print("# Miles RL trainer (Megatron-LM):")
-    print(shlex.join(settings["miles_args"]))
-    if settings["verl"] is not None:
-        print("# verl (Hugging Face critic):")
-        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in settings["verl"].items()))
-    return 0
 
 
 def _positive(text: str) -> int:

@@ -9,8 +9,8 @@ import pytest
 
 from value_assets.cli import main
 from value_assets.core.checkpoint_files import checkpoint_differences, describe_folder, verify_checkpoint
-from value_assets.core.contract import (CONTRACT_NAME, LATEST_NAME, build_contract, find_resume_point, iter_dirname, load_verified,
-                                        read_latest, resolve_step_dir, write_contract)
+from value_assets.core.contract import (LATEST_NAME, build_contract, find_resume_point, iter_dirname, load_verified,
+                                        resolve_step_dir, write_contract)
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.objective import Objective

@@ -4,7 +4,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-from pathlib import Path
 
 import pytest
 

@@ -75,7 +75,6 @@ def test_trajectory_ev_matches_naive_loop(rows):
     for r, v, m in rows:
         act = [i for i in range(len(m)) if m[i] == 1]
         rbar.append(sum(r[i] for i in act) / len(act))
-        ebar_r2 = None  # not needed: EV of row means uses the per-row mean of e and e^2
         ebar.append((sum(r[i] - v[i] for i in act) / len(act), sum((r[i] - v[i]) ** 2 for i in act) / len(act),
                      sum(r[i] ** 2 for i in act) / len(act)))
     n = len(rows)

@@ -14,9 +14,6 @@ Architecture only; parallel setup lives in `parallel.py`, training in `train.py`
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
