@@ -68,6 +68,34 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
     assert promoted_record_sha(instance, key) == sha256_file(record_path) != meta["registry_record_sha256"]
 
 
+def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(instance, test_defs, test_resources, manifests_dir,
+                                                                           tmp_path, write_manifest, register):
+    """Re-promotion reuses the previous bundles when they still match the previous record. That
+    record is read from the artifacts folder, so it counts only if it is the one the last promotion
+    wrote (its pin in the instance): a record rewritten to match swapped weights would otherwise be
+    reused, and then pinned afresh by the new promotion."""
+    from value_assets.core.handoff import describe_bundle
+
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "reuse", standin={"ev": 0.3}))
+    assert run(test_defs, instance, key).success
+    record_path = tmp_path / "artifacts" / "registry" / f"{key}.json"
+    record = json.loads(record_path.read_text())
+    miles_dir = Path(record["handoff"]["miles"]["dir"])
+    (victim,) = [miles_dir / f["path"] for f in record["handoff"]["miles"]["files"] if f["path"].endswith("common.pt")]
+    genuine = victim.read_bytes()
+    victim.write_bytes(b"the attacker's weights")
+    record["handoff"]["miles"].update(describe_bundle(miles_dir))
+    record_path.write_bytes(canonical_bytes(record))
+
+    again = run(test_defs, instance, key, ["promoted_critic"])
+    assert again.success, [e.message for e in again.all_events if e.is_failure]
+    meta = latest_metadata(instance, "promoted_critic", key)
+    assert meta["handoff_reused"] is False  # exported again, not reused
+    assert victim.read_bytes() == genuine
+    assert meta["registry_record_sha256"] == sha256_file(record_path)
+    verify_handoff(json.loads(record_path.read_text()), "record")
+
+
 def test_handoff_cli_pins_the_record_through_the_dagster_instance(tmp_path, test_defs, test_resources, manifests_dir,
                                                                 write_manifest, register, monkeypatch, capsys):
     """`value-assets handoff --instance` in another process's place: it reads the promotion from the

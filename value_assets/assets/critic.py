@@ -38,9 +38,10 @@ from value_assets.assets.common import (
 from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
 from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
+from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.handoff import (HF_BUNDLE, MILES_BUNDLE, build_handoff, install_bundles, miles_bundle_record,
-                                       model_identity, record_rl_settings, reusable_handoff)
+                                       model_identity, read_registry_record, record_rl_settings, reusable_handoff)
 from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.miles import build_miles_contract
 from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify_promotion
@@ -355,7 +356,7 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
             verify_checkpoint=verify_checkpoint,
         )
     registry_path = artifacts.registry_path(key)
-    previous = read_registry_record(registry_path)
+    previous = previous_record(context, registry_path)
     record["handoff"], reused = export_handoff(context, artifacts, launcher, ref, previous, _job_extras(context, manifest))
     record_bytes = canonical_bytes(record)
     atomic_write(registry_path, record_bytes)
@@ -380,12 +381,16 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
     )
 
 
-def read_registry_record(path) -> dict[str, Any] | None:
-    """The registry record at `path`, or None when there is none or it cannot be read as one."""
-    from value_assets.core.strict_json import loads
-
+def previous_record(context: AssetExecutionContext, registry_path) -> dict[str, Any] | None:
+    """The registry record the last promotion of this partition wrote, read from `registry_path`
+    under the pin it recorded in the instance; None when there is none, or when the file is no
+    longer that record (the hand-off is then exported again rather than reused: a record rewritten
+    in the artifacts folder to match swapped bundles would otherwise be reused and pinned anew)."""
+    sha = (latest_metadata(context.instance, "promoted_critic", context.partition_key) or {}).get("registry_record_sha256")
+    if not isinstance(sha, str):
+        return None  # never promoted (or promoted before records were pinned)
     try:
-        obj = loads(path.read_bytes(), str(path))
-    except (OSError, ValueError):
+        return read_registry_record(registry_path, sha)[0]
+    except InputError as exc:
+        context.log.warning(f"{exc}: not the record the last promotion wrote; the hand-off is exported again")
         return None
-    return obj if isinstance(obj, dict) else None
