@@ -299,3 +299,30 @@ def test_concurrent_publishers_one_winner(tmp_path):
     assert read_sidecar(sha_sidecar(path)) == sha256_bytes(expected)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["report.json", "report.json.sha256"]
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_saved_contracts_reads_only_the_driver_lines_about_this_folder(tmp_path):
+    from value_assets.core.contract import saved_contracts, saved_line
+
+    critic = tmp_path / "critic"
+    a, b = "a" * 64, "b" * 64
+    lines = [
+        saved_line(critic / iter_dirname(4), a),
+        saved_line(tmp_path / "other" / iter_dirname(8), b),  # another folder
+        f"invalid input: x.jsonl:3: value {saved_line(critic / iter_dirname(8), b)!r}",  # quoted inside other text
+        saved_line(critic / iter_dirname(8), b) + " ",  # not the whole line
+        None,  # Dagster log records without a user message
+        "saved " + str(critic / iter_dirname(9)) + " with contract " + "C" * 64,  # not a sha
+    ]
+    assert saved_contracts(lines, critic) == {a}
+    assert saved_contracts([], critic) == set()
+
+
+def test_a_resume_point_the_lineage_did_not_record_is_refused():
+    from value_assets.core.contract import check_resume_recorded
+
+    check_resume_recorded("a" * 64, None, where="iter_0000004")  # by hand: any verified save
+    check_resume_recorded("a" * 64, ("b" * 64, "a" * 64), where="iter_0000004")
+    for recorded in ((), ("b" * 64,)):
+        with pytest.raises(InputError, match=r"iter_0000004.*refusing to resume: its contract a{64} is not one of the"):
+            check_resume_recorded("a" * 64, recorded, where="iter_0000004")

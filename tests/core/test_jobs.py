@@ -39,7 +39,8 @@ def test_every_field_is_documented_and_frozen(cls):
                     tensor_parallel=2, pipeline_parallel=2, micro_batch_tokens=8192, lr=3e-4, warmup_steps=5,
                     weight_decay=0.01, clip_grad=0.5, canary=True, stop_after=4, manifest_sha256=SHA,
                     data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60, freeze="attention",
-                    recompute="full", recompute_layers=3)),
+                    recompute="full", recompute_layers=3, resume_from=[SHA, "cd" * 32])),
+    (TrainJob, dict(resume_from=())),  # a lineage that recorded no save: nothing may be resumed
     (TrainJob, {}),
     (EvaluateJob, dict(split="train", num_batches=4, global_batch_size=2, seed=9, gpus=4, tensor_parallel=2,
                        pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5,
@@ -84,6 +85,8 @@ def test_json_round_trip(cls, settings):
     (TrainJob, "manifest_sha256", "abc", "got 'abc'"),
     (TrainJob, "data_roots", [], "got []"),
     (TrainJob, "data_roots", "/data", "got '/data'"),
+    (TrainJob, "resume_from", ["abc"], "got 'abc'"),
+    (TrainJob, "resume_from", SHA, "must be a list of contract sha256s"),
     (TrainJob, "manifest", "", "got ''"),
     (TrainJob, "output", None, "is required, got None"),
     (TrainJob, "recompute_layers", 0, "must be an integer >= 1, got 0"),
@@ -197,6 +200,9 @@ def test_cli_data_roots_reach_the_config(monkeypatch):
     args = build_parser().parse_args(["train", "m.json", "--output", "o", "--data-root", "/a", "--lr", "0.01", "--canary"])
     cfg = config_from_args(TrainJob, args)
     assert cfg.data_roots == ("/a", "/env") and cfg.lr == 0.01 and cfg.canary is True
+    assert cfg.resume_from is None  # by hand: any save that verifies
+    args = build_parser().parse_args(["train", "m.json", "--output", "o", "--resume-from", SHA, "--resume-from", "cd" * 32])
+    assert config_from_args(TrainJob, args).resume_from == (SHA, "cd" * 32)
 
 
 def test_freeze_backbone_needs_one_pipeline_stage():

@@ -132,6 +132,35 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert latest_metadata(instance, "promoted_critic", good_key)["miles_contract_sha256"] == miles_sha
     assert not (artifacts / bad_key / "handoff" / "miles").exists()
 
+    # A resume starts only from a save the lineage recorded (docs/rules.md#resume): training again
+    # finds the save its first run logged and has nothing to do; the same save rewritten in the folder
+    # (other weights, a contract binding them, `latest` pointing at it) is refused before anything loads it.
+    from dagster import AssetKey
+
+    from value_assets.core.checkpoint_files import describe_folder
+    from value_assets.core.contract import load_contract, write_contract
+
+    def train_again():
+        return defs.get_implicit_global_asset_job_def().execute_in_process(
+            instance=instance, partition_key=good_key, raise_on_error=False,
+            asset_selection=[AssetKey("critic_checkpoint"), AssetKey("training_contract")])
+
+    again = train_again()
+    assert again.success, [e.message for e in again.all_events if e.is_failure]
+    step_dir = artifacts / good_key / "critic" / f"iter_{STEPS:07d}"
+    contract, recorded_sha = load_contract(step_dir)
+    assert latest_metadata(instance, "training_contract", good_key)["contract_sha256"] == recorded_sha
+    shard = step_dir / "__0_1.distcp"
+    planted = bytearray(shard.read_bytes())
+    planted[-64] ^= 0xFF
+    shard.write_bytes(bytes(planted))
+    planted_sha = write_contract(step_dir.parent, {**contract, "checkpoint_files": describe_folder(step_dir)})
+    refused = train_again()
+    assert not refused.success
+    said = [r.user_message for r in instance.all_logs(refused.run_id)]
+    assert any(f"refusing to resume: its contract {planted_sha} is not one of the" in m for m in said), said[-5:]
+    assert latest_metadata(instance, "training_contract", good_key)["contract_sha256"] == recorded_sha
+
     # One warm Ray cluster served every GPU step of both runs, and the second and later Ray jobs
     # took the first one's worker processes (no Ray start, no torch/megatron import).
     messages = [e.user_message for run in (bad_run, good_run) for e in instance.all_logs(run.run_id)]

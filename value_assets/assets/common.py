@@ -72,6 +72,19 @@ def latest_metadata(instance: DagsterInstance, asset_key: str, partition_key: st
     return _values(materialization.metadata)
 
 
+def recorded_saves(instance: DagsterInstance, partition_key: str, critic_dir) -> tuple[str, ...]:
+    """The contract shas of the saves into `critic_dir` that this partition's runs logged as they
+    wrote them (`core.contract.saved_line`): the only saves a Dagster-launched resume may start from
+    (docs/rules.md#resume). A run that failed after a save still logged it."""
+    from dagster import RunsFilter
+
+    from value_assets.core.contract import saved_contracts
+
+    runs = instance.get_runs(filters=RunsFilter(tags={"dagster/partition": partition_key}))
+    lines = (record.user_message for run in runs for record in instance.all_logs(run.run_id))
+    return tuple(sorted(saved_contracts(lines, critic_dir)))
+
+
 def promoted_record_sha(instance: DagsterInstance, partition_key: str) -> str:
     """The sha256 of the registry record the latest `promoted_critic` materialization of this
     partition wrote: the pin of `value-assets handoff --instance` (docs/rules.md#hand-off)."""

@@ -33,6 +33,7 @@ from value_assets.assets.common import (
     latest_metadata,
     partition_manifest,
     plot_metadata,
+    recorded_saves,
     to_metadata_value,
 )
 from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
@@ -78,13 +79,14 @@ class TrainRunConfig(Config):
 
 
 def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,
-              canary: bool = False) -> TrainJob:
+              canary: bool = False, resume_from: tuple[str, ...] | None = None) -> TrainJob:
     """The training job of a partition; the manifest sha is pinned so the job trains on the very
-    bytes this partition registered, and G, epochs and seed are the published plan's."""
+    bytes this partition registered, G, epochs and seed are the published plan's, and a resume may
+    start only from a save the lineage recorded (`resume_from`)."""
     g, epochs, seed = plan
     return TrainJob(manifest=manifest.path, manifest_sha256=manifest.sha256, output=output_dir,
                     global_batch_size=g, epochs=epochs, seed=seed, data_roots=data_roots, canary=canary,
-                    **given(config))
+                    resume_from=resume_from, **given(config))
 
 
 def _job_extras(context: AssetExecutionContext, manifest) -> dict[str, Any]:
@@ -150,7 +152,7 @@ def critic_training(
     plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.critic_dir(key)
     with fail_on_bad_input("critic_training: config"):
-        job = train_job(config, manifest, output, plan, inbox.roots())
+        job = train_job(config, manifest, output, plan, inbox.roots(), resume_from=recorded_saves(context.instance, key, output))
     results = launcher.launch(context, "train", job, _job_extras(context, manifest))
     with fail_on_bad_input("critic_training: published contract"):
         ref = resolve_latest_contract(output)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .checkpoint_files import CONTRACT_NAME, verify_checkpoint
 from .errors import InputError, show
@@ -173,6 +173,37 @@ def find_resume_point(critic_dir: str | Path, log=lambda _m: None) -> tuple[Path
         log(f"'{LATEST_NAME}' names {latest[0].name}, but {step_dir.name} holds a newer contract and its files verify "
             f"(a crash between contract and pointer): resuming from {step_dir.name}")
     return step_dir, contract, sha
+
+
+# The line a training run logs after each save's contract (its event log keeps it in Dagster):
+# the record, outside the artifacts folder, of which saves this lineage wrote.
+_SAVED_LINE = re.compile(r"saved (?P<step_dir>.+) with contract (?P<sha>[0-9a-f]{64})")
+
+
+def saved_line(step_dir: Path, sha256: str) -> str:
+    return f"saved {step_dir} with contract {sha256}"
+
+
+def saved_contracts(lines: Iterable[str], critic_dir: str | Path) -> set[str]:
+    """The contract shas of the saves into `critic_dir` that these log lines (a lineage's runs'
+    event logs) record; lines about other folders, and any other text, count for nothing."""
+    root = Path(critic_dir)
+    found = set()
+    for line in lines:
+        m = _SAVED_LINE.fullmatch(line or "")
+        if m and Path(m["step_dir"]).parent == root:
+            found.add(m["sha"])
+    return found
+
+
+def check_resume_recorded(sha256: str, recorded: Sequence[str] | None, *, where: str) -> None:
+    """A resume point must be one of the saves the lineage recorded (`recorded`; None: a run by hand,
+    any save whose files verify). Whoever can write the critic folder can plant a complete,
+    self-consistent save; only a record kept elsewhere tells it from the lineage's own."""
+    if recorded is not None and sha256 not in recorded:
+        raise InputError(where, f"refusing to resume: its contract {sha256} is not one of the {len(recorded)} saves this "
+                         "lineage's runs recorded (a save planted in the folder, or written by another run): remove it "
+                         "to resume from an earlier save, or train into an empty folder")
 
 
 def check_resume(contract: Mapping[str, Any], *, where: str, manifest_sha256: str, train_sha256: str,

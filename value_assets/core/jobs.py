@@ -127,10 +127,12 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, str):
             return value
         raise InputError(name, f"must be a string, got {show(value)}")
-    if typing.get_origin(hint) is tuple:  # tuple[str, ...]: folders
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, os.PathLike)) and str(v) for v in value):
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...]: folders, or contract shas (resume_from: may be empty)
+        empty_ok = name == "resume_from"
+        if isinstance(value, (list, tuple)) and (value or empty_ok) and all(isinstance(v, (str, os.PathLike)) and str(v) for v in value):
             return tuple(str(v) for v in value)
-        raise InputError(name, f"must be a non-empty list of folder paths (null: no restriction), got {show(value)}")
+        what = "list of contract sha256s (null: any save that verifies)" if empty_ok else "non-empty list of folder paths (null: no restriction)"
+        raise InputError(name, f"must be a {what}, got {show(value)}")
     raise TypeError(f"{name}: unsupported config field type {hint!r}")  # a programming error
 
 
@@ -219,6 +221,10 @@ class TrainJob(_JobConfig):
     clip_grad: float = setting(1.0, doc="Gradient-norm clipping threshold.")
     canary: bool = setting(False, doc="Run the first planned step only and publish a non-promotable receipt, no contract.")
     stop_after: int | None = setting(None, doc="Stop (with a save) after this many steps of this run; unset: run the plan out.")
+    resume_from: tuple[str, ...] | None = setting(None, doc=(
+        "The contract shas a resume may start from: the saves this lineage recorded (the Dagster asset passes the "
+        "ones its runs logged); a newest save not among them is refused. Unset: any save in the output folder whose "
+        "files verify against its own contract."))
     manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
     data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
@@ -241,6 +247,8 @@ class TrainJob(_JobConfig):
             require_int(self.stop_after, "stop_after")
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
+        for sha in self.resume_from or ():
+            require_sha(sha, "resume_from")
         if self.recompute_layers is not None:
             require_int(self.recompute_layers, "recompute_layers")
         self.memory.check_layout(tensor_parallel=self.tensor_parallel)

@@ -124,6 +124,8 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "warmup_steps", int)
     _flag(t, TrainJob, "canary", bool)
     _flag(t, TrainJob, "manifest_sha256")
+    t.add_argument("--resume-from", dest="resume_from", action="append", metavar="SHA",
+                   help=field_doc(TrainJob, "resume_from") + " Repeatable.")
     _data_root_flag(t)
     _flag(t, TrainJob, "ray_address")
     _flag(t, TrainJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)

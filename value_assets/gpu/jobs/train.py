@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import (
-    CONTRACT_NAME, build_contract, build_receipt, check_resume, existing_iterations, find_resume_point, iter_dirname,
-    point_latest, read_latest, write_contract,
+    CONTRACT_NAME, build_contract, build_receipt, check_resume, check_resume_recorded, existing_iterations,
+    find_resume_point, iter_dirname, point_latest, read_latest, saved_line, write_contract,
 )
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
@@ -107,6 +107,7 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
         # Verified file by file against its contract here, before anything is reserved, and again
         # right before the workers deserialize it.
         resume_dir, contract, resume_sha = found
+        check_resume_recorded(resume_sha, cfg.resume_from, where=str(resume_dir))
         start = check_resume(contract, where=str(resume_dir), manifest_sha256=manifest.sha256, train_sha256=train.sha256,
                              objective=manifest.objective.canonical(), plan=plan, model=identity,
                              loaded_iterations=[contract["completed_steps"]])
@@ -329,7 +330,7 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                             if not _disk_full(exc, step_dir):
                                 raise
                             raise InputError(str(step_dir), f"no space left on device (ENOSPC) while publishing the contract; nothing was published ({exc})") from None
-                        log(f"saved {step_dir} with contract {result.contract_sha256}")
+                        log(saved_line(step_dir, result.contract_sha256))
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
             # fingerprint that resume tests compare.
             result.state_sha256 = cluster.call_all("state_digest")
