@@ -28,12 +28,15 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from .errors import InputError
 
 HELPER_MODULE = "value_assets.gpu.runtime.warm_cluster"
 POOL_ENV = "VALUE_ASSETS_WORKER_POOL"
@@ -58,7 +61,34 @@ class WarmCluster:
 def default_folder(instance_root: str | os.PathLike | None) -> Path:
     """One folder per Dagster instance (by its root directory), under the system temp dir."""
     key = hashlib.sha256(str(Path(instance_root or Path.cwd()).resolve()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"value_assets-warm-{os.getuid()}" / key
+    return Path(tempfile.gettempdir()) / _base_name() / key
+
+
+def _base_name() -> str:
+    return f"value_assets-warm-{os.getuid()}"
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder`, created for this user alone where it is missing, and refused where it is not a plain
+    folder of this user that no one else may write. The cluster address read from it decides which
+    Ray cluster runs the GPU jobs, and the shared temp dir is anyone's to plant a folder in: a
+    planted `cluster.json` would send the jobs (and what they report) to another user's Ray. The
+    default layout's per-user parent (`value_assets-warm-<uid>`) is held to the same rule."""
+    levels = [folder.parent, folder] if folder.parent.name == _base_name() else [folder]
+    levels[0].parent.mkdir(parents=True, exist_ok=True)
+    for level in levels:
+        with contextlib.suppress(FileExistsError):
+            level.mkdir(mode=0o700)
+        st = os.lstat(level)
+        if not stat.S_ISDIR(st.st_mode):
+            raise InputError(str(level), "warm-cluster folder is not a folder (a symlink is never followed): remove it")
+        if st.st_uid != os.getuid():
+            raise InputError(str(level), f"warm-cluster folder is owned by uid {st.st_uid}, not by this user "
+                             f"({os.getuid()}): refusing the Ray cluster it names; remove it or set another warm_dir")
+        if st.st_mode & 0o022:
+            raise InputError(str(level), f"warm-cluster folder is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                             "refusing the Ray cluster it names; chmod go-w it or remove it")
+    return folder
 
 
 @contextlib.contextmanager
@@ -131,7 +161,7 @@ def _start(folder: Path, python: str, idle_s: float, num_cpus: int | None, timeo
 def use_warm_cluster(folder: Path, *, python: str, idle_s: float, num_cpus: int | None = None,
                      start_timeout_s: float = 300.0) -> Iterator[WarmCluster]:
     """The folder's warm cluster (started if none serves), held in use for the `with` block."""
-    folder.mkdir(parents=True, exist_ok=True)
+    private_folder(folder)
     with open(folder / USE_LOCK, "a+") as use:
         with locked(folder / START_LOCK, fcntl.LOCK_EX):
             cluster = read_live(folder) or _start(folder, python, idle_s, num_cpus, start_timeout_s)
@@ -147,6 +177,7 @@ def stop_warm_cluster(folder: Path, timeout_s: float = 60.0) -> bool:
     """End the folder's helper (SIGTERM; it ends its cluster) and wait for it; False if none served."""
     if not folder.is_dir():
         return False
+    private_folder(folder)
     with locked(folder / START_LOCK, fcntl.LOCK_EX):
         cluster = read_live(folder)
     if cluster is None:
