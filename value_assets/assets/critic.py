@@ -33,6 +33,7 @@ from value_assets.assets.common import (
     latest_metadata,
     partition_manifest,
     plot_metadata,
+    promoted_record_sha,
     recorded_saves,
     to_metadata_value,
 )
@@ -360,9 +361,7 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
     registry_path = artifacts.registry_path(key)
     previous = previous_record(context, registry_path)
     record["handoff"], reused = export_handoff(context, artifacts, launcher, ref, previous, _job_extras(context, manifest))
-    record_bytes = canonical_bytes(record)
-    atomic_write(registry_path, record_bytes)
-    record_sha256 = sha256_bytes(record_bytes)
+    record_sha256 = atomic_write(registry_path, canonical_bytes(record))
     identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
     return MaterializeResult(
         data_version=DataVersion(identity),
@@ -388,8 +387,9 @@ def previous_record(context: AssetExecutionContext, registry_path) -> dict[str, 
     under the pin it recorded in the instance; None when there is none, or when the file is no
     longer that record (the hand-off is then exported again rather than reused: a record rewritten
     in the artifacts folder to match swapped bundles would otherwise be reused and pinned anew)."""
-    sha = (latest_metadata(context.instance, "promoted_critic", context.partition_key) or {}).get("registry_record_sha256")
-    if not isinstance(sha, str):
+    try:
+        sha = promoted_record_sha(context.instance, context.partition_key)
+    except InputError:
         return None  # never promoted (or promoted before records were pinned)
     try:
         return read_registry_record(registry_path, sha)[0]
