@@ -29,9 +29,9 @@ class _SessionRay:
             return
         import ray
 
-        from value_assets.core.warm_cluster import POOL_ENV
+        from value_assets.core.warm_folder import POOL_ENV
 
-        # Jobs in this process share one worker pool (gpu/runtime/cluster.py `WorkerPool`): after the
+        # Jobs in this process share one worker pool (gpu/workers/cluster.py `WorkerPool`): after the
         # first job of a shape, no worker process starts and nothing imports torch or megatron again.
         # Logical slots beyond the cores, so that a job with fresh workers (pool unset) fits beside the pool.
         self.previous_pool = os.environ.get(POOL_ENV)
@@ -44,7 +44,7 @@ class _SessionRay:
             return
         import ray
 
-        from value_assets.core.warm_cluster import POOL_ENV
+        from value_assets.core.warm_folder import POOL_ENV
 
         self.running = False
         ray.shutdown()

@@ -44,7 +44,7 @@ def _imports(path: Path) -> set[str]:
             else:
                 mod = node.module or ""
             found.add(mod)
-            # `from value_assets.gpu.runtime import cluster` imports the submodule
+            # `from value_assets.gpu.workers import cluster` imports the submodule
             found.update(f"{mod}.{a.name}" for a in node.names)
     return found
 
@@ -145,7 +145,7 @@ def test_job_drivers_read_the_backbone_without_torch_and_jsonl_without_pyarrow(t
     from value_assets.core.demo_data import make_demo_data
 
     manifest = make_demo_data(tmp_path, rows=8, heldout_rows=4, seed=0)
-    code = ("import sys; from value_assets.gpu.jobs.train import prepare; from value_assets.gpu.jobs.evaluate import evaluate; "
+    code = ("import sys; from value_assets.gpu.drivers.train import prepare; from value_assets.gpu.drivers.evaluate import evaluate; "
             "from value_assets.gpu.convert.bootstrap import resolve_backbone; resolve_backbone('tiny', seed=0, hf_config=None); "
             "from value_assets.core.manifest import load_manifest; from value_assets.core.dataset import validate_dataset; "
             f"mf = load_manifest({str(manifest)!r}); assert len(validate_dataset(mf.train, mf.objective)) == 8; "

@@ -19,7 +19,7 @@ import traceback
 from typing import Any, Sequence
 
 from .core.errors import InputError, require_int
-from .core.jobs import TrainJob, data_roots_from_env, field_default, field_doc
+from .core.job_configs import TrainJob, data_roots_from_env, field_default, field_doc
 from .core.publish import PublishError
 
 EXIT_INVALID = 2
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     manifest_args(pl)
     pl.add_argument("--manifest-sha256", help="pin the manifest's sha256 (checked before parsing)")
     pl.add_argument("--global-batch-size", type=_positive, help="G, rows per optimizer step: print this plan")
-    # The plan's settings are training's (core.jobs.TrainJob): same defaults, same meaning.
+    # The plan's settings are training's (core.job_configs.TrainJob): same defaults, same meaning.
     pl.add_argument("--epochs", type=_positive, default=field_default(TrainJob, "epochs"), help=field_doc(TrainJob, "epochs") + " (default: %(default)s)")
     pl.add_argument("--seed", type=int, default=field_default(TrainJob, "seed"), help=field_doc(TrainJob, "seed") + " (default: %(default)s)")
     pl.add_argument("--gpus", type=_positive, help="with --max-global-batch-size: choose dp and G for exact coverage on this many GPUs")

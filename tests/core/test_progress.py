@@ -40,7 +40,7 @@ def test_the_line_round_trips_and_an_undefined_ev_stays_undefined():
 
 
 def test_training_curve_reads_the_kept_record_of_a_repeated_step_and_renders_a_png(tmp_path):
-    from value_assets.gpu.jobs.training_curve import PLOT_NAME, write_training_curve
+    from value_assets.gpu.drivers.training_curve import PLOT_NAME, write_training_curve
 
     assert write_training_curve(tmp_path) is None  # nothing logged
     records = [{"step": 1, "loss": 2.0, "explained_variance": None, "tokens_per_s": 100.0},

@@ -1,4 +1,4 @@
-"""The warm cluster's folder (`core.warm_cluster.private_folder`): its `cluster.json` names the Ray
+"""The warm cluster's folder (`core.warm_folder.private_folder`): its `cluster.json` names the Ray
 cluster every GPU job of the instance joins, and its default place is the shared temp dir, so a
 folder another user planted or may write is refused before anything in it is read."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from value_assets.core.errors import InputError
-from value_assets.core.warm_cluster import INFO_NAME, default_folder, private_folder, stop_warm_cluster, use_warm_cluster
+from value_assets.core.warm_folder import INFO_NAME, default_folder, private_folder, stop_warm_cluster, use_warm_cluster
 
 pytestmark = pytest.mark.unit
 

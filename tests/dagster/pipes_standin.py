@@ -24,7 +24,7 @@ from dagster_pipes import open_dagster_pipes
 from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
 from value_assets.core.dataset import validate_dataset
-from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan

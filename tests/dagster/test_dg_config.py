@@ -10,7 +10,7 @@ from value_assets.assets.common import given
 from value_assets.assets.critic import EvaluateRunConfig, TrainRunConfig, train_job
 from value_assets.assets.data import PlanConfig, plan_settings
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import EvaluateJob, TrainJob, field_default, field_doc
+from value_assets.core.job_configs import EvaluateJob, TrainJob, field_default, field_doc
 from value_assets.gpu.pipes_job import job_config
 from value_assets.resources.launchers import GpuJobLauncher
 

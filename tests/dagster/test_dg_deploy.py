@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.job_configs import EvaluateJob, TrainJob
 from value_assets.resources import K8sPodLauncher, RayJobLauncher
 from value_assets.resources.launchers import PIPES_MODULE
 

@@ -212,7 +212,7 @@ def rendered_pods():
                               env={"VALUE_ASSETS_ARTIFACTS": env["VALUE_ASSETS_ARTIFACTS"]},
                               node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"})
     bootstrap = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
-    from value_assets.core.jobs import EvaluateJob, TrainJob
+    from value_assets.core.job_configs import EvaluateJob, TrainJob
 
     configs = {"train": TrainJob(manifest="/data/m.json", output="/artifacts/p/critic", gpus=8),
                "evaluate": EvaluateJob(checkpoint="/artifacts/p/critic", manifest="/data/m.json", contract_sha256="0" * 64,

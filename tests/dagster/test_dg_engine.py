@@ -26,7 +26,7 @@ from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress, report_every
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import loads
-from value_assets.core.warm_cluster import pid_alive, read_live
+from value_assets.core.warm_folder import pid_alive, read_live
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROWS, STEPS = 1024, 32  # G = 32 (TrainJob's default)

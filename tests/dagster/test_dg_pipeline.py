@@ -10,7 +10,7 @@ import pytest
 from dagster import AssetKey
 
 from value_assets.assets.common import latest_metadata
-from value_assets.core.jobs import TrainJob, field_default
+from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.core.progress import parse_progress, report_every
 
 pytestmark = pytest.mark.integration

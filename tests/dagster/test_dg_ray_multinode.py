@@ -30,8 +30,8 @@ import pytest
 
 from tests.dagster.processes import RAY, free_port, stop_ray
 from value_assets.core.demo_data import make_demo_data
-from value_assets.core.jobs import TrainJob
-from value_assets.gpu.runtime.cluster import rank_order
+from value_assets.core.job_configs import TrainJob
+from value_assets.gpu.workers.cluster import rank_order
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().with_name("pipes_standin.py")
@@ -121,7 +121,7 @@ def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(ray_clu
     from value_assets.assets import batch_plan, critic_training, train_dataset, value_manifest
     from value_assets.assets.common import latest_metadata
     from value_assets.definitions import make_definitions
-    from value_assets.gpu.jobs.train import train
+    from value_assets.gpu.drivers.train import train
     from value_assets.resources import RayJobLauncher
 
     manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0)

@@ -33,7 +33,7 @@ def fresh_gpu_process():
     import sys
     from pathlib import Path
 
-    modules = ["value_assets.gpu.cli", "value_assets.gpu.runtime.worker", "value_assets.gpu.runtime.step",
+    modules = ["value_assets.gpu.cli", "value_assets.gpu.workers.worker", "value_assets.gpu.runtime.step",
                "value_assets.gpu.model.critic", "value_assets.gpu.runtime.checkpoint", "value_assets.gpu.convert.bootstrap"]
     code = "; ".join([
         *(f"import {m}" for m in modules), "import sys, warnings", "warnings.warn('ours stays')",

@@ -164,7 +164,7 @@ def test_rank_zero_holds_the_rendezvous_port_it_reports_until_it_joins(monkeypat
     from value_assets.core.objective import Objective
     from value_assets.gpu.model.critic import BackboneConfig
     from value_assets.gpu.runtime.parallel import destroy, init_distributed, open_rendezvous
-    from value_assets.gpu.runtime.worker import RENDEZVOUS_ADDR_ENV, CriticWorker
+    from value_assets.gpu.workers.worker import RENDEZVOUS_ADDR_ENV, CriticWorker
 
     def taken(host: str, port: int) -> bool:
         with socket.socket() as other:

@@ -148,9 +148,9 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
 def test_job_trains_evaluates_and_gates_on_one_gpu(tmp_path):
     """The whole Ray job on the GPU: placement group with a GPU bundle, NCCL, bf16."""
     from value_assets.core.demo_data import make_demo_data
-    from value_assets.core.jobs import EvaluateJob, TrainJob
-    from value_assets.gpu.jobs.train import train
-    from value_assets.gpu.jobs.evaluate import evaluate
+    from value_assets.core.job_configs import EvaluateJob, TrainJob
+    from value_assets.gpu.drivers.train import train
+    from value_assets.gpu.drivers.evaluate import evaluate
 
     m = make_demo_data(tmp_path / "data", seed=0)
     out = tmp_path / "critic"
@@ -170,9 +170,9 @@ def test_two_gpu_layouts_train_like_one_gpu(tmp_path, layout):
     sums): the same planned steps as one GPU, within bf16 tolerance, and the same report when
     the two-GPU checkpoint is evaluated on two GPUs and re-sharded onto one."""
     from value_assets.core.demo_data import make_demo_data
-    from value_assets.core.jobs import EvaluateJob, TrainJob
-    from value_assets.gpu.jobs.train import train
-    from value_assets.gpu.jobs.evaluate import evaluate
+    from value_assets.core.job_configs import EvaluateJob, TrainJob
+    from value_assets.gpu.drivers.train import train
+    from value_assets.gpu.drivers.evaluate import evaluate
 
     m = make_demo_data(tmp_path / "data", seed=0)
     base = dict(manifest=m, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, stop_after=8)

@@ -139,7 +139,7 @@ def test_pickles_are_never_run(tmp_path):
     """common.pt: foreign globals become inert records; .metadata: refused by name."""
     import argparse
 
-    from value_assets.gpu.convert.safe_pickle import Opaque, load_common, load_dcp_metadata
+    from value_assets.gpu.runtime.safe_pickle import Opaque, load_common, load_dcp_metadata
 
     marker = tmp_path / "pwned"
     torch.save({"args": argparse.Namespace(num_layers=2, evil=_Evil(str(marker))), "iteration": 3}, tmp_path / "common.pt")
@@ -160,7 +160,7 @@ def test_real_megatron_lm_arguments_are_read(tmp_path):
     from megatron.core.transformer.enums import AttnBackend
 
     from value_assets.gpu.convert.megatron_lm import backbone_from_args
-    from value_assets.gpu.convert.safe_pickle import Opaque, load_common
+    from value_assets.gpu.runtime.safe_pickle import Opaque, load_common
 
     args = argparse.Namespace(
         num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,

@@ -36,7 +36,7 @@ def quiet(_msg: str) -> None:
 def tiny_train_job(manifest: Path, output: Path, **overrides: Any):
     """The job tests' training config: the tiny backbone on two CPU workers, one epoch, seed 0,
     lr 2e-3, global batch 32; `overrides` replace any of it."""
-    from value_assets.core.jobs import TrainJob
+    from value_assets.core.job_configs import TrainJob
 
     settings = dict(backbone="tiny", global_batch_size=32, epochs=1, seed=0, gpus=2, lr=2e-3)
     return TrainJob(manifest=manifest, output=output, **(settings | overrides))

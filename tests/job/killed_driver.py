@@ -6,10 +6,10 @@ import time
 
 import psutil
 
-from value_assets.core.jobs import PLACEMENT_STRATEGY, TIMEOUT_S
+from value_assets.core.job_configs import PLACEMENT_STRATEGY, TIMEOUT_S
 from value_assets.core.objective import Objective
 from value_assets.gpu.model.critic import BackboneConfig
-from value_assets.gpu.runtime.cluster import start_workers
+from value_assets.gpu.workers.cluster import start_workers
 
 with start_workers(world_size=1, tp=1, pp=1, seed=0, backbone=BackboneConfig.tiny().to_json(), objective=Objective().canonical(),
                    train=False, timeout_s=TIMEOUT_S, placement_strategy=PLACEMENT_STRATEGY, log=lambda _m: None):

@@ -26,9 +26,9 @@ from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import EvaluateJob, TrainJob
-from value_assets.gpu.jobs.evaluate import evaluate
-from value_assets.gpu.jobs.train import prepare, train
+from value_assets.core.job_configs import EvaluateJob, TrainJob
+from value_assets.gpu.drivers.evaluate import evaluate
+from value_assets.gpu.drivers.train import prepare, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -63,7 +63,7 @@ def critic(trained, tmp_path):
 @pytest.fixture
 def no_cluster(monkeypatch):
     """Refusals must come before any worker is reserved (and so before any byte is deserialized)."""
-    from value_assets.gpu.runtime import cluster
+    from value_assets.gpu.workers import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
 
@@ -268,7 +268,7 @@ def test_a_run_stopped_early_then_resumed_matches_the_uninterrupted_one(manifest
 def _swap_after_the_driver_checked(monkeypatch, swap, method: str = "load"):
     """Run `swap()` in the window an attacker with write access has: after the driver verified the
     save and its workers started, right before the workers read the files (`method`)."""
-    from value_assets.gpu.runtime.cluster import Cluster
+    from value_assets.gpu.workers.cluster import Cluster
 
     call_all = getattr(Cluster.call_all, "__wrapped__", Cluster.call_all)  # one swap at a time
 
@@ -444,7 +444,7 @@ from pathlib import Path
 import psutil
 
 from tests.job.jobtest_helpers import quiet, tiny_train_job
-from value_assets.gpu.jobs.train import train
+from value_assets.gpu.drivers.train import train
 
 started = {}
 
@@ -469,7 +469,7 @@ def test_a_driver_that_ends_cleanly_ends_its_local_ray(manifest, tmp_path):
     driver still starts its own Ray instead of joining, or failing on, that one."""
     import psutil
 
-    from value_assets.core.warm_cluster import POOL_ENV
+    from value_assets.core.warm_folder import POOL_ENV
 
     ray_tmp = Path(tempfile.mkdtemp(prefix="rtd", dir="/tmp"))  # short: Ray's socket paths are capped at 107 bytes
     (ray_tmp / "ray").mkdir()

@@ -23,10 +23,10 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import canonical_bytes
-from value_assets.core.jobs import EvaluateJob, TrainJob
+from value_assets.core.job_configs import EvaluateJob, TrainJob
 from value_assets.core.checkpoint_files import describe_folder
-from value_assets.gpu.jobs.train import RECEIPT_NAME, execution_facts, prepare, train
-from value_assets.gpu.jobs.evaluate import evaluate
+from value_assets.gpu.drivers.train import RECEIPT_NAME, execution_facts, prepare, train
+from value_assets.gpu.drivers.evaluate import evaluate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -218,7 +218,7 @@ def test_uncontracted_checkpoint_is_ambiguous(data, tmp_path):
 
 
 def test_invalid_data_reserves_nothing_and_writes_nothing(data, tmp_path, monkeypatch):
-    from value_assets.gpu.runtime import cluster
+    from value_assets.gpu.workers import cluster
 
     def refuse(**_):
         raise AssertionError("the cluster must not be reserved for invalid data")
@@ -322,7 +322,7 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
     ({"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30}, "tensor_parallel", "3 does not divide the backbone's num_attention_heads"),
 ])
 def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypatch, kw, flag, message):
-    from value_assets.gpu.runtime import cluster
+    from value_assets.gpu.workers import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
     cfg = replace(base_cfg(data["learnable"], tmp_path / "critic"), **kw)
@@ -333,7 +333,7 @@ def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypa
 
 
 def test_evaluation_refuses_a_layout_the_backbone_cannot_take(contracted, data, tmp_path, monkeypatch):
-    from value_assets.gpu.runtime import cluster
+    from value_assets.gpu.workers import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
     report = tmp_path / "ev.json"

@@ -17,8 +17,8 @@ from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
 from value_assets.core.memory import MemoryConfig
 from tests.job.jobtest_helpers import quiet, tiny_train_job
-from value_assets.core.jobs import TrainJob
-from value_assets.gpu.jobs.train import check_resume_execution, prepare, train
+from value_assets.core.job_configs import TrainJob
+from value_assets.gpu.drivers.train import check_resume_execution, prepare, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from value_assets.gpu.jobs.metrics_log import MetricsLog
+from value_assets.gpu.drivers.metrics_log import MetricsLog
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ def test_tensorboard_reads_back_every_logged_scalar_and_no_undefined_one(tmp_pat
 
 
 def test_logging_metrics_imports_no_torch(tmp_path):
-    code = ("import sys; from pathlib import Path; from value_assets.gpu.jobs.metrics_log import MetricsLog; "
+    code = ("import sys; from pathlib import Path; from value_assets.gpu.drivers.metrics_log import MetricsLog; "
             "log = MetricsLog(Path(sys.argv[1])); log.write(1, {'loss': 1.0}); log.close(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)

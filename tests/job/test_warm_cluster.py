@@ -1,4 +1,4 @@
-"""The local launcher's warm Ray cluster (core/warm_cluster.py, gpu/runtime/warm_cluster.py): a
+"""The local launcher's warm Ray cluster (core/warm_folder.py, gpu/workers/warm_helper.py): a
 helper process owns it, jobs find it through a folder, it stays while a job holds it and ends
 when idle, Ray processes included (when stopped: tests/dagster/test_dg_engine.py)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from value_assets.core.warm_cluster import INFO_NAME, POOL_ENV, read_live, stop_warm_cluster, use_warm_cluster
+from value_assets.core.warm_folder import INFO_NAME, POOL_ENV, read_live, stop_warm_cluster, use_warm_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -15,9 +15,9 @@ import pytest
 from tests.job.jobtest_helpers import tiny_train_job
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
-from value_assets.gpu.jobs.train import train
-from value_assets.gpu.runtime.cluster import POOL_ENV, POOL_NAMESPACE, WorkerPool
-from value_assets.gpu.runtime.worker import CriticWorker
+from value_assets.gpu.drivers.train import train
+from value_assets.gpu.workers.cluster import POOL_ENV, POOL_NAMESPACE, WorkerPool
+from value_assets.gpu.workers.worker import CriticWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -91,7 +91,7 @@ def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a
 
     import ray
 
-    from value_assets.gpu.runtime.cluster import ClusterError
+    from value_assets.gpu.workers.cluster import ClusterError
 
     first = Log()
     run(manifest, tmp_path / "a", first)  # the two-worker pool, reused from the test above when it ran

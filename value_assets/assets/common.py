@@ -12,7 +12,7 @@ from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, Config, Dagster
 from pydantic import Field
 
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import field_default, field_doc
+from value_assets.core.job_configs import field_default, field_doc
 from value_assets.core.promotion import GateRecord, PromotionRefused, ReportRecord
 
 INLINE_PLOT_MAX_BYTES = 512 * 1024

@@ -44,7 +44,7 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.handoff import (HF_BUNDLE, MILES_BUNDLE, build_handoff, install_bundles, miles_bundle_record,
                                        model_identity, read_registry_record, record_rl_settings, reusable_handoff)
-from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.miles import build_miles_contract
 from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify_promotion
 from value_assets.core.publish import read_published

@@ -18,7 +18,7 @@ from dagster import (
     asset,
 )
 from value_assets.assets.common import OWNERS, fail_on_bad_input, given, job_setting, partition_manifest
-from value_assets.core.jobs import TrainJob, field_default
+from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 

@@ -1,6 +1,6 @@
 """The GPU-job subcommands of `value-assets`: train, evaluate, export-hf.
 
-This module only declares arguments and builds the job config (`value_assets.core.jobs`) from
+This module only declares arguments and builds the job config (`value_assets.core.job_configs`) from
 them: flag defaults and help come from the config's fields. torch, ray and megatron are imported
 when a command runs, so `value-assets validate` stays light.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from value_assets.core.jobs import DATA_ROOTS_ENV, FREEZE, PLACEMENT_STRATEGIES, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+from value_assets.core.job_configs import DATA_ROOTS_ENV, FREEZE, PLACEMENT_STRATEGIES, EvaluateJob, TrainJob, data_roots_from_env, field_doc
 from value_assets.core.report import GATE_MODES
 
 J = TypeVar("J", TrainJob, EvaluateJob)
@@ -54,7 +54,7 @@ def config_from_args(cls: type[J], args: argparse.Namespace) -> J:
 
 def cmd_train(args) -> int:
     cfg = config_from_args(TrainJob, args)  # refuses bad settings before torch is imported
-    from value_assets.gpu.jobs.train import train
+    from value_assets.gpu.drivers.train import train
 
     result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(result.to_json() if args.json else {k: v for k, v in result.to_json().items() if k not in ("metrics", "losses")}, sort_keys=True))
@@ -63,7 +63,7 @@ def cmd_train(args) -> int:
 
 def cmd_evaluate(args) -> int:
     cfg = config_from_args(EvaluateJob, args)
-    from value_assets.gpu.jobs.evaluate import evaluate
+    from value_assets.gpu.drivers.evaluate import evaluate
 
     res = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     agg = res.report["aggregates"]

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from dagster_pipes import open_dagster_pipes
 
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.progress import TrainProgress
 
 
@@ -65,8 +65,8 @@ def planned_steps(cfg: TrainJob) -> int:
 
 
 def _train(pipes, cfg: TrainJob) -> None:
-    from value_assets.gpu.jobs.train import train
-    from value_assets.gpu.jobs.training_curve import write_training_curve
+    from value_assets.gpu.drivers.train import train
+    from value_assets.gpu.drivers.training_curve import write_training_curve
 
     progress = TrainProgress(pipes.log.info, planned_steps(cfg))
     result = train(cfg, log=_job_log(pipes), on_step=progress)
@@ -106,7 +106,7 @@ def _train(pipes, cfg: TrainJob) -> None:
 
 
 def _evaluate(pipes, cfg: EvaluateJob) -> None:
-    from value_assets.gpu.jobs.evaluate import evaluate
+    from value_assets.gpu.drivers.evaluate import evaluate
 
     res = evaluate(cfg, log=pipes.log.info)
     agg = res.report["aggregates"]

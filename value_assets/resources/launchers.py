@@ -36,8 +36,8 @@ from dagster import (
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
-from value_assets.core.jobs import EvaluateJob, HandoffJob, TrainJob
-from value_assets.core.warm_cluster import default_folder, pipes_python, stop_warm_cluster, use_warm_cluster
+from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.warm_folder import default_folder, pipes_python, stop_warm_cluster, use_warm_cluster
 
 # Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
 warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
@@ -142,7 +142,7 @@ class SubprocessLauncher(GpuJobLauncher):
 
     Unless the job is given a Ray cluster (`RAY_ADDRESS` in `env` or in this process's
     environment), its jobs share one warm local Ray cluster and its worker pool
-    (core/warm_cluster.py, docs/operations.md#warm-workers): the first GPU job of the instance starts
+    (core/warm_folder.py, docs/operations.md#warm-workers): the first GPU job of the instance starts
     it, later ones (of this run and of others) join it, and it ends after `warm_idle_s` seconds
     without a job. `warm_idle_s: 0` gives every job its own Ray, as a job run by hand has.
     """

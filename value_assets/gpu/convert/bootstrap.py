@@ -41,7 +41,7 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
     """(BackboneConfig, worker source, identity for the contract) for `spec` ("tiny" or a folder).
     `hf_config`: a Hugging Face config.json (or its folder) for a Megatron-LM checkpoint whose
     saved arguments are absent (ignored for other sources)."""
-    from value_assets.gpu.model.backbone import BackboneConfig
+    from value_assets.core.backbone import BackboneConfig
 
     if spec == "tiny":
         cfg = BackboneConfig.tiny()

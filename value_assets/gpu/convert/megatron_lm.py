@@ -44,7 +44,7 @@ import torch
 
 from value_assets.core.errors import InputError, show
 from value_assets.gpu.convert import names
-from value_assets.gpu.convert.safe_pickle import Opaque, load_common, load_dcp_metadata
+from value_assets.gpu.runtime.safe_pickle import Opaque, load_common, load_dcp_metadata
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SPECS = ("te", "local")

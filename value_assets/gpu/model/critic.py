@@ -25,7 +25,7 @@ from value_assets.core.objective import Objective
 from value_assets.gpu.model.attention import PackedCoreAttention
 from value_assets.gpu.model.rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
 
-from value_assets.gpu.model.backbone import FAMILIES, BackboneConfig  # noqa: F401  (re-exported)
+from value_assets.core.backbone import FAMILIES, BackboneConfig  # noqa: F401  (re-exported)
 
 
 def recompute_settings(memory: MemoryConfig) -> dict[str, Any]:

@@ -1,1 +1,1 @@
-"""What runs the model on a Ray placement group: parallel state, the CPU compatibility layer, the cluster, the worker actor, checkpoint IO and the per-rank step."""
+"""What one rank runs under the model: torch.distributed and megatron parallel state, the CPU compatibility layer, checkpoint IO (loads only bytes checked against the contract, unpickling nothing arbitrary) and the per-rank optimizer and forward-only steps."""

@@ -11,7 +11,7 @@ checked itself (docs/rules.md#checkpoint-binding): the driver verifies the folde
 workers, but a file can change between that check and a worker's read, so each worker reads every
 file it needs whole, once, hashes it, and uses the bytes it kept only when size and sha256 match
 the contract (`_CheckedReader`). The index (`.metadata`) is unpickled from those bytes with a
-restricted unpickler (torch's checkpoint index classes only; gpu/convert/safe_pickle.py),
+restricted unpickler (torch's checkpoint index classes only; gpu/runtime/safe_pickle.py),
 `common.pt` with `torch.load(weights_only=True)`, and byte entries (megatron's `_extra_state`) with
 `weights_only=True` too (`safe_byte_entries`).
 """
@@ -157,7 +157,7 @@ class _CheckedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        from value_assets.gpu.convert.safe_pickle import loads_dcp_metadata
+        from value_assets.gpu.runtime.safe_pickle import loads_dcp_metadata
 
         rel = Path(self._get_metadata_path(kwargs.get("rank"))).relative_to(self._root).as_posix()
         path = self._root / rel

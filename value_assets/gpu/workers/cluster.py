@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import PLACEMENT_STRATEGIES
-from value_assets.core.warm_cluster import POOL_ENV
+from value_assets.core.job_configs import PLACEMENT_STRATEGIES
+from value_assets.core.warm_folder import POOL_ENV
 
 
 class ClusterError(RuntimeError):
@@ -79,7 +79,7 @@ def _start_reaper() -> subprocess.Popen | None:
     `finally` (SIGKILL); see reaper.py. Best effort: None where Ray's process list is unavailable."""
     import ray
 
-    from value_assets.gpu.runtime import reaper
+    from value_assets.gpu.workers import reaper
 
     try:
         node = ray._private.worker._global_node
@@ -154,7 +154,7 @@ def _place_workers(pg, world_size: int, bundle: dict[str, float], options=lambda
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from value_assets.gpu.runtime.worker import CriticWorker
+    from value_assets.gpu.workers.worker import CriticWorker
 
     remote_cls = ray.remote(CriticWorker)
     return [remote_cls.options(
@@ -289,7 +289,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
                   log=print, memory: dict[str, Any] | None = None, freeze: str = "none") -> Iterator[Cluster]:
     """Workers for one job, wired and set up; ended (or, with a pool, released) on exit.
 
-    The job's settings come from its config (core/jobs.py), which holds their one default: training
+    The job's settings come from its config (core/job_configs.py), which holds their one default: training
     workers (`train`) need `lr`, `weight_decay` and `clip_grad`; forward-only ones take none.
 
     With `$VALUE_ASSETS_WORKER_POOL` set and a Ray cluster that outlives this driver (joined by

@@ -1,4 +1,4 @@
-"""The job configs (`value_assets.core.jobs`): one default and one rule per setting, JSON both ways,
+"""The job configs (`value_assets.core.job_configs`): one default and one rule per setting, JSON both ways,
 and the command line built on them (its flags' defaults are the configs')."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 
 from value_assets.cli import build_parser, main
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import (
+from value_assets.core.job_configs import (
     DATA_ROOTS_ENV, PRETRAINED_LR, TINY_LR, EvaluateJob, TrainJob, data_roots_from_env, field_default, field_doc,
 )
 
@@ -232,7 +232,7 @@ def test_cli_recompute_layers_reach_the_memory_config():
 
 
 def test_handoff_job_round_trip_and_rules():
-    from value_assets.core.jobs import HandoffJob
+    from value_assets.core.job_configs import HandoffJob
 
     job = HandoffJob(checkpoint="c/iter_0000004", contract_sha256=SHA, out_dir="h", model_identity="value-assets:tiny@x",
                      scalar_hf=True)
@@ -247,10 +247,10 @@ def test_handoff_job_round_trip_and_rules():
 
 # The functions below the job drivers that receive job settings: (module file, function or Class.method).
 _SETTING_RECEIVERS = (
-    ("value_assets/gpu/runtime/cluster.py", "start_workers"),
-    ("value_assets/gpu/runtime/worker.py", "CriticWorker.configure"),
-    ("value_assets/gpu/runtime/worker.py", "CriticWorker.address"),
-    ("value_assets/gpu/runtime/worker.py", "CriticWorker.setup"),
+    ("value_assets/gpu/workers/cluster.py", "start_workers"),
+    ("value_assets/gpu/workers/worker.py", "CriticWorker.configure"),
+    ("value_assets/gpu/workers/worker.py", "CriticWorker.address"),
+    ("value_assets/gpu/workers/worker.py", "CriticWorker.setup"),
     ("value_assets/gpu/runtime/step.py", "wrap_for_training"),
     ("value_assets/gpu/runtime/parallel.py", "open_rendezvous"),
 )
@@ -301,7 +301,7 @@ def test_job_settings_have_one_default_the_layers_below_take_them_from_the_job()
         assert field_default(TrainJob, name) == neutral
     assert seen == set(_NEUTRAL)  # the rule reads the real signatures
 
-    from value_assets.gpu.runtime.cluster import start_workers
+    from value_assets.gpu.workers.cluster import start_workers
 
     with pytest.raises(ValueError, match="training workers need lr, weight_decay and clip_grad"):
         with start_workers(world_size=1, tp=1, pp=1, seed=0, backbone={}, objective={}, train=True, timeout_s=1.0,
@@ -313,7 +313,7 @@ def test_a_job_config_without_its_rules_cannot_be_built():
     """`_validate` is abstract: a job type that forgot its rules fails at construction (a TypeError
     naming the method), not with a config that was never checked."""
 
-    from value_assets.core.jobs import _JobConfig
+    from value_assets.core.job_configs import _JobConfig
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Unchecked(_JobConfig):

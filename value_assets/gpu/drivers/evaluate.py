@@ -23,7 +23,7 @@ import numpy as np
 from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
-from value_assets.core.jobs import EvaluateJob
+from value_assets.core.job_configs import EvaluateJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
@@ -74,8 +74,8 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     manifest and objective it binds, the split's data, the layout against the backbone, the
     batch selection and the write-once report path. Writes nothing. (The settings' own rules
     are `EvaluateJob`'s.)"""
-    from value_assets.gpu.jobs.train import check_model_split
-    from value_assets.gpu.model.backbone import BackboneConfig
+    from value_assets.gpu.drivers.train import check_model_split
+    from value_assets.core.backbone import BackboneConfig
 
     step_dir, _ = resolve_step_dir(cfg.checkpoint)  # the caller's pin is the one that counts
     contract, contract_sha = load_verified(step_dir, pinned_sha256=cfg.contract_sha256)
@@ -116,9 +116,9 @@ def _bounds(interval: dict[str, Any]) -> str:
 
 def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult:
     """`prepare` (every refusal), then forward passes on the reserved workers, then publication."""
-    from value_assets.gpu.runtime.cluster import start_workers
-    from value_assets.gpu.jobs.train import row_payload
-    from value_assets.gpu.jobs.plots import calibration_png, ev_by_position_png, ev_per_batch_png
+    from value_assets.gpu.workers.cluster import start_workers
+    from value_assets.gpu.drivers.train import row_payload
+    from value_assets.gpu.drivers.plots import calibration_png, ev_by_position_png, ev_per_batch_png
 
     prep = prepare(cfg, log)
     step_dir, contract, contract_sha, manifest, ds = prep.step_dir, prep.contract, prep.contract_sha256, prep.manifest, prep.dataset

@@ -2,9 +2,9 @@
 
 On the embedded default every GPU step used to start Ray and fresh worker processes (each
 importing torch and megatron) and end them again: most of a small lineage's time. Instead, the
-first GPU job starts a helper process (`value_assets.gpu.runtime.warm_cluster`) that owns one local
+first GPU job starts a helper process (`value_assets.gpu.workers.warm_helper`) that owns one local
 Ray cluster; every later job of any run on the same instance joins it (`RAY_ADDRESS`) and takes its
-workers from the cluster's worker pool (`$VALUE_ASSETS_WORKER_POOL`, `gpu/runtime/cluster.py`).
+workers from the cluster's worker pool (`$VALUE_ASSETS_WORKER_POOL`, `gpu/workers/cluster.py`).
 The helper ends the cluster once no job has used it for `idle_s` seconds, on SIGTERM
 (`stop_warm_cluster`), and, through its reaper, when it is killed.
 
@@ -38,7 +38,7 @@ from typing import Iterator, Sequence
 
 from .errors import InputError
 
-HELPER_MODULE = "value_assets.gpu.runtime.warm_cluster"
+HELPER_MODULE = "value_assets.gpu.workers.warm_helper"
 POOL_ENV = "VALUE_ASSETS_WORKER_POOL"
 POOL_NAME = "warm"
 INFO_NAME = "cluster.json"

@@ -1,12 +1,12 @@
 """The warm cluster's helper: owns one local Ray cluster for the GPU jobs of an instance
-(value_assets/core/warm_cluster.py describes the folder it serves through).
+(value_assets/core/warm_folder.py describes the folder it serves through).
 
-Usage: python -m value_assets.gpu.runtime.warm_cluster --dir DIR --idle-s SECONDS [--num-cpus N] [--detach]
+Usage: python -m value_assets.gpu.workers.warm_helper --dir DIR --idle-s SECONDS [--num-cpus N] [--detach]
 
 It starts Ray, publishes the address in DIR/cluster.json and serves until no job has held
 DIR/use.lock for SECONDS, or until SIGTERM/SIGINT; then it withdraws cluster.json (under
 start.lock, so no job joins an ending cluster) and shuts Ray down, detached workers included. If
-it is killed outright, its reaper ends the Ray processes it started (runtime/reaper.py).
+it is killed outright, its reaper ends the Ray processes it started (workers/reaper.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from value_assets.core.warm_cluster import INFO_NAME, LOG_NAME, POOL_NAME, START_LOCK, USE_LOCK, locked, write_info
+from value_assets.core.warm_folder import INFO_NAME, LOG_NAME, POOL_NAME, START_LOCK, USE_LOCK, locked, write_info
 
 POLL_S = 0.5
 
@@ -41,7 +41,7 @@ def _idle_for(folder: Path, since: float) -> float | None:
 def serve(folder: Path, idle_s: float, num_cpus: int | None) -> int:
     import ray
 
-    from value_assets.gpu.runtime.cluster import _start_reaper
+    from value_assets.gpu.workers.cluster import _start_reaper
 
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -22,7 +22,7 @@ from value_assets.core.contract import (
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
-from value_assets.core.jobs import TrainJob
+from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.memory import Layout, ModelShape, auto_micro_batch_tokens
 from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
@@ -255,8 +255,8 @@ def _disk_full(exc: BaseException, folder: Path) -> bool:
 
 
 def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    from value_assets.gpu.runtime.cluster import start_workers
-    from value_assets.gpu.jobs.metrics_log import MetricsLog
+    from value_assets.gpu.workers.cluster import start_workers
+    from value_assets.gpu.drivers.metrics_log import MetricsLog
 
     prep = prepare(cfg, log)
     plan, train_ds, manifest = prep.plan, prep.train, prep.manifest

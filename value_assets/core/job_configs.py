@@ -42,7 +42,7 @@ AUTO = "auto"
 FREEZE = ("none", "attention", "backbone")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 # Settings the train and evaluate jobs share, defined once for both (the layers below take them
-# from the job, without defaults of their own: tests/core/test_jobs.py checks it).
+# from the job, without defaults of their own: tests/core/test_job_configs.py checks it).
 PLACEMENT_STRATEGY = "PACK"
 PLACEMENT_DOC = (
     "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "

@@ -217,7 +217,7 @@ def _alive(holder: dict[str, Any]) -> bool:
     """Whether a lease holder still runs (same host: by pid; another host: assumed alive)."""
     import socket
 
-    from value_assets.core.warm_cluster import pid_alive
+    from value_assets.core.warm_folder import pid_alive
 
     return holder.get("host") != socket.gethostname() or pid_alive(int(holder["pid"]))
 

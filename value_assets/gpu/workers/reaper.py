@@ -8,7 +8,7 @@ open. Every second it records the descendants of those processes; when the pipe 
 exited, in any way) it kills what it recorded and is still running. Only processes recorded from
 that tree are touched; psutil refuses a pid that was reused since (it compares creation times).
 
-Usage: python -m value_assets.gpu.runtime.reaper PID [PID ...]  (stdin: the driver's pipe)
+Usage: python -m value_assets.gpu.workers.reaper PID [PID ...]  (stdin: the driver's pipe)
 """
 
 from __future__ import annotations

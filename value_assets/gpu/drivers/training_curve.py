@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from value_assets.gpu.jobs.plots import _png
+from value_assets.gpu.drivers.plots import _png
 
 PLOT_NAME = "training_curve.png"
 

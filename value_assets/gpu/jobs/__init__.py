@@ -1,1 +1,0 @@
-"""The GPU jobs: training and evaluation drivers, their metrics log and plots."""
