@@ -49,7 +49,7 @@ def _measured(model: str, train: bool, tokens: int, layout: Layout, memory: Memo
 
 
 def _fits(model: str, layout: Layout) -> bool:
-    s = QWEN2_5[model]
+    s = QWEN2_5[model].backbone
     return s.num_query_groups % layout.tp == 0 and s.num_layers % layout.pp == 0
 
 

@@ -72,7 +72,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from value_assets.core.memory import (GIB, RECOMPUTE, Layout, MemoryConfig, ModelShape, auto_micro_batch_tokens,
+from value_assets.core.backbone import CriticShape  # noqa: E402
+from value_assets.core.memory import (GIB, RECOMPUTE, Layout, MemoryConfig, auto_micro_batch_tokens,
                                      more_recompute, predict_peak)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -245,7 +246,7 @@ class Results:
 # ------------------------------------------------------------------------------------- ours
 
 def predicted_gib(bb, obj, memory: MemoryConfig, tokens: int, train: bool) -> float:
-    return predict_peak(ModelShape.of(bb, obj.head_size), Layout(), memory, tokens, train=train, bf16=CUDA) / GIB
+    return predict_peak(CriticShape(bb, obj.head_size), Layout(), memory, tokens, train=train, bf16=CUDA) / GIB
 
 
 def recompute_note(memory: MemoryConfig, num_layers: int) -> str:
@@ -757,10 +758,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.eval_micro_batch_tokens is None:
         args.eval_micro_batch_tokens = 2 * args.micro_batch_tokens
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    presets = {"0.5b": BackboneConfig.qwen2_5_0_5b, "1.5b": BackboneConfig.qwen2_5_1_5b,
-               "3b": lambda: BackboneConfig(family="qwen2", num_layers=36, hidden_size=2048, ffn_hidden_size=11008,
-                                            num_attention_heads=16, num_query_groups=2, vocab_size=151936,
-                                            max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True),
+    presets = {"0.5b": BackboneConfig.qwen2_5_0_5b, "1.5b": BackboneConfig.qwen2_5_1_5b, "3b": lambda: BackboneConfig.qwen2_5("3b"),
                "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096)}
     for n in names:
         if n not in presets:
@@ -800,7 +798,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run_args = args
             if args.mbt_auto and CUDA:
                 longest = max(n for b in batches for n in model_lens(b))
-                mbt = auto_micro_batch_tokens(ModelShape.of(bb, obj.head_size), Layout(), MemoryConfig(),
+                mbt = auto_micro_batch_tokens(CriticShape(bb, obj.head_size), Layout(), MemoryConfig(),
                                               free_bytes=torch.cuda.mem_get_info()[0], longest_row=longest)
                 run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens":
                                                  args.eval_micro_batch_tokens if eval_mbt_given else 2 * mbt})
@@ -871,7 +869,7 @@ def pick_recompute(bb, obj, tokens: int, args, index: int) -> MemoryConfig:
         return (MemoryConfig(recompute="selective"), MemoryConfig(recompute="full", recompute_layers=1),
                 MemoryConfig(recompute="full"))[index % 3]
     total = torch.cuda.get_device_properties(0).total_memory
-    shape = ModelShape.of(bb, obj.head_size)
+    shape = CriticShape(bb, obj.head_size)
     for mem in [MemoryConfig()] + more_recompute(shape, Layout(), MemoryConfig()):
         if predict_peak(shape, Layout(), mem, tokens) <= 0.85 * total:
             return mem
@@ -927,7 +925,7 @@ def run_long_rows(args, presets, obj, res: Results) -> list[str]:
         if CUDA:
             free = torch.cuda.mem_get_info()[0]
             try:
-                mbt = min(mbt, auto_micro_batch_tokens(ModelShape.of(bbig, obj.head_size), Layout(), MemoryConfig(),
+                mbt = min(mbt, auto_micro_batch_tokens(CriticShape(bbig, obj.head_size), Layout(), MemoryConfig(),
                                                        free_bytes=free, longest_row=longest))
             except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
                 print(f"  memory model: {exc}", flush=True)

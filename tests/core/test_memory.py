@@ -8,7 +8,7 @@ import pytest
 
 from value_assets.core.errors import InputError
 from value_assets.core.memory import (
-    GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, ModelShape, activation_bytes, auto_micro_batch_tokens,
+    GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, activation_bytes, auto_micro_batch_tokens,
     max_tokens, more_recompute, predict_peak, static_bytes,
 )
 
@@ -54,7 +54,7 @@ def test_recompute_layers_rules_name_the_field():
 @pytest.mark.parametrize("pp", [1, 2])
 def test_partial_recompute_lies_between_none_and_full(pp):
     lay, t = Layout(pp=pp), 32768
-    per_stage = S15.num_layers // pp
+    per_stage = S15.backbone.num_layers // pp
     act = {k: activation_bytes(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t)
            for k in range(1, per_stage + 1)}
     none = activation_bytes(S15, lay, MemoryConfig(), t)
@@ -64,7 +64,7 @@ def test_partial_recompute_lies_between_none_and_full(pp):
     assert act[per_stage - 2] > act[per_stage - 1] > 0.95 * full  # all but one: plain full less one input
     # linear in K, from `none` at K = 0: each recomputed layer (pp in flight) keeps only its input
     assert 2 * act[1] - act[2] == pytest.approx(none, rel=1e-6)
-    assert act[1] - act[2] == pytest.approx((none - full) / (S15.num_layers - 1) * pp, rel=0.05)
+    assert act[1] - act[2] == pytest.approx((none - full) / (S15.backbone.num_layers - 1) * pp, rel=0.05)
     # the predicted peak follows, and the auto micro-batch grows with K
     peaks = [predict_peak(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t) for k in (1, 2)]
     assert predict_peak(S15, lay, MemoryConfig(), t) > peaks[0] > peaks[1] > predict_peak(S15, lay, MemoryConfig(recompute="full"), t)
@@ -91,7 +91,7 @@ def test_hints_name_the_least_recompute_layers_that_fit_before_full():
     first = hints(60)[1][0]
     assert first.startswith("--recompute full --recompute-layers ")
     k = int(first.split()[-1])
-    assert 1 < k < S15.num_layers - 1
+    assert 1 < k < S15.backbone.num_layers - 1
     budget = int(60 * GIB * 0.9)
     assert max_tokens(S15, Layout(), MemoryConfig(recompute="full", recompute_layers=k), budget) >= 32767
     assert max_tokens(S15, Layout(), MemoryConfig(recompute="full", recompute_layers=k - 1), budget) < 32767
@@ -166,10 +166,11 @@ def test_auto_refuses_a_row_that_cannot_fit_and_says_what_would():
         auto_micro_batch_tokens(QWEN2_5["14b"], Layout(), MemoryConfig(), free_bytes=80 * GIB, longest_row=10)
 
 
-def test_model_shape_of_a_backbone_like_object():
-    class B:
-        num_layers, hidden_size, ffn_hidden_size = 2, 64, 128
-        num_attention_heads, num_query_groups, vocab_size, head_dim = 4, 2, 100, 16
+def test_critic_shape_is_the_backbone_and_its_head():
+    from value_assets.core.backbone import BackboneConfig, CriticShape
 
-    s = ModelShape.of(B(), head_size=3)
-    assert (s.q, s.kv, s.head_size) == (64, 32, 3)
+    b = BackboneConfig.tiny(hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=100)
+    s = CriticShape(b, head_size=3)
+    assert (b.q_size, b.kv_size, s.head_size) == (64, 32, 3)
+    # embedding + layers + final norm + head (weights and bias): counted once, from the backbone
+    assert s.num_params() == 100 * 64 + b.num_layers * b.layer_params() + 64 + 64 * 3 + 3

@@ -1,7 +1,9 @@
-"""`BackboneConfig`: the shape of the actor transformer a critic is built from.
+"""The shape of a critic: the actor transformer it is built from (`BackboneConfig`) and its value
+head (`CriticShape`).
 
-Torch-free, so that the job drivers (which only read, check and record it) do not import torch and
-megatron-core; the model is built from it in `critic.py`, on the workers.
+Torch-free, so that the job drivers (which only read, check and record it) and the memory model
+(`core/memory.py`) need neither torch nor megatron-core; the model is built from it in
+`gpu/model/critic.py`, on the workers.
 """
 
 from __future__ import annotations
@@ -69,6 +71,24 @@ class BackboneConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    @property
+    def q_size(self) -> int:
+        """Width of the attention queries (heads x head dim)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the keys (and of the values): query groups x head dim."""
+        return self.num_query_groups * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer: qkv (with its bias where the family has one), the
+        attention output, the SwiGLU MLP (gate, up, down) and the two norms."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        qkv_out = self.q_size + 2 * self.kv_size
+        qk_norm = 2 * self.head_dim if self.qk_layernorm else 0
+        return h * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_size * h + 3 * h * f + 2 * h + qk_norm
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -86,13 +106,44 @@ class BackboneConfig:
         return cls(**base)
 
     @classmethod
-    def qwen2_5_0_5b(cls) -> "BackboneConfig":
-        return cls(family="qwen2", num_layers=24, hidden_size=896, ffn_hidden_size=4864,
-                   num_attention_heads=14, num_query_groups=2, vocab_size=151936,
+    def qwen2_5(cls, size: str) -> "BackboneConfig":
+        """The Qwen2.5 dense shape of `size` ("0.5b", "1.5b", "3b", "7b", "14b")."""
+        try:
+            layers, hidden, ffn, heads, groups, vocab = QWEN2_5_SHAPES[size]
+        except KeyError:
+            raise ValueError(f"no Qwen2.5 shape {size!r}; known: {', '.join(QWEN2_5_SHAPES)}") from None
+        return cls(family="qwen2", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
+                   num_attention_heads=heads, num_query_groups=groups, vocab_size=vocab,
                    max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
 
     @classmethod
+    def qwen2_5_0_5b(cls) -> "BackboneConfig":
+        return cls.qwen2_5("0.5b")
+
+    @classmethod
     def qwen2_5_1_5b(cls) -> "BackboneConfig":
-        return cls(family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960,
-                   num_attention_heads=12, num_query_groups=2, vocab_size=151936,
-                   max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
+        return cls.qwen2_5("1.5b")
+
+
+# Qwen2.5 dense models: layers, hidden, ffn, heads, query groups, vocabulary.
+QWEN2_5_SHAPES = {
+    "0.5b": (24, 896, 4864, 14, 2, 151936),
+    "1.5b": (28, 1536, 8960, 12, 2, 151936),
+    "3b": (36, 2048, 11008, 16, 2, 151936),
+    "7b": (28, 3584, 18944, 28, 4, 152064),
+    "14b": (48, 5120, 13824, 40, 8, 152064),
+}
+
+
+@dataclass(frozen=True)
+class CriticShape:
+    """A critic: the actor's backbone and a value head of `head_size` outputs (the objective's bins,
+    1 for mse). What the memory model plans with."""
+
+    backbone: BackboneConfig
+    head_size: int
+
+    def num_params(self) -> int:
+        b = self.backbone
+        h = b.hidden_size
+        return b.vocab_size * h + b.num_layers * b.layer_params() + h + h * self.head_size + self.head_size

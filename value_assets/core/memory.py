@@ -51,6 +51,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional
 
+from value_assets.core.backbone import QWEN2_5_SHAPES, BackboneConfig, CriticShape
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
@@ -121,57 +122,9 @@ class MemoryConfig:
 DEFAULT_HEAD_SIZE = Objective().head_size  # the default objective's value head (its bins)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """The critic's shape as the memory model needs it (duck-types `BackboneConfig`)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    head_dim: int
-    head_size: int = DEFAULT_HEAD_SIZE  # value head outputs K
-
-    @classmethod
-    def of(cls, backbone: Any, head_size: int = DEFAULT_HEAD_SIZE) -> "ModelShape":
-        """From a `BackboneConfig` (or anything with its attribute names)."""
-        return cls(num_layers=backbone.num_layers, hidden_size=backbone.hidden_size,
-                   ffn_hidden_size=backbone.ffn_hidden_size, num_attention_heads=backbone.num_attention_heads,
-                   num_query_groups=backbone.num_query_groups, vocab_size=backbone.vocab_size,
-                   head_dim=backbone.head_dim, head_size=head_size)
-
-    @property
-    def q(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.num_query_groups * self.head_dim
-
-    def layer_params(self) -> int:
-        h, f = self.hidden_size, self.ffn_hidden_size
-        qkv = h * (self.q + 2 * self.kv) + (self.q + 2 * self.kv)  # weights + bias (Qwen2 has it)
-        return qkv + self.q * h + 3 * h * f + 2 * h
-
-    def num_params(self) -> int:
-        h = self.hidden_size
-        return self.vocab_size * h + self.num_layers * self.layer_params() + h + h * self.head_size + self.head_size
-
-
-def _shape(name: str, L: int, h: int, f: int, heads: int, groups: int, vocab: int) -> ModelShape:
-    return ModelShape(num_layers=L, hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
-                      num_query_groups=groups, vocab_size=vocab, head_dim=h // heads)
-
-
-QWEN2_5 = {
-    "0.5b": _shape("0.5b", 24, 896, 4864, 14, 2, 151936),
-    "1.5b": _shape("1.5b", 28, 1536, 8960, 12, 2, 151936),
-    "3b": _shape("3b", 36, 2048, 11008, 16, 2, 151936),
-    "7b": _shape("7b", 28, 3584, 18944, 28, 4, 152064),
-    "14b": _shape("14b", 48, 5120, 13824, 40, 8, 152064),
-}
+# Presets the calibration and the planning table use (core/backbone.py's Qwen2.5 shapes), with the
+# default objective's head.
+QWEN2_5 = {size: CriticShape(BackboneConfig.qwen2_5(size), DEFAULT_HEAD_SIZE) for size in QWEN2_5_SHAPES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,18 +154,18 @@ MEASURED = (
 )
 
 
-def stage_params(shape: ModelShape, layout: Layout) -> int:
+def stage_params(shape: CriticShape, layout: Layout) -> int:
     """Parameters held by one GPU of the first pipeline stage (the largest one: the embedding)."""
-    h, tp = shape.hidden_size, layout.tp
-    layers = math.ceil(shape.num_layers / layout.pp)
-    per_layer = (shape.layer_params() - 2 * h) / tp + 2 * h
-    n = shape.vocab_size * h / tp + layers * per_layer
+    h, tp = shape.backbone.hidden_size, layout.tp
+    layers = math.ceil(shape.backbone.num_layers / layout.pp)
+    per_layer = (shape.backbone.layer_params() - 2 * h) / tp + 2 * h
+    n = shape.backbone.vocab_size * h / tp + layers * per_layer
     if layout.pp == 1:
         n += h + h * shape.head_size + shape.head_size
     return int(n)
 
 
-def static_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, *, train: bool = True,
+def static_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, *, train: bool = True,
                  bf16: bool = True) -> int:
     """Weights (+ grads + optimizer state when training) on one GPU."""
     p = stage_params(shape, layout)
@@ -224,14 +177,14 @@ def static_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, *, tra
     return int(4 * p + 4 * p + 8 * p / shard)
 
 
-def saved_elements_per_token_layer(shape: ModelShape, layout: Layout, memory: MemoryConfig,
+def saved_elements_per_token_layer(shape: CriticShape, layout: Layout, memory: MemoryConfig,
                                    recompute: Optional[str] = None, *, fused_swiglu: bool = True) -> float:
     """Elements kept for backward per token and layer (no recompute factor for 'full').
     `fused_swiglu`: megatron's fused SwiGLU (the critic on CUDA) keeps fc1's output only; the
     plain ops (CPU) also keep silu's output."""
     tp = layout.tp
-    h = shape.hidden_size / (tp if memory.sequence_parallel else 1)
-    q, kv, f = shape.q / tp, shape.kv / tp, shape.ffn_hidden_size / tp
+    h = shape.backbone.hidden_size / (tp if memory.sequence_parallel else 1)
+    q, kv, f = shape.backbone.q_size / tp, shape.backbone.kv_size / tp, shape.backbone.ffn_hidden_size / tp
     mlp = (3 if fused_swiglu else 4) * f
     mode = recompute or memory.recompute
     if mode == "selective":
@@ -239,26 +192,26 @@ def saved_elements_per_token_layer(shape: ModelShape, layout: Layout, memory: Me
     return 4 * h + 3 * q + 3 * kv + mlp
 
 
-def recomputed_layers(shape: ModelShape, layout: Layout, memory: MemoryConfig) -> int:
+def recomputed_layers(shape: CriticShape, layout: Layout, memory: MemoryConfig) -> int:
     """Layers in flight on the first stage that keep only their input: pp micro-batches of the
     first K of its layers (block method), all L under plain 'full', none without 'full'."""
     if memory.recompute != "full":
         return 0
     if memory.recompute_layers is None:
-        return shape.num_layers
-    return min(layout.pp * memory.recompute_layers, shape.num_layers)
+        return shape.backbone.num_layers
+    return min(layout.pp * memory.recompute_layers, shape.backbone.num_layers)
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
+def activation_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
                      train: bool = True, bf16: bool = True) -> int:
     """Activation memory of one packed micro-batch of `tokens` tokens (see the module docstring)."""
     w = 2 if bf16 else 4
-    h, f, tp = shape.hidden_size, shape.ffn_hidden_size, layout.tp
+    h, f, tp = shape.backbone.hidden_size, shape.backbone.ffn_hidden_size, layout.tp
     if not train:
         return int(C_EVAL * w * tokens * (3 * h + 4 * f / tp) + tokens * (4 * h + 16 * shape.head_size))
     # 1F1B: the first stage holds min(pp, micro-batches) in flight; with L/pp layers each that is
     # the activations of the whole model for one micro-batch.
-    layers = shape.num_layers
+    layers = shape.backbone.num_layers
     if memory.recompute == "selective":
         per_token = layers * saved_elements_per_token_layer(shape, layout, memory, fused_swiglu=bf16)
     else:
@@ -269,14 +222,14 @@ def activation_bytes(shape: ModelShape, layout: Layout, memory: MemoryConfig, to
     return int(C_ACT * w * tokens * per_token + tokens * head)
 
 
-def predict_peak(shape: ModelShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
+def predict_peak(shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
                  train: bool = True, bf16: bool = True) -> int:
     """Predicted peak allocated bytes per GPU for packed micro-batches of `tokens` tokens."""
     return (static_bytes(shape, layout, memory, train=train, bf16=bf16)
             + activation_bytes(shape, layout, memory, tokens, train=train, bf16=bf16) + WORKSPACE_BYTES)
 
 
-def max_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, budget_bytes: int, *,
+def max_tokens(shape: CriticShape, layout: Layout, memory: MemoryConfig, budget_bytes: int, *,
                train: bool = True, bf16: bool = True) -> int:
     """The largest micro-batch token count whose predicted peak fits `budget_bytes` (0 if none)."""
     room = budget_bytes - static_bytes(shape, layout, memory, train=train, bf16=bf16) - WORKSPACE_BYTES
@@ -286,10 +239,10 @@ def max_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, budget_b
     return max(0, int(room / per_token))
 
 
-def more_recompute(shape: ModelShape, layout: Layout, memory: MemoryConfig) -> list[MemoryConfig]:
+def more_recompute(shape: CriticShape, layout: Layout, memory: MemoryConfig) -> list[MemoryConfig]:
     """The recompute settings that save more activation memory than `memory`'s, cheapest first:
     selective, full of the first K = 1, 2, ... layers of each stage, full of every layer."""
-    per_stage = max(1, shape.num_layers // layout.pp)
+    per_stage = max(1, shape.backbone.num_layers // layout.pp)
     options = [("selective", None)] + [("full", k) for k in range(1, per_stage)] + [("full", None)]
     mine = (memory.recompute, memory.recompute_layers)
     start = 0 if memory.recompute == "none" else options.index(mine) + 1 if mine in options else len(options)
@@ -302,7 +255,7 @@ def recompute_flags(memory: MemoryConfig) -> str:
     return flags if memory.recompute_layers is None else f"{flags} --recompute-layers {memory.recompute_layers}"
 
 
-def auto_micro_batch_tokens(shape: ModelShape, layout: Layout, memory: MemoryConfig, *,
+def auto_micro_batch_tokens(shape: CriticShape, layout: Layout, memory: MemoryConfig, *,
                             free_bytes: int, longest_row: int, longest_row_where: str = "the longest row",
                             multiple: int = 256, safety: float = 0.9, bf16: bool = True) -> int:
     """`--micro-batch-tokens auto`: the largest packed micro-batch (a multiple of `multiple`
@@ -324,7 +277,7 @@ def auto_micro_batch_tokens(shape: ModelShape, layout: Layout, memory: MemoryCon
         if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
             hints.append("--distributed-optimizer")
     for tp in (2, 4, 8):
-        if tp <= layout.tp or shape.num_query_groups % tp:
+        if tp <= layout.tp or shape.backbone.num_query_groups % tp:
             continue
         alt_layout = Layout(tp=tp, pp=layout.pp, dp=layout.dp)
         alt = MemoryConfig(recompute="full", distributed_optimizer=memory.distributed_optimizer, sequence_parallel=True)

@@ -66,6 +66,14 @@ class SuffStats:
             raise InputError(where, f"non-finite EV {value!r}")
         return value
 
+    def ev_or_none(self) -> float | None:
+        """`ev`, or None where it is undefined (n <= 1, Var(R) <= 1e-8, a non-finite result): the
+        in-batch EV of the training metrics, which is reported, never gated (docs/rules.md#critic-metrics)."""
+        try:
+            return self.ev()
+        except InputError:
+            return None
+
     def r2(self) -> float:
         """Coefficient of determination 1 - mean(e^2) / Var(R) (includes the bias, unlike EV)."""
         return 1.0 - (self.sum_e2 / self.n) / self.var_r()

@@ -24,7 +24,8 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
-from value_assets.core.memory import Layout, ModelShape, auto_micro_batch_tokens
+from value_assets.core.backbone import CriticShape
+from value_assets.core.memory import Layout, auto_micro_batch_tokens
 from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
 from value_assets.core.publish import publish_once
 from value_assets.core.strict_json import canonical_bytes
@@ -131,7 +132,7 @@ def _auto_micro_batch_tokens(cfg: TrainJob, backbone_cfg, manifest: Manifest, tr
         free, bf16 = psutil.virtual_memory().available // cfg.gpus, False
     where = f"the longest row ({train.location(int(train.lengths.argmax()))})"
     return auto_micro_batch_tokens(
-        ModelShape.of(backbone_cfg, head_size=manifest.objective.head_size),
+        CriticShape(backbone_cfg, manifest.objective.head_size),
         Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp), cfg.memory,
         free_bytes=int(free), longest_row=longest, longest_row_where=where, bf16=bf16)
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from value_assets.core.objective import Objective
+from value_assets.core.stats import SuffStats
 
 # Order of the float64 statistics vector returned by `loss_and_stats`.
 STAT_KEYS = ("loss", "rows", "active", "correct", "entropy", "sum_r", "sum_r2", "sum_e", "sum_e2")
@@ -143,21 +144,14 @@ def loss_and_stats(
 
 
 def finalize_metrics(stats: torch.Tensor, objective: Objective) -> dict[str, Optional[float]]:
-    """Summed statistics -> metrics. accuracy/entropy are None for mse; ev None when n <= 1 or
-    Var(R) <= 1e-8 (token-weighted, in-batch)."""
+    """Summed statistics -> metrics. accuracy/entropy are None for mse; the in-batch EV
+    (token-weighted) is core's definition (`SuffStats.ev_or_none`): None where it is undefined."""
     s = dict(zip(STAT_KEYS, stats.detach().cpu().to(torch.float64).tolist()))
     n = s["active"]
     out: dict[str, Optional[float]] = {"loss": s["loss"], "rows": s["rows"], "active_targets": n}
     cls = objective.loss_type == "classification"
     out["value_accuracy"] = s["correct"] / n if (cls and n > 0) else None
     out["entropy"] = s["entropy"] / n if (cls and n > 0) else None
-    ev = None
-    if n > 1:
-        var_r = s["sum_r2"] / n - (s["sum_r"] / n) ** 2
-        var_e = s["sum_e2"] / n - (s["sum_e"] / n) ** 2
-        if var_r > 1e-8:
-            ev = 1.0 - var_e / var_r
-            if not math.isfinite(ev):
-                ev = None
-    out["explained_variance"] = ev
+    batch = SuffStats(n=n, sum_r=s["sum_r"], sum_r2=s["sum_r2"], sum_e=s["sum_e"], sum_e2=s["sum_e2"])
+    out["explained_variance"] = batch.ev_or_none()
     return out
