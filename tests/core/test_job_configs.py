@@ -247,6 +247,8 @@ def test_handoff_job_round_trip_and_rules():
 
 # The functions below the job drivers that receive job settings: (module file, function or Class.method).
 _SETTING_RECEIVERS = (
+    ("value_assets/core/worker_spec.py", "WorkerSpec"),
+    ("value_assets/core/worker_spec.py", "OptimizerSettings"),
     ("value_assets/gpu/workers/cluster.py", "start_workers"),
     ("value_assets/gpu/workers/worker.py", "CriticWorker.configure"),
     ("value_assets/gpu/workers/worker.py", "CriticWorker.address"),
@@ -269,8 +271,10 @@ def _parameters_with_defaults(path: Path, qualname: str) -> dict[str, object]:
     body = tree.body
     for cls_name in owner:
         body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls_name).body
-    fn = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
-    a = fn.args
+    node = next(n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
+    if isinstance(node, ast.ClassDef):  # a dataclass: its fields' defaults
+        return {n.target.id: n.value for n in node.body if isinstance(n, ast.AnnAssign) and n.value is not None}
+    a = node.args
     positional = a.posonlyargs + a.args
     pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
     pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
@@ -301,12 +305,29 @@ def test_job_settings_have_one_default_the_layers_below_take_them_from_the_job()
         assert field_default(TrainJob, name) == neutral
     assert seen == set(_NEUTRAL)  # the rule reads the real signatures
 
-    from value_assets.gpu.workers.cluster import start_workers
 
-    with pytest.raises(ValueError, match="training workers need lr, weight_decay and clip_grad"):
-        with start_workers(world_size=1, tp=1, pp=1, seed=0, backbone={}, objective={}, train=True, timeout_s=1.0,
-                           placement_strategy="PACK", lr=1e-3, clip_grad=1.0):
-            pass
+
+def test_the_worker_spec_carries_the_job_and_cannot_state_the_impossible(tmp_path):
+    """The workers get one spec from the job config (`core/worker_spec.py`): a training job's has
+    its optimizer settings with the job's defaults, a forward-only job's has none, and freezing
+    parameters of a job that trains nothing cannot be stated."""
+    from value_assets.core.backbone import BackboneConfig
+    from value_assets.core.memory import Layout
+    from value_assets.core.objective import Objective
+    from value_assets.core.worker_spec import OptimizerSettings, WorkerSpec
+
+    bb, obj = BackboneConfig.tiny(), Objective()
+    train = TrainJob(manifest=tmp_path / "m.json", output=tmp_path / "o", gpus=4, tensor_parallel=2, freeze="attention",
+                     recompute="full").worker_spec(bb, obj)
+    assert train.optimizer == OptimizerSettings(lr=2e-3, weight_decay=0.0, clip_grad=1.0)  # the tiny backbone's lr
+    assert (train.layout, train.world_size, train.freeze, train.memory.recompute) == (Layout(tp=2, pp=1, dp=2), 4, "attention", "full")
+    evaluate = EvaluateJob(checkpoint=tmp_path, manifest=tmp_path / "m.json", contract_sha256="0" * 64, report=tmp_path / "r.json",
+                           gpus=2, seed=7).worker_spec(bb, obj)
+    assert (evaluate.optimizer, evaluate.train, evaluate.seed, evaluate.layout.dp) == (None, False, 7, 2)
+    with pytest.raises(InputError, match="freeze"):
+        WorkerSpec(backbone=bb, objective=obj, layout=Layout(), seed=0, freeze="backbone")
+    with pytest.raises(InputError, match="clip_grad"):
+        OptimizerSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.0)
 
 
 def test_a_job_config_without_its_rules_cannot_be_built():

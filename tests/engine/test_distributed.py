@@ -161,8 +161,10 @@ def test_rank_zero_holds_the_rendezvous_port_it_reports_until_it_joins(monkeypat
     import os
     import socket
 
+    from value_assets.core.backbone import BackboneConfig
+    from value_assets.core.memory import Layout
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.core.worker_spec import WorkerSpec
     from value_assets.gpu.runtime.parallel import destroy, init_distributed, open_rendezvous
     from value_assets.gpu.workers.worker import RENDEZVOUS_ADDR_ENV, CriticWorker
 
@@ -176,8 +178,7 @@ def test_rank_zero_holds_the_rendezvous_port_it_reports_until_it_joins(monkeypat
             return False
 
     monkeypatch.setenv(RENDEZVOUS_ADDR_ENV, "127.0.0.1")
-    worker = CriticWorker(rank=0, world_size=1, tp=1, pp=1, seed=0, backbone=BackboneConfig.tiny().to_json(),
-                          objective=Objective().canonical())
+    worker = CriticWorker(WorkerSpec(backbone=BackboneConfig.tiny(), objective=Objective(), layout=Layout(), seed=0), rank=0)
     host, port = worker.address(timeout_s=42.0)
     assert host == "127.0.0.1" and taken(host, port)
     # the job's deadline (TrainJob/EvaluateJob timeout_s) is the store's: the other ranks may join that late

@@ -31,6 +31,11 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 from .errors import InputError, require_int, show
 from .hashing import require_sha
+from .backbone import BackboneConfig
+from .memory import Layout, MemoryConfig
+from .objective import Objective
+from .plan import data_parallel_size
+from .worker_spec import FREEZE, OptimizerSettings, WorkerSpec
 from .report import GATE_MODE_DEFAULT, GATE_MODES, MIN_EV_DEFAULT, check_min_ev
 
 DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
@@ -39,7 +44,6 @@ TINY_LR = 2e-3
 PRETRAINED_LR = 1e-5
 SPLITS = ("heldout", "train")
 AUTO = "auto"
-FREEZE = ("none", "attention", "backbone")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 # Settings the train and evaluate jobs share, defined once for both (the layers below take them
 # from the job, without defaults of their own: tests/core/test_job_configs.py checks it).
@@ -184,6 +188,13 @@ class _JobConfig(abc.ABC):
         return cls(**obj)
 
 
+def _layout(cfg: Any) -> Layout:
+    """The parallel layout of a job's worker slots (the GPUs must divide into whole model-parallel
+    groups: docs/rules.md#topology-checks)."""
+    dp = data_parallel_size(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel)
+    return Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp)
+
+
 def _common_checks(cfg: Any) -> None:
     for name in ("gpus", "tensor_parallel", "pipeline_parallel"):
         require_int(getattr(cfg, name), name)
@@ -261,8 +272,6 @@ class TrainJob(_JobConfig):
     @property
     def memory(self):
         """The memory settings as core/memory.py's `MemoryConfig` (validated there)."""
-        from .memory import MemoryConfig
-
         return MemoryConfig(recompute=self.recompute, recompute_layers=self.recompute_layers,
                             distributed_optimizer=self.distributed_optimizer, sequence_parallel=self.sequence_parallel)
 
@@ -270,6 +279,12 @@ class TrainJob(_JobConfig):
     def learning_rate(self) -> float:
         """`lr`, or the backbone's default (`default_lr`) when unset."""
         return self.lr if self.lr is not None else default_lr(self.backbone)
+
+    def worker_spec(self, backbone: BackboneConfig, objective: Objective) -> WorkerSpec:
+        """What each training worker builds and how it trains (`core/worker_spec.py`)."""
+        return WorkerSpec(backbone=backbone, objective=objective, layout=_layout(self), seed=self.seed, memory=self.memory,
+                          freeze=self.freeze, optimizer=OptimizerSettings(lr=self.learning_rate, weight_decay=self.weight_decay,
+                                                                          clip_grad=self.clip_grad))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,6 +327,10 @@ class EvaluateJob(_JobConfig):
         if self.global_batch_size is not None:
             require_int(self.global_batch_size, "global_batch_size", minimum=2)
         _common_checks(self)
+
+    def worker_spec(self, backbone: BackboneConfig, objective: Objective) -> WorkerSpec:
+        """What each forward-only worker builds: the contracted critic, no optimizer."""
+        return WorkerSpec(backbone=backbone, objective=objective, layout=_layout(self), seed=self.seed)
 
 
 LAYER_SPECS = ("te", "local")

@@ -129,9 +129,15 @@ QWEN2_5 = {size: CriticShape(BackboneConfig.qwen2_5(size), DEFAULT_HEAD_SIZE) fo
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
+    """How one critic is split over GPUs: tensor- and pipeline-parallel within a replica, dp replicas."""
+
     tp: int = 1
     pp: int = 1
     dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
 
 
 # Calibration (see the module docstring). Fitted to MEASURED below; the unit tests hold the

@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from value_assets.core.backbone import BackboneConfig
 from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import EvaluateJob
 from value_assets.core.manifest import Manifest, load_manifest
+from value_assets.core.objective import Objective
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
 from value_assets.core.publish import publication_state, publish_once
@@ -75,7 +77,6 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     batch selection and the write-once report path. Writes nothing. (The settings' own rules
     are `EvaluateJob`'s.)"""
     from value_assets.gpu.drivers.train import check_model_split
-    from value_assets.core.backbone import BackboneConfig
 
     step_dir, _ = resolve_step_dir(cfg.checkpoint)  # the caller's pin is the one that counts
     contract, contract_sha = load_verified(step_dir, pinned_sha256=cfg.contract_sha256)
@@ -126,9 +127,9 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
 
     # --- forward-only on the cluster -------------------------------------------------------------
     rank_reports: list[list[RankReport]] = []
-    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=contract["backbone_config"],
-                       objective=contract["objective"], train=False, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log,
-                       placement_strategy=cfg.placement_strategy) as cluster:
+    spec = cfg.worker_spec(BackboneConfig.from_json(contract["backbone_config"]), Objective.from_json(contract["objective"]))
+    with start_workers(spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy,
+                       log=log) as cluster:
         # The files may have changed since `prepare` verified them: the workers use only bytes that
         # match the contract (gpu/runtime/checkpoint.py).
         loaded = cluster.call_all("load", str(step_dir), False, contract)

@@ -275,10 +275,9 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
         log(f"nothing to do: {prep.start_step} of {plan.num_steps} planned steps are already done")
         return result
     objective_json = manifest.objective.canonical()
-    with start_workers(world_size=cfg.gpus, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, seed=cfg.seed, backbone=prep.backbone_cfg.to_json(),
-                       objective=objective_json, train=True, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                       ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, log=log, memory=cfg.memory.to_json(),
-                       freeze=cfg.freeze, placement_strategy=cfg.placement_strategy) as cluster:
+    spec = cfg.worker_spec(prep.backbone_cfg, manifest.objective)
+    with start_workers(spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy,
+                       log=log) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
             # The files may have changed since `prepare` verified them: the workers use only bytes

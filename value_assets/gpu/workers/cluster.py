@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import PLACEMENT_STRATEGIES
 from value_assets.core.warm_folder import POOL_ENV
+from value_assets.core.worker_spec import WorkerSpec
 
 
 class ClusterError(RuntimeError):
@@ -283,21 +284,18 @@ class WorkerPool:
 
 
 @contextlib.contextmanager
-def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any], objective: dict[str, Any],
-                  train: bool, timeout_s: float, placement_strategy: str, lr: float | None = None,
-                  weight_decay: float | None = None, clip_grad: float | None = None, ray_address: str | None = None,
-                  log=print, memory: dict[str, Any] | None = None, freeze: str = "none") -> Iterator[Cluster]:
-    """Workers for one job, wired and set up; ended (or, with a pool, released) on exit.
+def start_workers(spec: WorkerSpec, *, timeout_s: float, placement_strategy: str, ray_address: str | None = None,
+                  log=print) -> Iterator[Cluster]:
+    """Workers for one job, each told `spec` and its rank, wired and set up; ended (or, with a
+    pool, released) on exit.
 
-    The job's settings come from its config (core/job_configs.py), which holds their one default: training
-    workers (`train`) need `lr`, `weight_decay` and `clip_grad`; forward-only ones take none.
+    `spec`, the deadline and the placement come from the job's config (core/job_configs.py), which
+    holds their one default.
 
     With `$VALUE_ASSETS_WORKER_POOL` set and a Ray cluster that outlives this driver (joined by
     address, or already initialized in this process), the workers come from that pool
     (`WorkerPool`): no process start and no torch/megatron import after the first job.
     """
-    if train and None in (lr, weight_decay, clip_grad):
-        raise ValueError(f"training workers need lr, weight_decay and clip_grad, got {lr}, {weight_decay}, {clip_grad}")
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -313,7 +311,7 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
             if ray_address:
                 ray.init(address=ray_address, log_to_driver=True)
             else:
-                cpus = max(world_size, os.cpu_count() or 1)
+                cpus = max(spec.world_size, os.cpu_count() or 1)
                 # Worker output stays in Ray's session logs; failures reach the driver as exceptions.
                 # "local": a new Ray of this driver's own, even where `ray start` left a cluster's
                 # address in Ray's temp folder (ray.init would join that one, or fail on a stale one).
@@ -325,9 +323,9 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}")
+        world_size = spec.world_size
         threads = None if use_gpu else max(1, (os.cpu_count() or 1) // world_size)
-        job = dict(world_size=world_size, tp=tp, pp=pp, seed=seed, backbone=backbone, objective=objective, threads=threads,
-                   memory=memory, freeze=freeze)
+        job = dict(spec=spec, threads=threads)
         pool_name = os.environ.get(POOL_ENV) or None
         # A pool only on a cluster this driver did not start (one it started ends with it).
         if pool_name and not (started_ray and not ray_address):
@@ -342,10 +340,10 @@ def start_workers(*, world_size: int, tp: int, pp: int, seed: int, backbone: dic
             cluster = Cluster(workers=actors, infos=[], timeout_s=timeout_s)
         addr, port = cluster._get([cluster.workers[0].address.remote(timeout_s)], timeout_s)[0]
         cluster.rendezvous = f"{addr}:{port}"
-        cluster.infos = cluster.call_all("setup", addr, port, train=train, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, timeout_s=timeout_s)
+        cluster.infos = cluster.call_all("setup", addr, port, timeout_s=timeout_s)
         nodes = len({info["node_id"] for info in cluster.infos})
         source = "" if pool is None else f", pool {pool.name} ({'reused' if pool.reused else 'new'})"
-        log(f"workers up: world {world_size}, dp {cluster.dp}, tp {tp}, pp {pp}, {'GPU' if use_gpu else 'CPU'} bundles "
+        log(f"workers up: world {world_size}, dp {cluster.dp}, tp {spec.layout.tp}, pp {spec.layout.pp}, {'GPU' if use_gpu else 'CPU'} bundles "
             f"on {nodes} node(s) ({placement_strategy}), rendezvous {addr}:{port}{source}")
         log("placement " + json.dumps(cluster.placement(), sort_keys=True))
         try:

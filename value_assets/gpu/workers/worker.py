@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from value_assets.core.objective import Objective
 from value_assets.core.stats import RankReport
+from value_assets.core.worker_spec import WorkerSpec
 
 
 RENDEZVOUS_ADDR_ENV = "VALUE_ASSETS_RENDEZVOUS_ADDR"
@@ -40,28 +40,22 @@ def node_address() -> str:
 class CriticWorker:
     """Methods are called by the driver through Ray; every collective method is called on all ranks."""
 
-    def __init__(self, **job: Any):
+    def __init__(self, spec: WorkerSpec | None = None, *, rank: int = 0, threads: int | None = None):
+        self.spec: WorkerSpec | None = None
+        self.rank = rank
         self.model = None
         self.optimizer = None
         self._lease: dict[str, Any] | None = None
         self._rendezvous = None  # rank 0: the store `address` bound, until `setup` joins through it
-        if job:
-            self.configure(**job)
+        if spec is not None:
+            self.configure(spec, rank=rank, threads=threads)
 
-    def configure(self, *, rank: int, world_size: int, tp: int, pp: int, seed: int, backbone: dict[str, Any],
-                  objective: dict[str, Any], threads: int | None = None, memory: dict[str, Any] | None = None,
-                  freeze: str = "none") -> int:
-        """Take on one job's rank and settings (a fresh worker in its constructor, a pooled one per
-        job, after `release`); returns this process's id."""
+    def configure(self, spec: WorkerSpec, *, rank: int, threads: int | None = None) -> int:
+        """Take on one job's rank and spec (a fresh worker in its constructor, a pooled one per
+        job, after `release`); returns this process's id. `threads`: torch's intra-op threads (CPU
+        workers share the host's cores)."""
+        self.spec = spec
         self.rank = rank
-        self.world_size = world_size
-        self.tp = tp
-        self.pp = pp
-        self.seed = seed
-        self.backbone_json = backbone
-        self.objective = Objective.from_json(objective)
-        self.memory_json = memory or {}
-        self.freeze = freeze
         self.model = None
         self.optimizer = None
         if threads:
@@ -80,33 +74,37 @@ class CriticWorker:
         self._rendezvous = open_rendezvous(host, timeout_s)
         return host, self._rendezvous.port
 
-    def setup(self, master_addr: str, master_port: int, *, train: bool, lr: float | None, weight_decay: float | None,
-              clip_grad: float | None, timeout_s: float) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int, *, timeout_s: float) -> dict[str, Any]:
         import torch
 
-        from value_assets.core.memory import MemoryConfig
-        from value_assets.gpu.model.critic import BackboneConfig, build_critic
+        from value_assets.gpu.model.critic import build_critic
         from value_assets.gpu.runtime.parallel import init_distributed
 
+        spec = self._spec()
         store, self._rendezvous = (self._rendezvous if self.rank == 0 else None), None
-        init_distributed(self.rank, self.world_size, master_addr, master_port, tp=self.tp, pp=self.pp,
-                         seed=self.seed, timeout_s=timeout_s, store=store)
+        init_distributed(self.rank, spec.world_size, master_addr, master_port, tp=spec.layout.tp, pp=spec.layout.pp,
+                         seed=spec.seed, timeout_s=timeout_s, store=store)
         from megatron.core import parallel_state as ps
 
-        torch.manual_seed(self.seed)
-        memory = MemoryConfig.from_json(self.memory_json)
-        model = build_critic(BackboneConfig.from_json(self.backbone_json), self.objective, tp=self.tp, pp=self.pp,
-                             head_seed=self.seed, memory=memory)
-        if train:
+        torch.manual_seed(spec.seed)
+        model = build_critic(spec.backbone, spec.objective, tp=spec.layout.tp, pp=spec.layout.pp, head_seed=spec.seed,
+                             memory=spec.memory)
+        if spec.optimizer is not None:
             from value_assets.gpu.runtime.step import wrap_for_training
 
-            self.model, self.optimizer = wrap_for_training(model, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                                                           distributed_optimizer=memory.distributed_optimizer, freeze=self.freeze)
+            opt = spec.optimizer
+            self.model, self.optimizer = wrap_for_training(model, lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
+                                                           distributed_optimizer=spec.memory.distributed_optimizer, freeze=spec.freeze)
         else:
             self.model = model
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "last_stage": int(ps.is_pipeline_last_stage()),
                 "dp_size": ps.get_data_parallel_world_size(), "pid": os.getpid(), **placement()}
+
+    def _spec(self) -> WorkerSpec:
+        if self.spec is None:
+            raise RuntimeError("worker has no job: configure it first")
+        return self.spec
 
     def _module(self):
         return self.model.module if hasattr(self.model, "module") else self.model
@@ -116,7 +114,7 @@ class CriticWorker:
         """Fresh critic: the backbone strictly from the actor checkpoint, only the head new."""
         from value_assets.gpu.convert.bootstrap import load_backbone_into
 
-        return load_backbone_into(self._module(), source, tp=self.tp)
+        return load_backbone_into(self._module(), source, tp=self._spec().layout.tp)
 
     def load(self, path: str, with_optimizer: bool, contract: dict[str, Any]) -> int:
         """Load a saved critic (model and, for a resume, optimizer); return its iteration. Only
@@ -154,7 +152,7 @@ class CriticWorker:
 
         set_lr(self.optimizer, lr)
         mbs = pack_rows([_packing_row(r) for r in rows], micro_batch_tokens)
-        return optimizer_step(self.model, self.optimizer, mbs, global_rows, self.objective)
+        return optimizer_step(self.model, self.optimizer, mbs, global_rows, self._spec().objective)
 
     def evaluate(self, rows: Sequence[dict[str, Any]], micro_batch_tokens: int, dp_rank: int) -> dict[str, Any] | None:
         """Float64 sufficient statistics over this rank's rows (docs/rules.md#evaluation), with its rank and row
@@ -165,7 +163,7 @@ class CriticWorker:
         from value_assets.gpu.model.packing import pack_rows
         from value_assets.gpu.runtime.step import evaluate_rows
 
-        out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self.objective) if rows else {}
+        out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self._spec().objective) if rows else {}
         if not ps.is_pipeline_last_stage():
             return None
         # Statistics use the dataset's float64 returns and mask; the model gives the values.
