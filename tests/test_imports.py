@@ -121,6 +121,51 @@ def test_layers():
     assert not breaches, "\n".join(breaches)
 
 
+# The GPU package's sub-layers, lowest first (docs/architecture.md#the-gpu-package): a module may
+# import its own sub-layer and the ones before it, never one after it. The entry points (`gpu.cli`,
+# `gpu.pipes_job`) sit above them all; the package's __init__ imports none of them.
+GPU_ORDER = ("model", "runtime", "convert", "workers", "drivers")
+GPU_ENTRY_POINTS = ("cli", "pipes_job")
+
+
+def _gpu_rank(mod: str) -> int | None:
+    """The position of a `value_assets.gpu.*` module in GPU_ORDER (entry points after it, the
+    package itself before it); None outside the GPU package."""
+    parts = mod.split(".")
+    if parts[:2] != ["value_assets", "gpu"]:
+        return None
+    if len(parts) == 2:
+        return -1
+    if parts[2] in GPU_ENTRY_POINTS:
+        return len(GPU_ORDER)
+    return GPU_ORDER.index(parts[2])
+
+
+def test_gpu_sub_layers_import_only_downwards():
+    modules = set(_graph())
+    unknown = [m for m in modules if m.startswith("value_assets.gpu.")
+               and m.split(".")[2] not in GPU_ORDER + GPU_ENTRY_POINTS]
+    assert not unknown, f"GPU modules outside the known sub-layers (add them to GPU_ORDER): {unknown}"
+    breaches = []
+    for mod, imports in sorted(_all_imports().items()):
+        rank = _gpu_rank(mod)
+        if rank is None:
+            continue
+        for imp in sorted(imports):
+            target = _gpu_rank(imp) if imp in modules or imp.rsplit(".", 1)[0] in modules else None
+            if target is not None and imp != "value_assets.gpu" and target > rank:
+                breaches.append(f"{mod} imports {imp}")
+    assert not breaches, "\n".join(breaches)
+
+
+def test_the_gpu_order_ranks_the_sub_layers():
+    """The ranks the rule compares (runtime below convert: runtime -> convert was the breach this rule found)."""
+    assert _gpu_rank("value_assets.gpu.runtime.checkpoint") < _gpu_rank("value_assets.gpu.workers.worker")
+    assert _gpu_rank("value_assets.gpu.model.critic") < _gpu_rank("value_assets.gpu.runtime.step")
+    assert _gpu_rank("value_assets.gpu.drivers.train") < _gpu_rank("value_assets.gpu.pipes_job")
+    assert _gpu_rank("value_assets.core.plan") is None
+
+
 def test_gpu_cli_module_is_light():
     """`value_assets.gpu.cli` is imported by the light CLI: it may not import torch/ray/megatron at
     module level."""

@@ -19,12 +19,14 @@ from dagster import (
 )
 
 from value_assets.assets import batch_plan, ev_report, heldout_dataset, train_dataset
-from value_assets.assets.common import latest_metadata, partition_manifest, to_metadata_value
+from value_assets.assets.common import partition_manifest, to_metadata_value
+from value_assets.core import vocabulary as v
 from value_assets.core.contract_lookup import contract_disagreements, resolve_latest_contract
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.publish import read_published
 from value_assets.core.report import GATE_MODES, criteria, decide_gate, ev_summary
+from value_assets.lineage import Lineage
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
 
@@ -63,13 +65,13 @@ def _dataset_check(context, artifacts, inbox, split: str) -> AssetCheckResult:
     return dataset_integrity_result(manifest.train if split == "train" else manifest.heldout, split)
 
 
-@asset_check(asset=train_dataset, name="dataset_integrity", blocking=True, partitions_def=manifests_partitions,
+@asset_check(asset=train_dataset, name=v.DATASET_INTEGRITY, blocking=True, partitions_def=manifests_partitions,
              description="The train file still hashes to the manifest's sha.")
 def train_dataset_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox):
     return _dataset_check(context, artifacts, inbox, "train")
 
 
-@asset_check(asset=heldout_dataset, name="dataset_integrity", blocking=True, partitions_def=manifests_partitions,
+@asset_check(asset=heldout_dataset, name=v.DATASET_INTEGRITY, blocking=True, partitions_def=manifests_partitions,
              description="The heldout file still hashes to the manifest's sha.")
 def heldout_dataset_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox):
     return _dataset_check(context, artifacts, inbox, "heldout")
@@ -78,26 +80,24 @@ def heldout_dataset_integrity(context: AssetCheckExecutionContext, artifacts: Ar
 # ---------------------------------------------------------------- contract_integrity
 
 
-@asset_check(asset="training_contract", name="contract_integrity", blocking=True, partitions_def=manifests_partitions,
+@asset_check(asset=v.TRAINING_CONTRACT, name=v.CONTRACT_INTEGRITY, blocking=True, partitions_def=manifests_partitions,
              additional_deps=[batch_plan],
              description="The latest contract re-hashes to its recorded sha and agrees with manifest, dataset, "
-                         "objective and published plan.")
+                         "objective and the published plan it was trained on.")
 def contract_integrity(context: AssetCheckExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox):
     key = context.partition_key
-    recorded = latest_metadata(context.instance, "training_contract", key) or {}
-    plan = latest_metadata(context.instance, "batch_plan", key) or {}
+    lineage = Lineage(context.instance, key)
     try:
         manifest = partition_manifest(context, artifacts, inbox)
-        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded.get("contract_sha256"))
+        plan_sha = lineage.plan().sha256
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=lineage.contract_sha())
     except InputError as exc:
         return _failed(str(exc))
-    problems = contract_disagreements(ref.contract, manifest=manifest, plan_sha256=plan.get("plan_sha256"))
-    batch = ref.contract.get("batch_plan") or {}
-    for name in ("seed", "global_batch_size"):
-        if name in plan and isinstance(batch, dict) and batch.get(name) != plan[name]:
-            problems.append(f"batch_plan.{name} {batch.get(name)!r} != published plan {plan[name]!r}")
-    meta = {"contract_sha256": ref.sha256, "contract_path": str(ref.path),
-            "manifest_sha256": manifest.sha256, "plan_sha256": plan.get("plan_sha256")}
+    # Training read the published plan against this sha, so the contract names it by construction;
+    # this re-reads the files the lineage points at (a contract or manifest changed since).
+    problems = contract_disagreements(ref.contract, manifest=manifest, plan_sha256=plan_sha)
+    meta = {v.CONTRACT_SHA256: ref.sha256, "contract_path": str(ref.path),
+            v.MANIFEST_SHA256: manifest.sha256, v.PLAN_SHA256: plan_sha}
     if problems:
         return _failed(f"{ref.path}: " + "; ".join(problems), problems=problems, **meta)
     return AssetCheckResult(passed=True, metadata={k: to_metadata_value(v) for k, v in meta.items()})
@@ -113,7 +113,7 @@ def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
     result, on the same sha, for the same partition.
     """
     decision = decide_gate(report)
-    metadata = {"report_sha256": report_sha, "criteria": criteria(decision.mode if decision.mode in GATE_MODES else "miles"),
+    metadata = {v.REPORT_SHA256: report_sha, "criteria": criteria(decision.mode if decision.mode in GATE_MODES else "miles"),
                 "recomputed": {w: g.to_json() for w, g in decision.weightings.items()},
                 "recomputed_intervals": {w: iv.to_json() for w, iv in decision.intervals.items()}, **ev_summary(report)}
     if not decision.passed:
@@ -121,19 +121,19 @@ def gate_result(report: dict[str, Any], report_sha: str) -> AssetCheckResult:
     return AssetCheckResult(passed=True, metadata={k: to_metadata_value(v) for k, v in metadata.items()})
 
 
-@asset_check(asset=ev_report, name="ev_gate", blocking=True, partitions_def=manifests_partitions,
+@asset_check(asset=ev_report, name=v.EV_GATE, blocking=True, partitions_def=manifests_partitions,
              description="docs/rules.md#evaluation gate on heldout EV (token and trajectory); blocks promotion.")
 def ev_gate(context: AssetCheckExecutionContext):
-    recorded = latest_metadata(context.instance, "ev_report", context.partition_key)
-    if not recorded or "report_path" not in recorded:
-        return _failed("ev_report has no materialization for this partition")
+    recorded = next(Lineage(context.instance, context.partition_key).reports(), None)
+    if recorded is None or not isinstance(recorded.report_path, str):
+        return _failed(f"{v.EV_REPORT} has no materialization for this partition")
     try:
-        report, sha = read_published(Path(str(recorded["report_path"])), "EV report")
+        report, sha = read_published(Path(recorded.report_path), "EV report")
     except InputError as exc:
-        return _failed(str(exc), recorded_report_sha256=recorded.get("report_sha256"))
-    if sha != recorded.get("report_sha256"):
-        return _failed(f"report hashes to {sha}, ev_report recorded {recorded.get('report_sha256')}",
-                       report_sha256=sha, recorded_report_sha256=recorded.get("report_sha256"))
+        return _failed(str(exc), recorded_report_sha256=recorded.report_sha256)
+    if sha != recorded.report_sha256:
+        return _failed(f"report hashes to {sha}, {v.EV_REPORT} recorded {recorded.report_sha256}",
+                       report_sha256=sha, recorded_report_sha256=recorded.report_sha256)
     return gate_result(report, sha)
 
 

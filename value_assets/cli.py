@@ -231,10 +231,10 @@ def _instance_record_sha(record_path) -> str:
         raise InputError("--instance", "DAGSTER_HOME is not set: it names the Dagster instance that recorded the promotion")
     from dagster import DagsterInstance
 
-    from .assets.common import promoted_record_sha
+    from .lineage import Lineage
 
     with DagsterInstance.get() as instance:
-        return promoted_record_sha(instance, record_path.stem)
+        return Lineage(instance, record_path.stem).promoted_record_sha()
 
 
 def _positive(text: str) -> int:

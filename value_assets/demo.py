@@ -19,13 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+from value_assets.core import vocabulary as v
 from value_assets.definitions import project_root, resources_by_deployment_name
 
 
 # The demo gates in the stricter mode (docs/rules.md#evaluation): the shuffled control's EV is about
 # 0 +- 1e-4, so under the default rule its refusal would rest on the sign of a near-zero number;
 # here it rests on the interval's lower bound (below 0), while the learnable critic's is far above.
-DEMO_OPS = {"ev_report": {"config": {"gate_mode": "interval"}}}
+DEMO_OPS = {v.EV_REPORT: {"config": {"gate_mode": "interval"}}}
 
 
 def _home(root: Path) -> Path:
@@ -75,7 +76,7 @@ def main() -> int:
 
 
 def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None:
-    from value_assets.assets.common import latest_metadata
+    from value_assets.lineage import Lineage
 
     for request in sorted(requests, key=lambda r: r.tags["value_assets/manifest"]):
         key = request.partition_key
@@ -88,16 +89,18 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
         if not run.success:
             failed = sorted({e.step_key for e in run.all_events if e.is_step_failure})
             print(f"    run {run.run_id[:8]} stopped at {failed} (for the shuffled control this is the blocking gate at work)", flush=True)
-        gate = {e.check_name: e.passed for e in run.get_asset_check_evaluations()}.get("ev_gate")
-        manifest_meta = latest_metadata(instance, "value_manifest", key) or {}
-        ckpt = latest_metadata(instance, "critic_checkpoint", key) or {}
-        report = latest_metadata(instance, "ev_report", key) or {}
+        gate = {e.check_name: e.passed for e in run.get_asset_check_evaluations()}.get(v.EV_GATE)
+        lineage = Lineage(instance, key)
+        manifest_meta = lineage.metadata(v.VALUE_MANIFEST) or {}
+        ckpt = lineage.metadata(v.CRITIC_CHECKPOINT) or {}
+        report = lineage.metadata(v.EV_REPORT) or {}
+        promotion = lineage.metadata(v.PROMOTED_CRITIC) or {}
         record = artifacts / "registry" / f"{key}.json"
         rows.append({
             "partition": key,
-            "manifest_sha12": str(manifest_meta.get("manifest_sha256", ""))[:12],
+            "manifest_sha12": str(manifest_meta.get(v.MANIFEST_SHA256, ""))[:12],
             "steps": ckpt.get("steps"),
-            "contract_sha12": str(ckpt.get("contract_sha256", ""))[:12],
+            "contract_sha12": str(ckpt.get(v.CONTRACT_SHA256, ""))[:12],
             "token_ev": report.get("token_ev"),
             "trajectory_ev": report.get("trajectory_ev"),
             "optimal_ev": json.loads(Path(request.tags["value_assets/manifest"]).read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"],
@@ -106,7 +109,7 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
             "trajectory_ev_low": report.get("trajectory_ev_low"),
             "promoted": record.is_file(),
             "record": record,
-            "record_sha256": (latest_metadata(instance, "promoted_critic", key) or {}).get("registry_record_sha256"),
+            "record_sha256": promotion.get(v.REGISTRY_RECORD_SHA256),
             "seconds": time.monotonic() - t,
         })
 

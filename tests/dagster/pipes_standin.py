@@ -27,7 +27,7 @@ from value_assets.core.dataset import validate_dataset
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.manifest import load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
-from value_assets.core.plan import build_plan
+from value_assets.core.plan import build_plan, load_published_plan
 from value_assets.core.progress import TrainProgress
 from value_assets.core.publish import atomic_write, publish_once
 from value_assets.core.report import build_report
@@ -57,7 +57,9 @@ def train(pipes, config, canary: bool):
     if k.get("silent"):
         return
     manifest = load_manifest(a.manifest, pinned_sha256=a.manifest_sha256, data_roots=a.data_roots)
-    plan = build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed)
+    # like the real job: the published plan when the asset passes one (read against its sha)
+    plan = (load_published_plan(a.plan, a.plan_sha256) if a.plan is not None
+            else build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed))
     out = a.output
     if canary:
         train = validate_dataset(manifest.train, manifest.objective)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from value_assets.assets.common import latest_metadata
+from value_assets.lineage import Lineage
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress, report_every
@@ -75,7 +75,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
 
     reports = {}
     for key, manifest in ((good_key, good), (bad_key, bad)):
-        meta = {name: latest_metadata(instance, name, key) for name in
+        meta = {name: Lineage(instance, key).metadata(name) for name in
                 ("value_manifest", "train_dataset", "heldout_dataset", "batch_plan", "critic_checkpoint", "training_contract", "ev_report")}
         # every sha recorded is the sha of the file it names
         assert meta["value_manifest"]["manifest_sha256"] == sha256_file(manifest)
@@ -106,7 +106,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert report_every(STEPS) == 1
     progress = [p for e in instance.all_logs(good_run.run_id) if (p := parse_progress(e.user_message))]
     assert [p["step"] for p in progress] == list(range(1, STEPS + 1))
-    ckpt = latest_metadata(instance, "critic_checkpoint", good_key)
+    ckpt = Lineage(instance, good_key).metadata("critic_checkpoint")
     assert progress[-1]["loss"] == pytest.approx(ckpt["final_loss"], abs=1e-6) and ckpt["tokens_per_s"] > 0
     assert ckpt["plot_training_curve"].startswith("![training_curve](data:image/png;base64,")
     assert Path(str(ckpt["tensorboard"])).is_dir() and ckpt["loss_summary"]["logged_steps"] == STEPS
@@ -115,8 +115,8 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert [line for line in err.splitlines() if "Warning" in line and "megatron" in line] == []
 
     record = json.loads((artifacts / "registry" / f"{good_key}.json").read_text())
-    assert record["contract_sha256"] == latest_metadata(instance, "training_contract", good_key)["contract_sha256"]
-    assert record["report_sha256"] == latest_metadata(instance, "ev_report", good_key)["report_sha256"]
+    assert record["contract_sha256"] == Lineage(instance, good_key).metadata("training_contract")["contract_sha256"]
+    assert record["report_sha256"] == Lineage(instance, good_key).metadata("ev_report")["report_sha256"]
 
     # The hand-off (docs/rules.md#hand-off): a real Miles export of the promoted critic, which core's reader (Miles'
     # rules) accepts at the sha the record pins; every file is the one recorded.
@@ -129,7 +129,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert miles["completed_steps"] == STEPS and (miles_dir / f"iter_{STEPS:07d}" / ".metadata").is_file()
     assert miles["model_identity"] == f"value-assets:tiny-random@{record['contract_sha256']}"
     verify_handoff(record, "registry record")
-    assert latest_metadata(instance, "promoted_critic", good_key)["miles_contract_sha256"] == miles_sha
+    assert Lineage(instance, good_key).metadata("promoted_critic")["miles_contract_sha256"] == miles_sha
     assert not (artifacts / bad_key / "handoff" / "miles").exists()
 
     # A resume starts only from a save the lineage recorded (docs/rules.md#resume): training again
@@ -149,7 +149,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert again.success, [e.message for e in again.all_events if e.is_failure]
     step_dir = artifacts / good_key / "critic" / f"iter_{STEPS:07d}"
     contract, recorded_sha = load_contract(step_dir)
-    assert latest_metadata(instance, "training_contract", good_key)["contract_sha256"] == recorded_sha
+    assert Lineage(instance, good_key).metadata("training_contract")["contract_sha256"] == recorded_sha
     shard = step_dir / "__0_1.distcp"
     planted = bytearray(shard.read_bytes())
     planted[-64] ^= 0xFF
@@ -159,7 +159,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert not refused.success
     said = [r.user_message for r in instance.all_logs(refused.run_id)]
     assert any(f"refusing to resume: its contract {planted_sha} is not one of the" in m for m in said), said[-5:]
-    assert latest_metadata(instance, "training_contract", good_key)["contract_sha256"] == recorded_sha
+    assert Lineage(instance, good_key).metadata("training_contract")["contract_sha256"] == recorded_sha
 
     # One warm Ray cluster served every GPU step of both runs, and the second and later Ray jobs
     # took the first one's worker processes (no Ray start, no torch/megatron import).

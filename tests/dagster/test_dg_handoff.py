@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from dagster import AssetKey
 
-from value_assets.assets.common import latest_metadata, promoted_record_sha
+from value_assets.lineage import Lineage
 from value_assets.core.handoff import describe_bundle, verify_handoff
 from value_assets.core.hashing import sha256_file
 from value_assets.core.miles import read_miles_contract
@@ -43,10 +43,10 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
     verify_handoff(record, "record")
     assert not [p for p in (artifacts / key / "handoff").iterdir() if p.name.startswith(".staging")]
 
-    meta = latest_metadata(instance, "promoted_critic", key)
+    meta = Lineage(instance, key).metadata("promoted_critic")
     assert meta["miles_contract_sha256"] == sha and meta["miles_files_sha256"] == handoff["miles"]["files_sha256"]
     record_path = artifacts / "registry" / f"{key}.json"
-    assert meta["registry_record_sha256"] == sha256_file(record_path) == promoted_record_sha(instance, key)
+    assert meta["registry_record_sha256"] == sha256_file(record_path) == Lineage(instance, key).promoted_record_sha()
     assert f"value-assets handoff {record_path} --record-sha256 {sha256_file(record_path)}" in str(meta["handoff_command"])
     assert str(meta["miles_bundle"]) == str(miles_dir) and str(meta["verl_critic_model_path"]) == str(hf_dir)
     assert meta["rl_settings"]["miles_args"][:5] == ["--critic-load", str(miles_dir),
@@ -58,14 +58,14 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
     before = {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")}
     again = run(test_defs, instance, key, ["promoted_critic"])
     assert again.success, [e.message for e in again.all_events if e.is_failure]
-    assert latest_metadata(instance, "promoted_critic", key)["handoff_reused"] is True
+    assert Lineage(instance, key).metadata("promoted_critic")["handoff_reused"] is True
     assert {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")} == before
     second = json.loads((artifacts / "registry" / f"{key}.json").read_text())
     assert {k: v for k, v in second.items() if k != "promoted_at"} == {k: v for k, v in record.items() if k != "promoted_at"}
     second_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
     assert second_version["dagster/data_version"] == first_version["dagster/data_version"]
     # the record was written again (promoted_at, to the second): the pin is the newest promotion's
-    assert promoted_record_sha(instance, key) == sha256_file(record_path)
+    assert Lineage(instance, key).promoted_record_sha() == sha256_file(record_path)
 
 
 def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(instance, test_defs, test_resources, manifests_dir,
@@ -89,7 +89,7 @@ def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(inst
 
     again = run(test_defs, instance, key, ["promoted_critic"])
     assert again.success, [e.message for e in again.all_events if e.is_failure]
-    meta = latest_metadata(instance, "promoted_critic", key)
+    meta = Lineage(instance, key).metadata("promoted_critic")
     assert meta["handoff_reused"] is False  # exported again, not reused
     assert victim.read_bytes() == genuine
     assert meta["registry_record_sha256"] == sha256_file(record_path)
@@ -138,7 +138,7 @@ def test_classification_critic_has_no_hf_bundle(instance, test_defs, test_resour
     assert run(test_defs, instance, key).success
     record = json.loads((tmp_path / "artifacts" / "registry" / f"{key}.json").read_text())
     assert record["handoff"]["hf"] is None and not (tmp_path / "artifacts" / key / "handoff" / "hf").exists()
-    assert "--value-num-bins" in latest_metadata(instance, "promoted_critic", key)["rl_settings"]["miles_args"]
+    assert "--value-num-bins" in Lineage(instance, key).metadata("promoted_critic")["rl_settings"]["miles_args"]
 
 
 def test_a_failed_export_writes_no_record(instance, test_defs, test_resources, manifests_dir, tmp_path,

@@ -9,7 +9,7 @@ import json
 import pytest
 from dagster import AssetKey
 
-from value_assets.assets.common import latest_metadata
+from value_assets.lineage import Lineage
 from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.core.progress import parse_progress, report_every
 
@@ -38,25 +38,25 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     assert checks == {("train_dataset", "dataset_integrity"): True, ("heldout_dataset", "dataset_integrity"): True,
                       ("training_contract", "contract_integrity"): True, ("ev_report", "ev_gate"): True}
 
-    ckpt = latest_metadata(instance, "critic_checkpoint", key)
-    plan_steps = latest_metadata(instance, "batch_plan", key)["steps"]
+    ckpt = Lineage(instance, key).metadata("critic_checkpoint")
+    plan_steps = Lineage(instance, key).metadata("batch_plan")["steps"]
     assert plan_steps >= 1 and ckpt["steps"] == plan_steps  # job-reported
     assert isinstance(ckpt["final_loss"], float) and ckpt["loss_summary"]["logged_steps"] == plan_steps
     assert ckpt["plot_training_curve"].startswith("![training_curve](data:image/png;base64,")
     assert str(ckpt["tensorboard"]).endswith(f"{key}/critic/tensorboard") and "loss_curve" not in ckpt
     contract_sha = ckpt["contract_sha256"]
-    report = latest_metadata(instance, "ev_report", key)
+    report = Lineage(instance, key).metadata("ev_report")
     assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
     assert report["token_positive_batches"] == report["token_batches"] == 8 and report["auroc"] > 0.5 and report["trajectory_r2"] is not None
     assert report["plot_calibration"].startswith("![calibration](data:image/png;base64,")
     assert report["plot_ev_by_position"].startswith("![ev_by_position](data:image/png;base64,")
     assert report["gate_mode"] == "miles" and report["token_ev_low"] == pytest.approx(0.3)
     assert str(report["report_path"]).endswith(f"reports/ev-{contract_sha[:12]}.json")
-    assert report["manifest_sha256"] == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
+    assert report["manifest_sha256"] == Lineage(instance, key).metadata("value_manifest")["manifest_sha256"]
 
     record = json.loads((tmp_path / "artifacts" / "registry" / f"{key}.json").read_text())
     assert record["contract_sha256"] == contract_sha and record["report_sha256"] == report["report_sha256"]
-    assert record["manifest_sha256"] == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
+    assert record["manifest_sha256"] == Lineage(instance, key).metadata("value_manifest")["manifest_sha256"]
 
     # Data versions are the artifacts' shas.
     versions = {k: instance.get_latest_data_version_record(AssetKey(k), partition_key=key)
@@ -73,7 +73,7 @@ def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(instance,
     result = run(test_defs, "full", instance, key,
                  {"ops": {"batch_plan": {"config": {"global_batch_size": 1, "epochs": 3}}}})
     assert result.success, [e.message for e in result.all_events if e.is_failure]
-    plan_steps = latest_metadata(instance, "batch_plan", key)["steps"]
+    plan_steps = Lineage(instance, key).metadata("batch_plan")["steps"]
     every = report_every(plan_steps)
     assert plan_steps == 96 and every == 3
 
@@ -81,7 +81,7 @@ def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(instance,
     progress = [p for e in instance.all_logs(result.run_id) if (p := parse_progress(e.user_message))]
     assert [p["step"] for p in progress] == [1, *range(every, plan_steps + 1, every)]
     assert all(p["planned_steps"] == plan_steps and p["tokens_per_s"] == 1234.5 for p in progress)
-    ckpt = latest_metadata(instance, "critic_checkpoint", key)
+    ckpt = Lineage(instance, key).metadata("critic_checkpoint")
     assert progress[-1]["loss"] == pytest.approx(ckpt["final_loss"], abs=1e-6)
 
     # The run carries what it launched: backbone, GPUs, launcher.
@@ -134,7 +134,7 @@ def test_job_that_exits_nonzero_fails_the_step(instance, test_defs, test_resourc
     result = run(test_defs, "full", instance, key)
     assert not result.success
     assert next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").step_key == "critic_training"
-    assert latest_metadata(instance, "training_contract", key) is None
+    assert Lineage(instance, key).metadata("training_contract") is None
 
 
 def test_manifest_without_heldout_trains_but_is_never_promoted(instance, test_defs, test_resources, manifests_dir,
@@ -151,7 +151,7 @@ def test_canary_runs_one_step_and_is_not_promotable(instance, test_defs, test_re
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "canary"))
     result = run(test_defs, "canary", instance, key)
     assert result.success
-    receipt = latest_metadata(instance, "canary_receipt", key)
+    receipt = Lineage(instance, key).metadata("canary_receipt")
     assert receipt["executed_steps"] == 1 and receipt["promotable"] is False
     assert not (tmp_path / "artifacts" / key / "critic").exists()
     assert not (tmp_path / "artifacts" / "registry").exists()
@@ -161,10 +161,10 @@ def test_evaluation_job_reuses_the_published_report(instance, test_defs, test_re
                                                     write_manifest, register):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "again", standin={"ev": 0.5}))
     assert run(test_defs, "full", instance, key).success
-    first = latest_metadata(instance, "ev_report", key)
+    first = Lineage(instance, key).metadata("ev_report")
     again = run(test_defs, "evaluate", instance, key)
     assert again.success and gate(again)["ev_report"].passed
-    second = latest_metadata(instance, "ev_report", key)
+    second = Lineage(instance, key).metadata("ev_report")
     assert second["reused"] is True and second["report_sha256"] == first["report_sha256"]
 
 
@@ -176,15 +176,15 @@ def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifes
     result = run(test_defs, "full", instance, key, config)
     assert result.success
     # The stricter gate mode reached the evaluation, and ev_gate decided in it.
-    report = latest_metadata(instance, "ev_report", key)
+    report = Lineage(instance, key).metadata("ev_report")
     assert (report["gate_mode"], report["gate_min_ev"]) == ("interval", 0.001) and gate(result)["ev_report"].passed
-    assert latest_metadata(instance, "batch_plan", key)["steps"] == 8
-    checkpoint = latest_metadata(instance, "critic_checkpoint", key)
+    assert Lineage(instance, key).metadata("batch_plan")["steps"] == 8
+    checkpoint = Lineage(instance, key).metadata("critic_checkpoint")
     assert checkpoint["completed_steps"] == 8
     # The job received the run config as a TrainJob (set fields as given, the rest its defaults).
     job = TrainJob.from_json(checkpoint["standin_config"])
     assert (job.global_batch_size, job.epochs, job.seed, job.save_interval, job.lr) == (4, 2, 17, 2, 3e-4)
-    assert job.manifest_sha256 == latest_metadata(instance, "value_manifest", key)["manifest_sha256"]
+    assert job.manifest_sha256 == Lineage(instance, key).metadata("value_manifest")["manifest_sha256"]
     defaults = TrainJob(manifest="m", output="o")
     assert (job.gpus, job.warmup_steps, job.micro_batch_tokens) == (defaults.gpus, defaults.warmup_steps, defaults.micro_batch_tokens)
 
@@ -198,3 +198,45 @@ def test_invalid_run_config_fails_before_launch(instance, test_defs, test_resour
     failure = next(e for e in result.all_events if e.is_step_failure and e.step_key == "critic_training")
     assert "warmup_steps: must be an integer >= 0, got -5" in str(failure.event_specific_data.error)
     assert not (tmp_path / "artifacts" / key / "critic").exists()
+
+
+@pytest.mark.parametrize("tamper", ["steps", "steps-and-sidecar"])
+def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_launch(
+        instance, test_defs, test_resources, manifests_dir, write_manifest, register, tmp_path, tamper):
+    """The published plan is the training input: the job gets its path and the sha batch_plan
+    recorded, and trains on exactly it (the contract names that sha). A plan file changed after
+    publication (even with a matching sidecar) is refused by critic_training before anything is
+    launched."""
+    from value_assets.core.hashing import sha256_bytes
+    from value_assets.core.publish import sha_sidecar
+
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "planned", rows=16, heldout_rows=32))
+    plan_only = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "seed": 3}}}}
+    assert test_defs.resolve_job_def("full").execute_in_process(
+        instance=instance, partition_key=key, run_config=plan_only, asset_selection=[AssetKey("batch_plan"), AssetKey("value_manifest"),
+                                                                                     AssetKey("train_dataset")]).success
+    published = Lineage(instance, key).plan()
+    plan = json.loads(published.path.read_bytes())
+    plan["steps"][0], plan["steps"][1] = plan["steps"][1], plan["steps"][0]  # same rows, another order
+    forged = json.dumps(plan, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    published.path.write_bytes(forged)
+    if tamper == "steps-and-sidecar":
+        sha_sidecar(published.path).write_text(sha256_bytes(forged) + "\n")
+    result = test_defs.resolve_job_def("full").execute_in_process(
+        instance=instance, partition_key=key, raise_on_error=False,
+        asset_selection=[AssetKey("critic_checkpoint"), AssetKey("training_contract")])
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure and e.step_key == "critic_training")
+    message = str(failure.event_specific_data.error)
+    assert str(published.path) in message and published.sha256 in message
+    assert not (tmp_path / "artifacts" / key / "critic").exists()  # nothing launched, nothing written
+
+
+def test_the_contract_names_the_published_plan_the_job_was_given(instance, test_defs, test_resources, manifests_dir,
+                                                                 write_manifest, register):
+    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "bound", rows=16, heldout_rows=32))
+    assert run(test_defs, "full", instance, key, {"ops": {"batch_plan": {"config": {"global_batch_size": 8}}}}).success
+    lineage = Lineage(instance, key)
+    job = TrainJob.from_json(lineage.metadata("critic_checkpoint")["standin_config"])
+    assert (job.plan, job.plan_sha256) == (lineage.plan().path, lineage.plan().sha256)
+    assert lineage.metadata("critic_checkpoint")["batch_plan_sha256"] == lineage.plan().sha256

@@ -14,7 +14,7 @@ import pytest
 from dagster import AssetKey, AssetMaterialization, materialize
 
 from value_assets.assets import ALL_ASSETS
-from value_assets.assets.common import latest_metadata
+from value_assets.lineage import Lineage
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.publish import verify_published
 from value_assets.core.report import build_report
@@ -72,8 +72,8 @@ def passing_report(contract_sha: str, manifest_sha: str, slope: float = 0.5) -> 
 
 
 def shas(instance, key):
-    return (latest_metadata(instance, "training_contract", key)["contract_sha256"],
-            latest_metadata(instance, "value_manifest", key)["manifest_sha256"])
+    return (Lineage(instance, key).metadata("training_contract")["contract_sha256"],
+            Lineage(instance, key).metadata("value_manifest")["manifest_sha256"])
 
 
 def test_forged_report_after_a_failed_gate_is_neither_reused_nor_promoted(instance, test_defs, test_resources,
@@ -82,7 +82,7 @@ def test_forged_report_after_a_failed_gate_is_neither_reused_nor_promoted(instan
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "shuffled", standin={"ev": -0.2}))
     first = run(test_defs, "full", instance, key)
     assert not first.success and gate_passed(first) is False
-    genuine = latest_metadata(instance, "ev_report", key)
+    genuine = Lineage(instance, key).metadata("ev_report")
     path = Path(genuine["report_path"])
     forged_sha = forge(path, json.loads(path.read_bytes()) | {"passed": True})
 
@@ -90,7 +90,7 @@ def test_forged_report_after_a_failed_gate_is_neither_reused_nor_promoted(instan
     assert not again.success
     message = failure(again, "ev_report")
     assert str(path) in message and "did not record" in message and "Remove it" in message
-    assert latest_metadata(instance, "ev_report", key)["report_sha256"] == genuine["report_sha256"] != forged_sha
+    assert Lineage(instance, key).metadata("ev_report")["report_sha256"] == genuine["report_sha256"] != forged_sha
 
     forced = run_assets(test_defs, instance, key, ["promoted_critic"])
     assert not forced.success and "refused" in failure(forced, "promoted_critic")
@@ -109,7 +109,7 @@ def test_forged_report_with_forged_statistics_and_no_evaluation_is_refused(insta
     result = run(test_defs, "evaluate", instance, key)
     assert not result.success and gate_passed(result) is None
     assert "recorded: none" in failure(result, "ev_report")
-    assert latest_metadata(instance, "ev_report", key) is None
+    assert Lineage(instance, key).metadata("ev_report") is None
 
     forced = run_assets(test_defs, instance, key, ["promoted_critic"])
     assert not forced.success and "ev_report recorded no evaluated report" in failure(forced, "promoted_critic")
@@ -126,7 +126,7 @@ def test_gate_passed_on_one_sha_but_the_file_now_holds_another_is_refused(instan
     assert run(test_defs, "full", instance, key).success
     registry = tmp_path / "artifacts" / "registry" / f"{key}.json"
     registry.unlink()
-    genuine = latest_metadata(instance, "ev_report", key)
+    genuine = Lineage(instance, key).metadata("ev_report")
     path = Path(genuine["report_path"])
     contract_sha, manifest_sha = shas(instance, key)
     other = forge(path, passing_report(contract_sha, manifest_sha, slope=0.8))
@@ -149,7 +149,7 @@ def test_another_partitions_passed_gate_does_not_promote_this_one(instance, test
     # b: trained and genuinely evaluated (a passing report), but its own ev_gate never ran.
     assert materialize(ALL_ASSETS, selection=TRAINING + ["ev_report"], partition_key=b, instance=instance,
                        resources=test_resources).success
-    assert latest_metadata(instance, "ev_report", b)["passed"] is True
+    assert Lineage(instance, b).metadata("ev_report")["passed"] is True
 
     forced = run_assets(test_defs, instance, b, ["promoted_critic"])
     assert not forced.success and "ev_gate has no evaluation" in failure(forced, "promoted_critic")
@@ -171,6 +171,6 @@ def test_full_disk_between_report_and_sidecar_then_the_identical_retry_completes
     retry = run(test_defs, "evaluate", instance, key)
     assert retry.success, [e.message for e in retry.all_events if e.is_failure]
     assert gate_passed(retry) is True
-    recorded = latest_metadata(instance, "ev_report", key)
+    recorded = Lineage(instance, key).metadata("ev_report")
     assert recorded["reused"] is False and verify_published(recorded["report_path"]) == recorded["report_sha256"]
     assert (tmp_path / "artifacts" / "registry" / f"{key}.json").exists()

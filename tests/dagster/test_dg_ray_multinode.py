@@ -119,7 +119,7 @@ def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(ray_clu
     from dagster import materialize
 
     from value_assets.assets import batch_plan, critic_training, train_dataset, value_manifest
-    from value_assets.assets.common import latest_metadata
+    from value_assets.lineage import Lineage
     from value_assets.definitions import make_definitions
     from value_assets.gpu.drivers.train import train
     from value_assets.resources import RayJobLauncher
@@ -161,8 +161,8 @@ def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(ray_clu
     finally:
         left = cluster.stop()
     assert not left, f"processes that outlived SIGKILL: {left}"
-    assert latest_metadata(instance, "critic_checkpoint", full_key)["steps"] == latest_metadata(instance, "batch_plan", full_key)["steps"] >= 1
-    assert latest_metadata(instance, "ev_report", full_key)["token_ev"] == pytest.approx(0.5)
+    assert Lineage(instance, full_key).metadata("critic_checkpoint")["steps"] == Lineage(instance, full_key).metadata("batch_plan")["steps"] >= 1
+    assert Lineage(instance, full_key).metadata("ev_report")["token_ev"] == pytest.approx(0.5)
 
     ranks = placement["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]

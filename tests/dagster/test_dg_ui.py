@@ -244,7 +244,7 @@ def gpu_spans(instance, run_id: str, steps) -> list[tuple[float, float]]:
 def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screenshot(tmp_path, postgres_url):
     from dagster import DagsterEventType, DagsterInstance
 
-    from value_assets.assets.common import latest_metadata
+    from value_assets.lineage import Lineage
     from value_assets.core.demo_data import make_demo_data
     from value_assets.core.hashing import sha256_file
     from value_assets.partitions import partition_key_for
@@ -356,7 +356,7 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
         mats = instance.all_logs(full["runId"], of_type=DagsterEventType.ASSET_MATERIALIZATION)
         assert {e.dagster_event.asset_key.to_user_string() for e in mats} == FULL_ASSETS
         assert {e.dagster_event.partition for e in mats} == {partition}
-        assert latest_metadata(instance, "ev_report", partition)["token_ev"] == pytest.approx(0.4)
+        assert Lineage(instance, partition).metadata("ev_report")["token_ev"] == pytest.approx(0.4)
         assert (artifacts / "registry" / f"{partition}.json").is_file()  # promoted after the gate passed
         # The sensor's ticks and cursor live in Postgres schedule storage.
         (state,) = [s for s in instance.all_instigator_state() if s.name == "manifest_sensor"]

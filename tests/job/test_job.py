@@ -324,7 +324,7 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
 def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypatch, kw, flag, message):
     from value_assets.gpu.workers import cluster
 
-    monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
+    monkeypatch.setattr(cluster, "start_workers", lambda *_, **__: pytest.fail("the cluster must not be reserved"))
     cfg = replace(base_cfg(data["learnable"], tmp_path / "critic"), **kw)
     with pytest.raises(InputError, match=message) as err:
         train(cfg, log=quiet)
@@ -332,10 +332,49 @@ def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypa
     assert not (tmp_path / "critic").exists()
 
 
+def _published(folder: Path, plan) -> tuple[Path, str]:
+    from value_assets.core.publish import publish_once
+
+    path = folder / "plan.json"
+    return path, publish_once(path, plan.to_bytes())
+
+
+def test_a_published_plan_is_trained_on_exactly_or_refused_before_launch(data, tmp_path, monkeypatch):
+    """`TrainJob.plan`: the job reads the published plan against the lineage's sha, checks it was
+    made for this train split and these settings, and plans nothing of its own. Every refusal comes
+    before any worker is reserved."""
+    from value_assets.core.hashing import sha256_bytes
+    from value_assets.core.plan import build_plan
+    from value_assets.core.publish import sha_sidecar
+    from value_assets.gpu.workers import cluster
+
+    monkeypatch.setattr(cluster, "start_workers", lambda *_, **__: pytest.fail("the cluster must not be reserved"))
+    path, sha = _published(tmp_path / "a", build_plan(ROWS, 32, 1, 5))
+    cfg = base_cfg(data["learnable"], tmp_path / "critic", seed=5, plan=path, plan_sha256=sha)
+    prep = prepare(cfg, log=quiet)
+    assert prep.plan.sha256 == sha and prep.plan.steps == build_plan(ROWS, 32, 1, 5).steps
+    # the file rewritten after publication, sidecar and all: refused by the lineage's pin
+    forged = build_plan(ROWS, 32, 1, 6).to_bytes()
+    path.write_bytes(forged)
+    sha_sidecar(path).write_text(sha256_bytes(forged) + "\n")
+    with pytest.raises(InputError, match=f"sha256 is {sha256_bytes(forged)}, but {sha} was expected") as err:
+        train(cfg, log=quiet)
+    assert err.value.where == str(path)
+    # a plan published for another split (other row count) or with other settings than the job's
+    other, other_sha = _published(tmp_path / "b", build_plan(ROWS // 2, 32, 1, 5))
+    with pytest.raises(InputError, match=f"plans {ROWS // 2} rows, but the validated train split has {ROWS}"):
+        train(replace(cfg, plan=other, plan_sha256=other_sha), log=quiet)
+    good, good_sha = _published(tmp_path / "c", build_plan(ROWS, 32, 1, 5))
+    with pytest.raises(InputError, match="differs from the published plan's 32") as err:
+        train(replace(cfg, plan=good, plan_sha256=good_sha, global_batch_size=16), log=quiet)
+    assert err.value.where == "global_batch_size"
+    assert not (tmp_path / "critic").exists()
+
+
 def test_evaluation_refuses_a_layout_the_backbone_cannot_take(contracted, data, tmp_path, monkeypatch):
     from value_assets.gpu.workers import cluster
 
-    monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
+    monkeypatch.setattr(cluster, "start_workers", lambda *_, **__: pytest.fail("the cluster must not be reserved"))
     report = tmp_path / "ev.json"
     with pytest.raises(InputError, match="4 stages do not split the backbone's 2 layers evenly"):
         evaluate(EvaluateJob(checkpoint=contracted.output, manifest=data["learnable"], contract_sha256=read_latest(contracted.output)[1],

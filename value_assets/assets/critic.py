@@ -25,19 +25,15 @@ from dagster import (
 )
 from value_assets.assets.common import (
     OWNERS,
-    ev_report_records,
     fail_on_bad_input,
     given,
     job_setting,
-    latest_gate_record,
-    latest_metadata,
     partition_manifest,
     plot_metadata,
-    promoted_record_sha,
-    recorded_saves,
     to_metadata_value,
 )
-from value_assets.assets.data import batch_plan, heldout_dataset, plan_params, train_dataset, value_manifest
+from value_assets.assets.data import batch_plan, heldout_dataset, train_dataset, value_manifest
+from value_assets.core import vocabulary as v
 from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
 from value_assets.core.errors import InputError
@@ -46,10 +42,12 @@ from value_assets.core.handoff import (HF_BUNDLE, MILES_BUNDLE, build_handoff, i
                                        model_identity, read_registry_record, record_rl_settings, reusable_handoff)
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.miles import build_miles_contract
+from value_assets.core.plan import BatchPlan, load_published_plan
 from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify_promotion
 from value_assets.core.publish import read_published
 from value_assets.core.report import ev_summary, report_manifest_sha
 from value_assets.core.strict_json import canonical_bytes
+from value_assets.lineage import Lineage, PublishedPlan
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, GpuJobLauncher, ManifestInbox
 
@@ -61,7 +59,7 @@ TRAIN_KINDS = {"pytorch", "megatron", "ray"}
 
 class TrainRunConfig(Config):
     """Run config of `critic_training` and `canary_receipt`: the `TrainJob` settings a run may set
-    (unset: `TrainJob`'s defaults). G, epochs and seed come from the published batch plan."""
+    (unset: `TrainJob`'s defaults). The batch plan is the published one (`batch_plan`)."""
 
     backbone: str | None = job_setting(TrainJob, "backbone")
     gpus: int | None = job_setting(TrainJob, "gpus")
@@ -79,22 +77,30 @@ class TrainRunConfig(Config):
     placement_strategy: str | None = job_setting(TrainJob, "placement_strategy")
 
 
-def train_job(config: TrainRunConfig, manifest, output_dir, plan: tuple[int, int, int], data_roots=None,
+def published_plan(lineage: Lineage) -> tuple[PublishedPlan, BatchPlan]:
+    """The partition's published plan, read against the sha its materialization recorded: a plan
+    file changed since is refused here, before anything is launched."""
+    published = lineage.plan()
+    return published, load_published_plan(published.path, published.sha256)
+
+
+def train_job(config: TrainRunConfig, manifest, output_dir, published: PublishedPlan, plan: BatchPlan, data_roots=None,
               canary: bool = False, resume_from: tuple[str, ...] | None = None) -> TrainJob:
-    """The training job of a partition; the manifest sha is pinned so the job trains on the very
-    bytes this partition registered, G, epochs and seed are the published plan's, and a resume may
-    start only from a save the lineage recorded (`resume_from`)."""
-    g, epochs, seed = plan
+    """The training job of a partition. The manifest sha is pinned, so the job trains on the very
+    bytes this partition registered; the published plan is the job's plan (path and sha; the job
+    reads it again and trains on exactly it); a resume may start only from a save the lineage
+    recorded (`resume_from`)."""
     return TrainJob(manifest=manifest.path, manifest_sha256=manifest.sha256, output=output_dir,
-                    global_batch_size=g, epochs=epochs, seed=seed, data_roots=data_roots, canary=canary,
-                    resume_from=resume_from, **given(config))
+                    plan=published.path, plan_sha256=published.sha256, global_batch_size=plan.global_batch_size,
+                    epochs=plan.epochs, seed=plan.seed, data_roots=data_roots, canary=canary, resume_from=resume_from,
+                    **given(config))
 
 
 def _job_extras(context: AssetExecutionContext, manifest) -> dict[str, Any]:
     """What the job is for (its paths are in the job config the launcher adds)."""
     return {
         "partition_key": context.partition_key,
-        "manifest_sha256": manifest.sha256,
+        v.MANIFEST_SHA256: manifest.sha256,
         "asset_keys": sorted(k.to_user_string() for k in context.selected_asset_keys),
     }
 
@@ -118,7 +124,7 @@ def with_plots(metadata, base) -> dict[str, Any]:
 def contract_metadata(ref: ContractRef) -> dict[str, Any]:
     contract = ref.contract
     return {
-        "contract_sha256": ref.sha256,
+        v.CONTRACT_SHA256: ref.sha256,
         "contract_path": MetadataValue.path(str(ref.path)),
         "checkpoint": MetadataValue.path(str(ref.checkpoint_dir)),
         "completed_steps": to_metadata_value(contract.get("completed_steps")),
@@ -129,9 +135,9 @@ def contract_metadata(ref: ContractRef) -> dict[str, Any]:
 
 @multi_asset(
     specs=[
-        AssetSpec("critic_checkpoint", deps=[batch_plan, train_dataset, value_manifest], code_version="1",
+        AssetSpec(v.CRITIC_CHECKPOINT, deps=[batch_plan, train_dataset, value_manifest], code_version="1",
                   group_name=GROUP, owners=OWNERS, kinds=TRAIN_KINDS, description="The trained critic: the latest contracted save."),
-        AssetSpec("training_contract", deps=["critic_checkpoint"], code_version="1", group_name=GROUP,
+        AssetSpec(v.TRAINING_CONTRACT, deps=[v.CRITIC_CHECKPOINT], code_version="1", group_name=GROUP,
                   owners=OWNERS, kinds=TRAIN_KINDS,
                   description="The contract binding that save to manifest, dataset, objective and plan (docs/rules.md#contract)."),
     ],
@@ -148,19 +154,19 @@ def critic_training(
 ):
     """Train (or resume) the critic with the GPU job; both assets are versioned by the contract sha."""
     key = context.partition_key
+    lineage = Lineage(context.instance, key)
+    output = artifacts.critic_dir(key)
     with fail_on_bad_input("critic_training"):
         manifest = partition_manifest(context, artifacts, inbox)
-    plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
-    output = artifacts.critic_dir(key)
-    with fail_on_bad_input("critic_training: config"):
-        job = train_job(config, manifest, output, plan, inbox.roots(), resume_from=recorded_saves(context.instance, key, output))
-    results = launcher.launch(context, "train", job, _job_extras(context, manifest))
+        published, plan = published_plan(lineage)
+        job = train_job(config, manifest, output, published, plan, inbox.roots(), resume_from=lineage.saves(output))
+    results = launcher.launch(context, v.TRAIN, job, _job_extras(context, manifest))
     with fail_on_bad_input("critic_training: published contract"):
         ref = resolve_latest_contract(output)
     for result in results:
         if not isinstance(result, MaterializeResult):
             continue
-        reported = result.metadata.get("contract_sha256") if result.metadata else None
+        reported = result.metadata.get(v.CONTRACT_SHA256) if result.metadata else None
         reported = getattr(reported, "value", reported)
         if reported is not None and reported != ref.sha256:
             raise Failure(description=f"GPU job reported contract {reported} but {ref.path} hashes to {ref.sha256}")
@@ -179,27 +185,16 @@ def canary_receipt(
 ) -> MaterializeResult:
     """One planned step end to end; writes a non-promotable receipt and no contract (docs/rules.md#training-run)."""
     key = context.partition_key
-    with fail_on_bad_input("canary_receipt"):
-        manifest = partition_manifest(context, artifacts, inbox)
-    plan = plan_params(latest_metadata(context.instance, "batch_plan", key))
     output = artifacts.canary_dir(key, context.run.run_id)
-    with fail_on_bad_input("canary_receipt: config"):
-        job = train_job(config, manifest, output, plan, inbox.roots(), canary=True)
-    result = materialization_of(launcher.launch(context, "canary", job, _job_extras(context, manifest)), "canary")
+    with fail_on_bad_input(v.CANARY_RECEIPT):
+        manifest = partition_manifest(context, artifacts, inbox)
+        published, plan = published_plan(Lineage(context.instance, key))
+        job = train_job(config, manifest, output, published, plan, inbox.roots(), canary=True)
+    result = materialization_of(launcher.launch(context, v.CANARY, job, _job_extras(context, manifest)), v.CANARY.name)
     return MaterializeResult(
         data_version=result.data_version,
         metadata={**(result.metadata or {}), "promotable": False, "output_dir": MetadataValue.path(str(output))},
     )
-
-
-def recorded_contract_sha(context: AssetExecutionContext, partition_key: str) -> str:
-    """The contract sha the lineage recorded for this partition (training_contract's data)."""
-    recorded = latest_metadata(context.instance, "training_contract", partition_key) or {}
-    sha = recorded.get("contract_sha256")
-    if not isinstance(sha, str):
-        raise Failure(description="training_contract has no materialization for this partition; train first",
-                      allow_retries=False)
-    return sha
 
 
 class EvaluateRunConfig(Config):
@@ -220,10 +215,10 @@ class EvaluateRunConfig(Config):
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:
     summary = ev_summary(report)
     metadata: dict[str, Any] = {
-        "report_sha256": report_sha,
-        "report_path": MetadataValue.path(str(report_path)),
-        "contract_sha256": to_metadata_value(report.get("contract_sha256")),
-        "manifest_sha256": to_metadata_value(report_manifest_sha(report)),
+        v.REPORT_SHA256: report_sha,
+        v.REPORT_PATH: MetadataValue.path(str(report_path)),
+        v.CONTRACT_SHA256: to_metadata_value(report.get("contract_sha256")),
+        v.MANIFEST_SHA256: to_metadata_value(report_manifest_sha(report)),
         "dataset_sha256": to_metadata_value(report.get("dataset_sha256")),
         **{k: to_metadata_value(v) for k, v in summary.items()},
     }
@@ -231,7 +226,7 @@ def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dic
     return metadata
 
 
-@asset(partitions_def=manifests_partitions, deps=["training_contract", "critic_checkpoint", heldout_dataset],
+@asset(partitions_def=manifests_partitions, deps=[v.TRAINING_CONTRACT, v.CRITIC_CHECKPOINT, heldout_dataset],
        code_version="1", group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"pytorch", "ray"})
 def ev_report(
     context: AssetExecutionContext, config: EvaluateRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
@@ -245,14 +240,15 @@ def ev_report(
     with a message naming it (`core.promotion.decide_reuse`).
     """
     key = context.partition_key
-    with fail_on_bad_input("ev_report"):
+    lineage = Lineage(context.instance, key)
+    with fail_on_bad_input(v.EV_REPORT):
         manifest = partition_manifest(context, artifacts, inbox)
-        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=lineage.contract_sha())
         report_path = artifacts.report_path(key, ref.sha256)
-        recorded_sha = lineage_report_sha(ev_report_records(context.instance, key), contract_sha256=ref.sha256,
+        recorded_sha = lineage_report_sha(lineage.reports(), contract_sha256=ref.sha256,
                                           report_path=report_path)
         reuse = decide_reuse(report_path, recorded_sha)
-    extra: dict[str, Any] = {"reused": reuse}
+    extra: dict[str, Any] = {v.REUSED: reuse}
     if reuse:
         context.log.info(f"{report_path} was published for contract {ref.sha256} with the sha this lineage recorded "
                          f"({recorded_sha}): reused, not re-evaluated")
@@ -261,11 +257,11 @@ def ev_report(
         with fail_on_bad_input("ev_report: config"):
             job = EvaluateJob(checkpoint=ref.checkpoint_dir, manifest=manifest.path, contract_sha256=ref.sha256,
                               report=report_path, split=split, data_roots=inbox.roots(), **given(config))
-        result = materialization_of(launcher.launch(context, "evaluate", job, _job_extras(context, manifest)), "evaluate")
+        result = materialization_of(launcher.launch(context, v.EVALUATE, job, _job_extras(context, manifest)), v.EVALUATE.name)
         extra.update(result.metadata or {})
     with fail_on_bad_input("ev_report: published report"):
         report, report_sha = read_published(report_path, "EV report", expected_sha=recorded_sha if reuse else None)
-    reported = getattr(extra.get("report_sha256"), "value", extra.get("report_sha256"))
+    reported = getattr(extra.get(v.REPORT_SHA256), "value", extra.get(v.REPORT_SHA256))
     if not reuse and reported is not None and reported != report_sha:
         raise Failure(description=f"the evaluation job reported report {reported} but {report_path} hashes to {report_sha}")
     if report.get("contract_sha256") != ref.sha256:
@@ -296,7 +292,7 @@ def export_handoff(context: AssetExecutionContext, artifacts: ArtifactStore, lau
         with fail_on_bad_input("promoted_critic: hand-off config"):
             job = HandoffJob(checkpoint=ref.checkpoint_dir, contract_sha256=ref.sha256, out_dir=staging,
                              model_identity=miles_contract["model_identity"], scalar_hf=scalar_hf)
-        result = materialization_of(launcher.launch(context, "handoff", job, extras), "handoff")
+        result = materialization_of(launcher.launch(context, v.HANDOFF, job, extras), v.HANDOFF.name)
         names = (MILES_BUNDLE, HF_BUNDLE) if scalar_hf else (MILES_BUNDLE,)
         with fail_on_bad_input("promoted_critic: exported bundles"):
             miles_bundle_record(staging / MILES_BUNDLE, miles_contract)  # before anything is replaced
@@ -305,7 +301,7 @@ def export_handoff(context: AssetExecutionContext, artifacts: ArtifactStore, lau
                                     objective=objective, scalar_hf=scalar_hf)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    reported = getattr((result.metadata or {}).get("miles_contract_sha256"), "value", None)
+    reported = getattr((result.metadata or {}).get(v.MILES_CONTRACT_SHA256), "value", None)
     if reported is not None and reported != handoff[MILES_BUNDLE]["contract_sha256"]:
         raise Failure(description=f"the hand-off job reported Miles contract {reported}, but the installed one hashes "
                                   f"to {handoff[MILES_BUNDLE]['contract_sha256']}")
@@ -320,7 +316,7 @@ def handoff_metadata(handoff: dict[str, Any], reused: bool) -> dict[str, Any]:
         "handoff_reused": reused,
         "model_identity": handoff["model_identity"],
         "miles_bundle": MetadataValue.path(handoff[MILES_BUNDLE]["dir"]),
-        "miles_contract_sha256": handoff[MILES_BUNDLE]["contract_sha256"],
+        v.MILES_CONTRACT_SHA256: handoff[MILES_BUNDLE]["contract_sha256"],
         "miles_files_sha256": handoff[MILES_BUNDLE]["files_sha256"],
         "hf_bundle": MetadataValue.path(hf["dir"]) if hf else None,
         "hf_files_sha256": hf["files_sha256"] if hf else None,
@@ -330,7 +326,7 @@ def handoff_metadata(handoff: dict[str, Any], reused: bool) -> dict[str, Any]:
     }
 
 
-@asset(partitions_def=manifests_partitions, deps=[ev_report, "training_contract"], code_version="2",
+@asset(partitions_def=manifests_partitions, deps=[ev_report, v.TRAINING_CONTRACT], code_version="2",
        group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"json"})
 def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox,
                     launcher: GpuJobLauncher) -> MaterializeResult:
@@ -346,20 +342,21 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
     from value_assets.core.publish import atomic_write
 
     key = context.partition_key
+    lineage = Lineage(context.instance, key)
     with fail_on_bad_input("promoted_critic refused"):
         manifest = partition_manifest(context, artifacts, inbox)
-        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=recorded_contract_sha(context, key))
+        ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=lineage.contract_sha())
         report_path = artifacts.report_path(key, ref.sha256)
         record = verify_promotion(
             partition_key=key, manifest_sha256=manifest.sha256, contract=ref, report_path=report_path,
-            recorded_report_sha256=lineage_report_sha(ev_report_records(context.instance, key),
+            recorded_report_sha256=lineage_report_sha(lineage.reports(),
                                                       contract_sha256=ref.sha256, report_path=report_path),
-            gate=latest_gate_record(context.instance, key),
+            gate=lineage.last_gate(),
             # Every file of the promoted save against its contract (docs/rules.md#checkpoint-binding).
             verify_checkpoint=verify_checkpoint,
         )
     registry_path = artifacts.registry_path(key)
-    previous = previous_record(context, registry_path)
+    previous = previous_record(context, lineage, registry_path)
     record["handoff"], reused = export_handoff(context, artifacts, launcher, ref, previous, _job_extras(context, manifest))
     record_sha256 = atomic_write(registry_path, canonical_bytes(record))
     identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
@@ -369,26 +366,26 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
             "registry_record": MetadataValue.path(str(registry_path)),
             # The pin that makes the record (and through it every bundle byte) trustworthy: the
             # artifacts folder alone cannot vouch for itself (docs/rules.md#hand-off).
-            "registry_record_sha256": record_sha256,
+            v.REGISTRY_RECORD_SHA256: record_sha256,
             "handoff_command": MetadataValue.md(
                 "```\n" + shlex.join(["value-assets", "handoff", str(registry_path), "--record-sha256", record_sha256]) + "\n```"),
             "checkpoint": MetadataValue.path(record["checkpoint"]),
-            "contract_sha256": record["contract_sha256"],
-            "report_sha256": record["report_sha256"],
-            "manifest_sha256": record["manifest_sha256"],
+            v.CONTRACT_SHA256: record["contract_sha256"],
+            v.REPORT_SHA256: record["report_sha256"],
+            v.MANIFEST_SHA256: record["manifest_sha256"],
             **handoff_metadata(record["handoff"], reused),
             "record": MetadataValue.json(record),
         },
     )
 
 
-def previous_record(context: AssetExecutionContext, registry_path) -> dict[str, Any] | None:
+def previous_record(context: AssetExecutionContext, lineage: Lineage, registry_path) -> dict[str, Any] | None:
     """The registry record the last promotion of this partition wrote, read from `registry_path`
     under the pin it recorded in the instance; None when there is none, or when the file is no
     longer that record (the hand-off is then exported again rather than reused: a record rewritten
     in the artifacts folder to match swapped bundles would otherwise be reused and pinned anew)."""
     try:
-        sha = promoted_record_sha(context.instance, context.partition_key)
+        sha = lineage.promoted_record_sha()
     except InputError:
         return None  # never promoted (or promoted before records were pinned)
     try:

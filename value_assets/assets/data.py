@@ -9,7 +9,6 @@ from dagster import (
     AssetExecutionContext,
     Config,
     DataVersion,
-    Failure,
     MaterializeResult,
     MetadataValue,
     TableColumn,
@@ -18,6 +17,7 @@ from dagster import (
     asset,
 )
 from value_assets.assets.common import OWNERS, fail_on_bad_input, given, job_setting, partition_manifest
+from value_assets.core import vocabulary as v
 from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, ManifestInbox
@@ -30,12 +30,12 @@ DATASET_KINDS = {"jsonl", "parquet"}
 @asset(partitions_def=manifests_partitions, code_version="1", group_name=GROUP, owners=OWNERS, kinds={"json"})
 def value_manifest(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The registered manifest, re-loaded with its sha pinned: objective, dataset refs, provenance."""
-    with fail_on_bad_input("value_manifest"):
+    with fail_on_bad_input(v.VALUE_MANIFEST):
         manifest = partition_manifest(context, artifacts, inbox)
     return MaterializeResult(
         data_version=DataVersion(manifest.sha256),
         metadata={
-            "manifest_sha256": manifest.sha256,
+            v.MANIFEST_SHA256: manifest.sha256,
             "manifest_path": MetadataValue.path(str(manifest.path)),
             "snapshot": MetadataValue.path(str(artifacts.manifest_snapshot_path(context.partition_key))),
             "train_sha256": manifest.train.sha256,
@@ -105,8 +105,8 @@ PLAN_SETTINGS = ("global_batch_size", "epochs", "seed")
 
 
 class PlanConfig(Config):
-    """The batch plan (docs/rules.md#batch-plan): `TrainJob`'s plan settings (unset: its defaults). Training reads
-    these back from the published plan, never from its own config."""
+    """The batch plan (docs/rules.md#batch-plan): `TrainJob`'s plan settings (unset: its defaults). Training trains
+    on the published plan file itself (read against the sha recorded here), never on its own config."""
 
     global_batch_size: int | None = job_setting(TrainJob, "global_batch_size")
     epochs: int | None = job_setting(TrainJob, "epochs")
@@ -128,7 +128,7 @@ def batch_plan(
     from value_assets.core.plan import build_plan
     from value_assets.core.publish import publish_once
 
-    with fail_on_bad_input("batch_plan"):
+    with fail_on_bad_input(v.BATCH_PLAN):
         manifest = partition_manifest(context, artifacts, inbox)
         g, epochs, seed = plan_settings(config)
         plan = build_plan(manifest.train.num_samples, g, epochs, seed)
@@ -139,8 +139,8 @@ def batch_plan(
     return MaterializeResult(
         data_version=DataVersion(plan.sha256),
         metadata={
-            "plan_sha256": plan.sha256,
-            "plan_path": MetadataValue.path(str(path)),
+            v.PLAN_SHA256: plan.sha256,
+            v.PLAN_PATH: MetadataValue.path(str(path)),
             "steps": plan.num_steps,
             "global_batch_size": plan.global_batch_size,
             "epochs": plan.epochs,
@@ -148,11 +148,3 @@ def batch_plan(
             "rows": manifest.train.num_samples,
         },
     )
-
-
-def plan_params(metadata: dict | None) -> tuple[int, int, int]:
-    """(G, epochs, seed) of the partition's published plan, from its materialization."""
-    if not metadata or not all(k in metadata for k in ("global_batch_size", "epochs", "seed")):
-        raise Failure(description="batch_plan has no materialization for this partition; materialize it first",
-                      allow_retries=False)
-    return int(metadata["global_batch_size"]), int(metadata["epochs"]), int(metadata["seed"])

@@ -216,6 +216,10 @@ class TrainJob(_JobConfig):
     global_batch_size: int = setting(32, doc="G: rows per optimizer step (the batch plan's G).")
     epochs: int = setting(1, doc="Passes over the train split (the batch plan's epochs).")
     seed: int = setting(0, doc="Seed of the batch plan's shuffle and of the tiny backbone's initialisation.")
+    plan: Path | None = setting(None, doc=(
+        "A published batch plan (plan.json, with plan_sha256) to train on exactly; its G, epochs and seed must be the "
+        "job's. The Dagster assets pass the partition's; unset: the plan is built from G, epochs and seed."))
+    plan_sha256: str | None = setting(None, doc="The sha256 the lineage recorded for `plan` (checked before it is parsed).")
     save_interval: int = setting(0, doc="Save (and contract) every K steps; 0: at the end only.")
     gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
     tensor_parallel: int = setting(1, doc="Tensor-parallel size (divides gpus and the backbone's heads).")
@@ -258,6 +262,11 @@ class TrainJob(_JobConfig):
             require_int(self.stop_after, "stop_after")
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
+        if (self.plan is None) != (self.plan_sha256 is None):
+            raise InputError("plan_sha256" if self.plan is not None else "plan",
+                             "plan and plan_sha256 go together: a published plan is read only with the sha its lineage recorded")
+        if self.plan_sha256 is not None:
+            require_sha(self.plan_sha256, "plan_sha256")
         for sha in self.resume_from or ():
             require_sha(sha, "resume_from")
         if self.recompute_layers is not None:

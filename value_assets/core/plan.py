@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .errors import InputError, require_int, show
@@ -148,3 +149,24 @@ def plan_from_json(obj: Any, where: str) -> BatchPlan:
     if obj.get("algorithm") != ALGORITHM or [list(s) for s in plan.steps] != obj.get("steps"):
         raise InputError(where, "steps do not match the plan its seed, global batch size and epochs generate")
     return plan
+
+
+def load_published_plan(path: Path, sha256: str) -> BatchPlan:
+    """The plan published at `path`, read once and checked against the sha the lineage recorded
+    (and its sidecar) before it is parsed, then against the plan its own seed, G and epochs
+    generate: a plan file changed after publication is refused by name."""
+    from .publish import read_published
+
+    obj, _ = read_published(path, "batch plan", expected_sha=sha256)
+    return plan_from_json(obj, str(path))
+
+
+def check_plan_covers(plan: BatchPlan, num_rows: int, *, where: str, global_batch_size: int, epochs: int, seed: int) -> None:
+    """A published plan trains a run only if it was made for this train split (same row count)
+    and the run's settings name the same G, epochs and seed."""
+    if plan.num_rows != num_rows:
+        raise InputError(where, f"plans {plan.num_rows} rows, but the validated train split has {num_rows}")
+    for name, mine, planned in (("global_batch_size", global_batch_size, plan.global_batch_size),
+                                ("epochs", epochs, plan.epochs), ("seed", seed, plan.seed)):
+        if mine != planned:
+            raise InputError(name, f"{mine} differs from the published plan's {planned} ({where})")

@@ -19,24 +19,10 @@ from typing import Any, Callable
 
 from dagster_pipes import open_dagster_pipes
 
+from value_assets.core import vocabulary as v
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.progress import TrainProgress
-
-
-TASKS = ("train", "canary", "evaluate", "handoff")
-
-
-def job_config(task: str, config: Any) -> TrainJob | EvaluateJob | HandoffJob:
-    """The task's job config from the extras' ``config`` object; an InputError names the bad key."""
-    if task == "evaluate":
-        return EvaluateJob.from_json(config)
-    if task == "handoff":
-        return HandoffJob.from_json(config)
-    cfg = TrainJob.from_json(config)
-    if cfg.canary != (task == "canary"):
-        raise InputError("canary", f"is {str(cfg.canary).lower()} in the config of a {task!r} task")
-    return cfg
 
 
 # The driver logs every step; those lines go to the job's stderr (the step's captured logs) and
@@ -85,8 +71,8 @@ def _train(pipes, cfg: TrainJob) -> None:
         from value_assets.core.hashing import sha256_file
 
         sha = sha256_file(result.receipt)
-        pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
-                                           metadata={**common, "receipt": result.receipt, "receipt_sha256": sha, "executed_steps": 1})
+        pipes.report_asset_materialization(asset_key=v.CANARY_RECEIPT, data_version=sha,
+                                           metadata={**common, "receipt": result.receipt, v.RECEIPT_SHA256: sha, "executed_steps": 1})
         return
     sha = result.contract_sha256
     curve: dict[str, Any] = {}
@@ -99,10 +85,10 @@ def _train(pipes, cfg: TrainJob) -> None:
     if tensorboard.is_dir():
         curve["tensorboard"] = {"raw_value": str(tensorboard), "type": "path"}
     curve["metrics_log"] = {"raw_value": str(cfg.output / "metrics.jsonl"), "type": "path"}
-    pipes.report_asset_materialization(asset_key="critic_checkpoint", data_version=sha,
-                                       metadata={**common, **curve, "contract_sha256": sha})
-    pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
-                                       metadata={"contract_sha256": sha, "completed_steps": result.completed_steps})
+    pipes.report_asset_materialization(asset_key=v.CRITIC_CHECKPOINT, data_version=sha,
+                                       metadata={**common, **curve, v.CONTRACT_SHA256: sha})
+    pipes.report_asset_materialization(asset_key=v.TRAINING_CONTRACT, data_version=sha,
+                                       metadata={v.CONTRACT_SHA256: sha, "completed_steps": result.completed_steps})
 
 
 def _evaluate(pipes, cfg: EvaluateJob) -> None:
@@ -110,8 +96,8 @@ def _evaluate(pipes, cfg: EvaluateJob) -> None:
 
     res = evaluate(cfg, log=pipes.log.info)
     agg = res.report["aggregates"]
-    pipes.report_asset_materialization(asset_key="ev_report", data_version=res.report_sha256, metadata={
-        "report_sha256": res.report_sha256,
+    pipes.report_asset_materialization(asset_key=v.EV_REPORT, data_version=res.report_sha256, metadata={
+        v.REPORT_SHA256: res.report_sha256,
         "passed": res.passed,
         "token_ev": agg["token"]["ev"],
         "trajectory_ev": agg["trajectory"]["ev"],
@@ -131,19 +117,15 @@ def _handoff(pipes, cfg: HandoffJob) -> None:
     if cfg.scalar_hf:
         export_checkpoint(cfg.checkpoint, cfg.out_dir / HF_BUNDLE, "scalar")
         pipes.log.info(f"wrote {cfg.out_dir / HF_BUNDLE} (scalar Hugging Face critic)")
-    pipes.report_asset_materialization(asset_key="promoted_critic", data_version=miles_sha,
-                                       metadata={"miles_contract_sha256": miles_sha})
+    pipes.report_asset_materialization(asset_key=v.PROMOTED_CRITIC, data_version=miles_sha,
+                                       metadata={v.MILES_CONTRACT_SHA256: miles_sha})
 
 
 def main() -> int:
     with open_dagster_pipes() as pipes:
         extras = pipes.extras
-        task = extras.get("task")
-        if task not in TASKS:
-            pipes.log.error(f"unknown task {task!r}; expected one of {TASKS}")
-            return 2
         try:
-            cfg = job_config(task, extras.get("config"))
+            cfg = v.task_named(extras.get("task")).config_from_json(extras.get("config"))
             if isinstance(cfg, EvaluateJob):
                 _evaluate(pipes, cfg)
             elif isinstance(cfg, HandoffJob):

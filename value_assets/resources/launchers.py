@@ -36,15 +36,14 @@ from dagster import (
 from dagster._core.pipes.client import PipesClientCompletedInvocation
 from pydantic import Field
 
-from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.job_configs import TrainJob
+from value_assets.core.vocabulary import JobConfig, Task
 from value_assets.core.warm_folder import default_folder, pipes_python, stop_warm_cluster, use_warm_cluster
 
 # Pipes' message-reader API is marked preview in 1.13; the warning is noise on every launch.
 warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader.expected_writer_count`")
 
 PIPES_MODULE = "value_assets.gpu.pipes_job"
-TASKS = ("train", "evaluate", "canary", "handoff")
-_TASK_CONFIG = {"train": TrainJob, "canary": TrainJob, "evaluate": EvaluateJob, "handoff": HandoffJob}
 RUN_TAG_PREFIX = "value_assets/"
 PipesResult = MaterializeResult | AssetCheckResult
 
@@ -61,26 +60,20 @@ class GpuJobLauncher(ConfigurableResource):
     def launch(
         self,
         context: Any,
-        task: str,
-        config: TrainJob | EvaluateJob | HandoffJob,
+        task: Task,
+        config: JobConfig,
         extras: Mapping[str, Any] | None = None,
     ) -> list[PipesResult]:
-        if task not in TASKS:
-            raise ValueError(f"unknown GPU task {task!r}; expected one of {TASKS}")
-        expected = _TASK_CONFIG[task]
-        trains = expected is TrainJob
-        if not isinstance(config, expected) or (trains and config.canary != (task == "canary")):
-            raise ValueError(f"GPU task {task!r} needs a {expected.__name__}"
-                             f"{' with canary=' + str(task == 'canary') if trains else ''}, got {config!r}")
-        payload = {**(extras or {}), "task": task, "config": config.to_json()}
-        context.log.info(f"GPU job {task} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
+        task.check(config)  # the same rule the Pipes job applies to what it receives
+        payload = {**(extras or {}), "task": task.name, "config": config.to_json()}
+        context.log.info(f"GPU job {task.name} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
         tag_run(context, self.run_tags(config))
-        invocation = self._invoke(context, task, payload)
+        invocation = self._invoke(context, task.name, payload)
         # Pipes would invent an empty materialization for every selected asset the job did not
         # report; a silent job must fail instead.
-        return accept_results(context, task, invocation.get_results(implicit_materializations=False))
+        return accept_results(context, task.name, invocation.get_results(implicit_materializations=False))
 
-    def run_tags(self, config: TrainJob | EvaluateJob | HandoffJob) -> dict[str, str]:
+    def run_tags(self, config: JobConfig) -> dict[str, str]:
         """What the run launched: backbone (training; an evaluation's is the checkpoint's), GPUs
         (the hand-off export runs in one process), launcher. Known only once the step has built
         the job config, hence tagged at launch."""

@@ -26,7 +26,7 @@ from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.backbone import CriticShape
 from value_assets.core.memory import Layout, auto_micro_batch_tokens
-from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_topology
+from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_plan_covers, check_topology, load_published_plan
 from value_assets.core.publish import publish_once
 from value_assets.core.strict_json import canonical_bytes
 
@@ -83,7 +83,15 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
     backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed, hf_config=cfg.hf_config)
     train = validate_dataset(manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len)
     log(f"train data ok: {len(train)} rows, {train.stats.tokens} tokens, {train.stats.active_targets} active targets")
-    plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)
+    if cfg.plan is not None:
+        # The published plan is the input (docs/rules.md#plan-artifact): read against the lineage's
+        # sha, checked against this train split, trained on exactly.
+        plan = load_published_plan(cfg.plan, cfg.plan_sha256)
+        check_plan_covers(plan, len(train), where=str(cfg.plan), global_batch_size=cfg.global_batch_size,
+                          epochs=cfg.epochs, seed=cfg.seed)
+        log(f"published plan {cfg.plan} ({plan.sha256[:12]}): {plan.num_steps} steps")
+    else:
+        plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)
     dp = check_topology(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
                         global_batch_size=cfg.global_batch_size)
     check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
