@@ -203,6 +203,11 @@ def test_cli_data_roots_reach_the_config(monkeypatch):
     assert cfg.resume_from is None  # by hand: any save that verifies
     args = build_parser().parse_args(["train", "m.json", "--output", "o", "--resume-from", SHA, "--resume-from", "cd" * 32])
     assert config_from_args(TrainJob, args).resume_from == (SHA, "cd" * 32)
+    args = build_parser().parse_args(["train", "m.json", "--output", "o", "--plan", "p/plan.json", "--plan-sha256", SHA])
+    cfg = config_from_args(TrainJob, args)
+    assert (cfg.plan, cfg.plan_sha256) == (Path("p/plan.json"), SHA)
+    with pytest.raises(InputError, match="go together"):  # a plan is read only against the sha its lineage recorded
+        config_from_args(TrainJob, build_parser().parse_args(["train", "m.json", "--output", "o", "--plan", "p/plan.json"]))
 
 
 def test_freeze_backbone_needs_one_pipeline_stage():

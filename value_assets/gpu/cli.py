@@ -112,6 +112,8 @@ def add_commands(sub) -> None:
     t.add_argument("manifest", help=field_doc(TrainJob, "manifest"))
     _flag(t, TrainJob, "output")
     _flag(t, TrainJob, "backbone")
+    _flag(t, TrainJob, "plan")
+    _flag(t, TrainJob, "plan_sha256")
     for name in ("global_batch_size", "epochs", "seed", "save_interval", "gpus", "tensor_parallel", "pipeline_parallel"):
         _flag(t, TrainJob, name, int)
     _flag(t, TrainJob, "micro_batch_tokens", _int_or_auto)
