@@ -99,7 +99,7 @@ class BackboneConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> "BackboneConfig":
         """2 layers, hidden 64, 4 heads / 2 KV groups; vocab 49152 covers the demo token ids."""
-        base = dict(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+        base: dict[str, Any] = dict(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                     num_attention_heads=4, num_query_groups=2, vocab_size=49152,
                     max_seq_len=1024, rotary_base=10000.0, norm_epsilon=1e-6, qkv_bias=True)
         base.update(overrides)

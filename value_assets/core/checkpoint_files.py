@@ -79,8 +79,9 @@ def bound_files(contract: Mapping[str, Any], where: str) -> dict[str, tuple[int,
     for k, f in enumerate(files):
         ok = isinstance(f, dict) and set(f) == {"path", "size", "sha256"} and isinstance(f["path"], str) \
             and is_int(f["size"]) and f["size"] >= 0 and is_sha(f["sha256"])
-        p = PurePosixPath(f["path"]) if ok else None
-        if not ok or p.is_absolute() or ".." in p.parts or p.as_posix() != f["path"] or f["path"] in out or f["path"] == CONTRACT_NAME:
+        p = PurePosixPath(f["path"]) if ok else None  # None exactly when not ok
+        if p is None or p.is_absolute() or ".." in p.parts or p.as_posix() != f["path"] or f["path"] in out \
+                or f["path"] == CONTRACT_NAME:
             raise InputError(f"{where}: {FIELD}[{k}]", f"not a file entry {{path, size, sha256}} with a unique relative path: {show(f)}")
         out[f["path"]] = (int(f["size"]), f["sha256"])
     return out

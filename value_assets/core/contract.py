@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .checkpoint_files import CONTRACT_NAME, verify_checkpoint
+from .checkpoint_files import CONTRACT_NAME as CONTRACT_NAME  # re-exported: callers name it with the contract API
+from .checkpoint_files import verify_checkpoint
 from .errors import InputError, show
 from .hashing import read_pinned, require_sha, sha256_bytes
 from .plan import BatchPlan
@@ -135,7 +136,8 @@ def load_verified(step_dir: str | Path, pinned_sha256: str | None = None) -> tup
     return contract, sha
 
 
-def find_resume_point(critic_dir: str | Path, log=lambda _m: None) -> tuple[Path, dict[str, Any], str] | None:
+def find_resume_point(critic_dir: str | Path,
+                      log: Callable[[str], None] = lambda _m: None) -> tuple[Path, dict[str, Any], str] | None:
     """The save a run resumes from: the newest contracted `iter_*` folder, verified against its
     contract (step folder, contract, contract sha); None when nothing was ever contracted.
 

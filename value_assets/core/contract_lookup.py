@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +47,7 @@ def resolve_latest_contract(critic_dir: Path, pinned_sha256: str | None = None) 
     return ContractRef(path=step_dir / CONTRACT_NAME, sha256=sha, contract=contract)
 
 
-def contract_disagreements(contract: dict[str, Any], *, manifest, plan_sha256: str | None) -> list[str]:
+def contract_disagreements(contract: dict[str, Any], *, manifest: Manifest, plan_sha256: str | None) -> list[str]:
     """Every way a contract disagrees with its partition's manifest, datasets, objective and plan."""
     problems = []
     if contract.get("source_manifest_sha256") != manifest.sha256:

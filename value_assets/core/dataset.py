@@ -28,9 +28,10 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NoReturn, Sequence, SupportsInt, cast
 
 import numpy as np
+import numpy.typing as npt
 import simdjson
 
 from .errors import InputError, show
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
+Facts = tuple[np.ndarray, np.ndarray, np.ndarray]  # per row of a batch: token lengths, active counts, labels
 
 READ_CHUNK = 8 << 20
 BATCH_BYTES = 16 << 20
@@ -114,7 +116,7 @@ class Dataset:
         self._row_digests = row_digests  # JSONL: a digest of each validated line, checked on every read
         self._pq: pq.ParquetFile | None = None
         self._rg_starts: np.ndarray | None = None
-        self._rg_cache: tuple[int, list[dict]] | None = None
+        self._rg_cache: tuple[int, list[dict[str, Any]]] | None = None
         self.stats = _stats(lengths, active, labels)
 
     def __len__(self) -> int:
@@ -122,6 +124,7 @@ class Dataset:
 
     def location(self, index: int) -> str:
         if self.format == "jsonl":
+            assert self._line_numbers is not None  # set for every JSONL dataset
             return f"{self.path}:{int(self._line_numbers[index])}"
         return f"{self.path}:row {index}"
 
@@ -130,6 +133,7 @@ class Dataset:
             raise IndexError(f"row index {index} out of range for {self.path} ({len(self)} rows)")
         where = self.location(index)
         if self.format == "jsonl":
+            assert self._offsets is not None  # set for every JSONL dataset
             with open(self.path, "rb") as f:
                 f.seek(int(self._offsets[index]))
                 line = f.readline()
@@ -138,21 +142,23 @@ class Dataset:
             return check_row(loads(line, where), where, self.objective)
         return check_row(self._parquet_row(index), where, self.objective)
 
-    def rows(self, indices) -> list[Row]:
+    def rows(self, indices: Iterable[SupportsInt]) -> list[Row]:
         return [self.row(int(i)) for i in indices]
 
-    def _parquet_row(self, index: int) -> dict:
+    def _parquet_row(self, index: int) -> dict[str, Any]:
         import pyarrow.parquet as pq
 
         if self._pq is None:
             self._pq = pq.ParquetFile(self.path)
             md = self._pq.metadata
             self._rg_starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
-        rg = int(np.searchsorted(self._rg_starts, index, side="right") - 1)
+        rg_starts = self._rg_starts
+        assert rg_starts is not None  # set with self._pq
+        rg = int(np.searchsorted(rg_starts, index, side="right") - 1)
         if self._rg_cache is None or self._rg_cache[0] != rg:
             cols = [c for c in FIELDS if c in self._pq.schema_arrow.names]
             self._rg_cache = (rg, self._pq.read_row_group(rg, columns=cols).to_pylist())
-        return self._rg_cache[1][index - int(self._rg_starts[rg])]
+        return self._rg_cache[1][index - int(rg_starts[rg])]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +191,8 @@ def _rows_with(flat_bad: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def check_columns(c: Columns, objective: Objective, vocab_size: int | None, max_seq_len: int | None):
+def check_columns(c: Columns, objective: Objective, vocab_size: int | None,
+                  max_seq_len: int | None) -> tuple[int, None] | tuple[None, Facts]:
     """docs/rules.md#dataset rules 3-7 with numpy over a batch.
 
     Returns (first bad row or None, facts) with facts = (token lengths, active counts, labels).
@@ -245,17 +252,19 @@ class _Accumulator:
     def __init__(self) -> None:
         self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add(self, lengths, active, labels, ids) -> None:
+    def add(self, lengths: np.ndarray, active: np.ndarray, labels: np.ndarray, ids: Sequence[str]) -> None:
         # The ids' hashes find candidate duplicates (`_check_unique_ids` confirms each on the
         # strings). Python's own str hash: in memory only, never stored, so its per-process salt
         # does not matter; 10x faster than pandas' hash_array on 1M ids, and no pandas import.
         self.parts.append((np.asarray(lengths, dtype=np.int32), np.asarray(active, dtype=np.int32),
                            np.asarray(labels, dtype=np.float64), np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))))
 
-    def finish(self):
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(lengths, active counts, labels, id hashes) of all rows."""
         if not self.parts:
             return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64), np.zeros(0, np.int64)
-        return tuple(np.concatenate(col) for col in zip(*self.parts))
+        lengths, active, labels, hashes = zip(*self.parts)
+        return np.concatenate(lengths), np.concatenate(active), np.concatenate(labels), np.concatenate(hashes)
 
 
 def _row_facts(row: Row) -> tuple[int, int, float]:
@@ -286,9 +295,9 @@ class _JsonlBatch:
 
     def __init__(self) -> None:
         self.ids: list[str] = []
-        self.toks: list = []
-        self.rets: list = []
-        self.masks: list = []
+        self.toks: list[_Flat] = []
+        self.rets: list[_Flat] = []
+        self.masks: list[_Flat] = []
         self.rl: list[int] = []
         self.has_mask: list[bool] = []
         self.lines: list[int] = []  # line numbers
@@ -298,7 +307,7 @@ class _JsonlBatch:
         return len(self.ids)
 
     def columns(self) -> Columns:
-        def flat(bufs, dtype):
+        def flat(bufs: list[_Flat], dtype: npt.DTypeLike) -> np.ndarray:
             return np.frombuffer(b"".join(bufs), dtype=dtype) if bufs else np.zeros(0, dtype=dtype)
 
         t_len = np.fromiter((len(b) for b in self.toks), dtype=np.int64, count=len(self.toks))
@@ -311,7 +320,7 @@ class _JsonlBatch:
                        m_vals=flat(self.masks, np.int64))
 
 
-def _mask_buffer(arr) -> bytes | None:
+def _mask_buffer(arr: simdjson.Array) -> bytes | None:
     """A loss_mask array as int64 bytes; 0.0/1.0 and false/true read as 0/1 (Miles' loader does).
     None (exact path) when it holds anything else but ints: ints are judged by `check_columns`."""
     # Dispatch on the first element: a failed as_buffer costs as much as a successful one.
@@ -321,7 +330,7 @@ def _mask_buffer(arr) -> bytes | None:
             return bytes(arr.as_buffer(of_type="i"))
         except TypeError:
             pass  # ints mixed with floats or bools
-    vals = None
+    vals: np.ndarray | None = None
     if first is not bool:
         try:
             vals = np.frombuffer(arr.as_buffer(of_type="d"), dtype=np.float64)
@@ -336,12 +345,13 @@ def _mask_buffer(arr) -> bytes | None:
     return vals.astype(np.int64).tobytes()
 
 
-def _fast_parse(line: bytes):
+def _fast_parse(line: bytes) -> tuple[str, bytes, int, bytes, bytes | None] | None:
     """(sample_id, tokens, response_length, returns, mask or None) as buffers, or None to defer to the exact path."""
     if line[:1] != b"{":
         return None  # leading whitespace, a BOM or not an object: rare, judged exactly
     try:
-        obj = simdjson.Parser().parse(line)
+        # A document that starts with "{" and parses is an object.
+        obj = cast(simdjson.Object, simdjson.Parser().parse(line))
         keys = obj.keys()
         key_list = list(keys)
         if len(key_list) != len(set(key_list)) or not _FIELD_SET.issuperset(key_list):
@@ -353,11 +363,21 @@ def _fast_parse(line: bytes):
         rl = obj["response_length"]
         if type(sid) is not str or type(rl) is not int:
             return None
-        toks = bytes(obj["tokens"].as_buffer(of_type="i"))
-        rets = bytes(obj["returns"].as_buffer(of_type="d"))
+        # Only an Array has as_buffer: any other value raised AttributeError here, i.e. gave None.
+        tok_arr = obj["tokens"]
+        if not isinstance(tok_arr, simdjson.Array):
+            return None
+        toks = bytes(tok_arr.as_buffer(of_type="i"))
+        ret_arr = obj["returns"]
+        if not isinstance(ret_arr, simdjson.Array):
+            return None
+        rets = bytes(ret_arr.as_buffer(of_type="d"))
         mask = None
         if has_mask:
-            mask = _mask_buffer(obj["loss_mask"])
+            mask_arr = obj["loss_mask"]
+            if not isinstance(mask_arr, simdjson.Array):
+                return None  # _mask_buffer of any other value raises or returns None
+            mask = _mask_buffer(mask_arr)
             if mask is None:
                 return None
         return sid, toks, rl, rets, mask
@@ -374,7 +394,9 @@ def _too_long(where: str, max_row_bytes: int, what: str) -> InputError:
                              "raise the limit with max_row_bytes= (command line: --max-row-bytes) if such rows are intended")
 
 
-def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress):
+def _validate_jsonl(path: Path, objective: Objective, vocab_size: int | None, max_seq_len: int | None,
+                    max_row_bytes: int, progress: Progress | None,
+                    ) -> tuple[_Accumulator, np.ndarray, np.ndarray, np.ndarray]:
     acc = _Accumulator()
     offsets: list[int] = []
     digests: list[int] = []
@@ -392,9 +414,11 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, m
         if bad is not None:
             exact(lines_by_index[bad], batch.lines[bad])
             raise InputError(f"{path}:{batch.lines[bad]}", "row breaks a dataset rule (columnar check)")
+        assert facts is not None  # check_columns gives facts whenever no row is bad
         acc.add(*facts, batch.ids)
 
-    batch, raw = _JsonlBatch(), []
+    batch = _JsonlBatch()
+    raw: list[bytes] = []
     pos = 0
     lineno = 0
     with open(path, "rb") as f:
@@ -411,6 +435,7 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, m
             offsets.append(start)
             digests.append(_row_digest(line))
             line_numbers.append(lineno)
+            mask: bytes | None
             parsed = _fast_parse(line)
             if parsed is None:
                 row = exact(line, lineno)  # raises with the located message, or accepts the row
@@ -442,7 +467,9 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size, max_seq_len, m
 class _Flat(bytes):
     """Raw little-endian 8-byte values whose len() is the element count."""
 
-    def __new__(cls, data: bytes, itemsize: int):
+    _n: int
+
+    def __new__(cls, data: bytes, itemsize: int) -> _Flat:
         obj = super().__new__(cls, data)
         obj._n = len(data) // itemsize
         return obj
@@ -466,7 +493,7 @@ def _decoded_type(t: pa.DataType) -> pa.DataType:
 def _parquet_schema_error(schema: pa.Schema) -> str | None:
     import pyarrow as pa
 
-    def list_of(t, *kinds) -> bool:
+    def list_of(t: pa.DataType, *kinds: Callable[[pa.DataType], bool]) -> bool:
         if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
             return False
         return any(kind(t.value_type) for kind in kinds)
@@ -494,7 +521,8 @@ def _parquet_schema_error(schema: pa.Schema) -> str | None:
     return None
 
 
-def _list_np(arr: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _list_np(arr: pa.Array,
+             dtype: npt.DTypeLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """(row lengths, flat values, row-is-null or None, value-is-null or None) of a list column.
     `dtype` None keeps the column's own value type."""
     import pyarrow as pa
@@ -514,11 +542,12 @@ def _list_np(arr: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return lengths, (vals if dtype is None else vals.astype(dtype, copy=False)), rnull, vnull
 
 
-def _sample_ids(col: pa.Array, path: Path, row0: int) -> list[str]:
+def _sample_ids(col: pa.Array, path: Path, row0: int) -> list[str | None]:
+    """The column's values: strings, None for a null cell."""
     import pyarrow as pa
 
     try:
-        return col.to_pylist()
+        return cast("list[str | None]", col.to_pylist())  # a string column (_parquet_schema_error)
     except UnicodeDecodeError:  # Parquet does not guarantee valid UTF-8 in a string column
         for k in range(len(col)):
             try:
@@ -529,7 +558,7 @@ def _sample_ids(col: pa.Array, path: Path, row0: int) -> list[str]:
         raise
 
 
-def _iter_parquet(pf: pq.ParquetFile, path: Path, columns: list[str]):
+def _iter_parquet(pf: pq.ParquetFile, path: Path, columns: list[str]) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row, batch) of the file in PARQUET_BATCH-row batches; a page that cannot be read or
     decoded (corrupt bytes under a matching sha) is a located InputError, not a pyarrow exception."""
     import pyarrow as pa
@@ -548,7 +577,8 @@ def _iter_parquet(pf: pq.ParquetFile, path: Path, columns: list[str]):
         row0 += batch.num_rows
 
 
-def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress) -> _Accumulator:
+def _validate_parquet(path: Path, objective: Objective, vocab_size: int | None, max_seq_len: int | None,
+                      max_row_bytes: int, progress: Progress | None) -> _Accumulator:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -564,7 +594,7 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len,
     acc = _Accumulator()
     total = pf.metadata.num_rows
 
-    def exact(batch: pa.RecordBatch, k: int) -> None:
+    def exact(batch: pa.RecordBatch, k: int) -> NoReturn:
         where = f"{path}:row {row0 + k}"
         check_row(batch.slice(k, 1).to_pylist()[0], where, objective, vocab_size=vocab_size, max_seq_len=max_seq_len)
         raise InputError(where, "row breaks a dataset rule (columnar check)")
@@ -575,7 +605,7 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len,
         for name in ("sample_id", "response_length"):
             if pa.types.is_dictionary(col[name].type):
                 col[name] = col[name].dictionary_decode()
-        ids = _sample_ids(col["sample_id"], path, row0)
+        maybe_ids = _sample_ids(col["sample_id"], path, row0)
         # Rows the columns cannot judge alone (nulls, non-0/1 float masks) go to the exact check.
         nulls = np.zeros(n, dtype=bool)
         for name in ("sample_id", "response_length"):
@@ -605,6 +635,7 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len,
             m_len, m_vals, present = np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(n, dtype=bool)
         if nulls.any():
             exact(batch, int(np.flatnonzero(nulls)[0]))
+        ids = cast("list[str]", maybe_ids)  # a row with a null sample_id was refused just above
         id_bytes = pc.binary_length(col["sample_id"]).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         too_big = 8 * (t_len + r_len + m_len) + id_bytes > max_row_bytes
         if too_big.any():
@@ -614,6 +645,7 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size, max_seq_len,
                                            mask_present=present, m_len=m_len, m_vals=m_vals), objective, vocab_size, max_seq_len)
         if bad is not None:
             exact(batch, bad)
+        assert facts is not None  # check_columns gives facts whenever no row is bad
         acc.add(*facts, ids)
         if progress:
             progress("validate", row0 + n, total)
@@ -646,7 +678,8 @@ def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int |
         raise InputError(str(path), f"cannot read the {ref.split} dataset: {exc.strerror or exc}") from None
 
 
-def _validate(ref: DatasetRef, objective: Objective, vocab_size, max_seq_len, max_row_bytes, progress) -> Dataset:
+def _validate(ref: DatasetRef, objective: Objective, vocab_size: int | None, max_seq_len: int | None,
+              max_row_bytes: int, progress: Progress | None) -> Dataset:
     path = ref.path
     if not path.exists():
         raise InputError(str(path), f"{ref.split} dataset does not exist (manifest path {show(ref.declared_path, 200)})")
@@ -656,7 +689,9 @@ def _validate(ref: DatasetRef, objective: Objective, vocab_size, max_seq_len, ma
     if sha != ref.sha256:
         raise InputError(str(path), f"sha256 is {sha}, but the manifest pins {ref.sha256} for {ref.split}")
     fmt = sniff_format(path)
-    offsets = line_numbers = digests = None
+    offsets: np.ndarray | None = None
+    line_numbers: np.ndarray | None = None
+    digests: np.ndarray | None = None
     if fmt == "jsonl":
         acc, offsets, line_numbers, digests = _validate_jsonl(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
     else:

@@ -46,7 +46,7 @@ def _rows(n: int, rng: np.random.Generator, split: str, seed: int) -> tuple[list
         if rng.random() < 0.5:
             # An observation span (tool output) inside the response is not trained on.
             start = int(rng.integers(1, rlen))
-            stop = int(min(rlen, start + rng.integers(1, max(2, rlen // 3))))
+            stop = min(rlen, start + int(rng.integers(1, max(2, rlen // 3))))
             mask = [1] * rlen
             mask[start:stop] = [0] * (stop - start)
             row["loss_mask"] = mask

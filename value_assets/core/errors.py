@@ -20,7 +20,8 @@ class InputError(ValueError):
         self.message = message
         super().__init__(f"{self.where}: {message}" if self.where else message)
 
-    def __reduce__(self):  # pickled whole, e.g. from a Ray worker to its driver
+    # Pickled whole, e.g. from a Ray worker to its driver.
+    def __reduce__(self) -> tuple[type[InputError], tuple[str, str]]:
         return type(self), (self.where, self.message)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import TypeGuard
 
 from .errors import InputError, show
 
@@ -12,7 +13,7 @@ _SHA_RE = re.compile(r"[0-9a-f]{64}")
 CHUNK = 1 << 22
 
 
-def is_sha(value: object) -> bool:
+def is_sha(value: object) -> TypeGuard[str]:
     """True for a lowercase 64-hex SHA-256 string (a sha (docs/rules.md#terms))."""
     return isinstance(value, str) and _SHA_RE.fullmatch(value) is not None
 
@@ -21,7 +22,7 @@ def require_sha(value: object, where: str) -> str:
     """Return `value` if it is a valid sha, else raise an InputError naming it and `where`."""
     if not is_sha(value):
         raise InputError(where, f"expected a lowercase 64-hex SHA-256, got {show(value)}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def sha256_bytes(data: bytes) -> str:

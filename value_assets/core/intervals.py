@@ -15,7 +15,7 @@ Pure numpy; the unit of resampling and the seed are arguments so results are rep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class Interval:
     undefined_resamples: int
     units: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
                 "resamples": self.resamples, "undefined_resamples": self.undefined_resamples, "units": self.units}
 

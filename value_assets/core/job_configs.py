@@ -27,7 +27,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, TypeVar, cast
 
 from .errors import InputError, require_int, show
 from .hashing import require_sha
@@ -64,12 +64,12 @@ def setting(default: Any = _MISSING, *, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
-def field_doc(cls: type, name: str) -> str:
+def field_doc(cls: type[_JobConfig], name: str) -> str:
     """The documentation of field `name` of a job config (CLI help, Dagster description)."""
-    return cls.__dataclass_fields__[name].metadata["doc"]
+    return cast(str, cls.__dataclass_fields__[name].metadata["doc"])  # a str: every field is made by setting()
 
 
-def field_default(cls: type, name: str) -> Any:
+def field_default(cls: type[_JobConfig], name: str) -> Any:
     """The default of field `name`; KeyError for a required field."""
     default = cls.__dataclass_fields__[name].default
     if default is _MISSING:
@@ -155,6 +155,9 @@ def _positive_number(value: float | None, where: str, *, allow_zero: bool = Fals
 
 class _JobConfig(abc.ABC):
     """Typing, JSON and the construction order shared by `TrainJob`, `EvaluateJob` and `HandoffJob`."""
+
+    if TYPE_CHECKING:  # what @dataclass sets on each subclass; declared for mypy only
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -279,7 +282,7 @@ class TrainJob(_JobConfig):
                              "stage holds the value head, so the other stages would have nothing to train")
 
     @property
-    def memory(self):
+    def memory(self) -> MemoryConfig:
         """The memory settings as core/memory.py's `MemoryConfig` (validated there)."""
         return MemoryConfig(recompute=self.recompute, recompute_layers=self.recompute_layers,
                             distributed_optimizer=self.distributed_optimizer, sequence_parallel=self.sequence_parallel)

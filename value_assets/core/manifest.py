@@ -84,7 +84,7 @@ def check_data_roots(path: Path, data_roots: Iterable[str | Path] | None, where:
                                 f"{show([str(r) for r in roots], 300)}")
 
 
-def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots) -> DatasetRef:
+def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots: Iterable[str | Path] | None) -> DatasetRef:
     loc = f"{where}: {split}"
     if not isinstance(obj, Mapping):
         raise InputError(loc, f"must be an object with path, sha256, num_samples; got {show(obj)}")

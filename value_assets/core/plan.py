@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import InputError, require_int, show
 from .hashing import sha256_bytes
@@ -62,7 +62,9 @@ class BatchPlan:
         return coverage(self.num_rows, self.steps, self.epochs)
 
 
-def build_plan(num_rows: int, global_batch_size: int, epochs: int = 1, seed: int = 0) -> BatchPlan:
+def build_plan(num_rows: object, global_batch_size: object, epochs: object = 1, seed: object = 0) -> BatchPlan:
+    """The shuffle plan of `num_rows` rows in batches of `global_batch_size`. The arguments are checked here
+    (InputError naming the setting), so any value may be given: `plan_from_json` passes parsed JSON."""
     n = require_int(num_rows, "num_rows")
     g = require_int(global_batch_size, "global_batch_size")
     e = require_int(epochs, "epochs")
@@ -79,7 +81,7 @@ def build_plan(num_rows: int, global_batch_size: int, epochs: int = 1, seed: int
     return BatchPlan(num_rows=n, global_batch_size=g, epochs=e, seed=seed, steps=tuple(steps))
 
 
-def coverage(num_rows: int, steps, epochs: int) -> dict[str, int]:
+def coverage(num_rows: int, steps: Sequence[Sequence[int]], epochs: int) -> dict[str, int]:
     """Rows dropped (never seen) and repeated (seen more than `epochs` times... per epoch) by a plan.
 
     `dropped` counts row slots left out: epochs x N minus the rows used; `repeated` counts uses of a

@@ -24,7 +24,7 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .errors import InputError
 from .hashing import is_sha, sha256_bytes
@@ -44,7 +44,7 @@ class PublishError(OSError):
         self.path = Path(path)
 
     def __str__(self) -> str:
-        return self.strerror
+        return cast(str, self.strerror)  # __init__ always passes the message as strerror
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
 from .hashing import is_sha, sha256_bytes, sha256_file
 from .publish import atomic_write, read_json_object
 from .strict_json import canonical_bytes
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 REGISTRATION_SCHEMA = "value-assets.registration.v1"
 
@@ -69,7 +72,8 @@ def read_registration(partition_dir: Path, partition_key: str) -> Registration:
     return Registration(partition_key=partition_key, source_path=Path(obj["source_path"]), manifest_sha256=sha)
 
 
-def load_registered_manifest(partition_dir: Path, partition_key: str, data_roots: list[Path] | None = None):
+def load_registered_manifest(partition_dir: Path, partition_key: str,
+                             data_roots: list[Path] | None = None) -> Manifest:
     """The partition's manifest, loaded from the watched file with the registered sha pinned."""
     from .manifest import load_manifest
 

@@ -63,7 +63,7 @@ class GateDecision:
     when the report has none: a report written before they existed, decided in "miles" mode)."""
 
     passed: bool
-    split: Any
+    split: object  # the report's split as stated: any JSON value
     mode: Any
     weightings: dict[str, WeightingGate]
     intervals: dict[str, Interval]
@@ -199,12 +199,13 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
     # only in interval mode or when the report states intervals it cannot back.
     intervals: dict[str, Interval] = {}
     stated_intervals = report.get("intervals")
-    parts, problem = _row_parts(batches)
+    row_parts, problem = _row_parts(batches)
     seed = _interval_seed(report)
-    if parts is not None and seed is None:
-        parts, problem = None, "the batch plan states no integer seed for the bootstrap"
-    if parts is not None:
-        intervals = row_intervals(parts, seed)
+    if row_parts is not None and seed is None:
+        row_parts, problem = None, "the batch plan states no integer seed for the bootstrap"
+    if row_parts is not None:
+        assert seed is not None  # without a seed, row_parts was dropped just above
+        intervals = row_intervals(row_parts, seed)
     elif mode == "interval" or stated_intervals is not None:
         failures.append(f"cannot recompute the EV intervals: {problem}")
     if mode == "interval":
@@ -214,6 +215,7 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
                                 f"is {iv.low!r} (needs > {min_ev!r}; interval mode)")
     if stated_intervals is not None:
         for weighting, iv in intervals.items():
+            assert seed is not None  # intervals are recomputed only with a seed
             stated = (stated_intervals if isinstance(stated_intervals, dict) else {}).get(weighting)
             if not _same_interval(stated, interval_json(iv, seed)):
                 failures.append(f"{weighting}-weighted: report's interval {stated!r} != recomputed {interval_json(iv, seed)!r}")
@@ -236,12 +238,16 @@ def ev_summary(report: dict[str, Any]) -> dict[str, Any]:
         for field in ("ev", "positive_batches", "batches", "r2", "bias"):
             out[f"{weighting}_{field}"] = agg.get(field)
     out["auroc"] = aggregates.get("auroc")
-    intervals = report.get("intervals") if isinstance(report.get("intervals"), dict) else {}
+    intervals = report.get("intervals")
+    if not isinstance(intervals, dict):
+        intervals = {}
     for weighting in WEIGHTINGS:
         iv = intervals.get(weighting) or {}
         out[f"{weighting}_ev_low"] = iv.get("low")
         out[f"{weighting}_ev_high"] = iv.get("high")
-    gate = report.get("gate") if isinstance(report.get("gate"), dict) else {}
+    gate = report.get("gate")
+    if not isinstance(gate, dict):
+        gate = {}
     out["gate_mode"] = gate.get("mode", GATE_MODE_DEFAULT)
     out["gate_min_ev"] = gate.get("min_ev", MIN_EV_DEFAULT)
     return out
@@ -297,6 +303,7 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         # the reported entries in turn).
         reported: dict[int, list[tuple[list[float], list[float]]]] = {}
         for r in reports:
+            assert r.row_token is not None and r.row_trajectory is not None  # check_row_stats refused None above
             for i, t, j in zip(r.row_indices, r.row_token, r.row_trajectory):
                 reported.setdefault(i, []).append((t, j))
             deciles += np.asarray(r.row_deciles, dtype=np.float64).reshape(-1, 10, 5).sum(axis=0)
@@ -330,7 +337,7 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         raise InputError("evaluation", "; ".join(decision.failures))
     tok_gate, traj_gate = decision.weightings["token"], decision.weightings["trajectory"]
 
-    def agg(s: SuffStats, g) -> dict[str, Any]:
+    def agg(s: SuffStats, g: WeightingGate) -> dict[str, Any]:
         return {"stats": s.to_json(), "ev": g.ev, "r2": s.r2(), "bias": s.bias(), "positive_batches": g.positive_batches, "batches": g.batches}
 
     report["passed"] = decision.passed

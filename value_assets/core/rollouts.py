@@ -99,8 +99,8 @@ def _text_of_response(value: Any, where: str, field_name: str) -> str:
         return value
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         last = value[-1]
-        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
-            return last["content"]
+        if last.get("role") == "assistant" and isinstance(content := last.get("content"), str):
+            return content
     raise InputError(where, f"field {field_name!r} must be a response text (or messages ending with the assistant's), got {show(value)}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import InputError, show
 
@@ -136,12 +136,12 @@ def loads(text: str | bytes, where: str) -> Any:
     return obj
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A JSON integer: int but never bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """A JSON number (int or float), never bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -152,7 +152,7 @@ def finite_float(value: object) -> float | None:
     if not is_number(value):
         return None
     try:
-        f = float(value)  # type: ignore[arg-type]
+        f = float(value)
     except OverflowError:
         return None
     return f if math.isfinite(f) else None

@@ -7,15 +7,23 @@ values of docs/rules.md#critic.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .objective import Objective
 
 _erf = np.frompyfunc(math.erf, 1, 1)
 
 
-def support(objective: Objective) -> np.ndarray:
+def _erf_f64(x: np.ndarray) -> npt.NDArray[np.float64]:
+    """math.erf of each element, as float64. `_erf` of an array is an object array (its stubs also
+    allow the float it gives for a scalar)."""
+    return cast(np.ndarray, _erf(x)).astype(np.float64)
+
+
+def support(objective: Objective) -> npt.NDArray[np.float64]:
     """Bin centres linspace(low, high, K), float64 shape (K,)."""
     low, high = objective.reward_range
     return np.linspace(low, high, objective.num_bins, dtype=np.float64)
@@ -35,10 +43,11 @@ def hl_gauss(returns: np.ndarray, objective: Objective) -> np.ndarray:
     sigma = objective.hl_gauss_sigma_ratio * w
     mu = np.clip(r, low, high)[:, None]
     scale = sigma * math.sqrt(2.0)
-    upper = _erf((c[None, :] + w / 2 - mu) / scale).astype(np.float64)
-    lower = _erf((c[None, :] - w / 2 - mu) / scale).astype(np.float64)
+    upper = _erf_f64((c[None, :] + w / 2 - mu) / scale)
+    lower = _erf_f64((c[None, :] - w / 2 - mu) / scale)
     p = 0.5 * (upper - lower)
-    return p / p.sum(axis=1, keepdims=True)
+    row_sums: npt.NDArray[np.float64] = p.sum(axis=1, keepdims=True)  # numpy's stubs say Any
+    return p / row_sums
 
 
 def two_hot(returns: np.ndarray, objective: Objective) -> np.ndarray:

@@ -58,7 +58,7 @@ class WarmCluster:
         return {"RAY_ADDRESS": self.address, POOL_ENV: self.pool}
 
 
-def default_folder(instance_root: str | os.PathLike | None) -> Path:
+def default_folder(instance_root: str | os.PathLike[str] | None) -> Path:
     """One folder per Dagster instance (by its root directory), under the system temp dir."""
     key = hashlib.sha256(str(Path(instance_root or Path.cwd()).resolve()).encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / _base_name() / key
