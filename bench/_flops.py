@@ -18,11 +18,13 @@ than the 3 forwards counted; recomputing the first K of L layers, K/L of that).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
-FORMULA = ("FLOPs/real token: train = 6*N + 12*L*d_attn*s_eff, forward = 2*N + 4*L*d_attn*s_eff; "
-           "N = non-embedding matmul weights (qkv, o, gate/up/down, value head), "
-           "s_eff = sum_seq s(s+1)/2 / tokens (mean causal context); padding and recomputed FLOPs not counted")
+FORMULA = (
+    "FLOPs/real token: train = 6*N + 12*L*d_attn*s_eff, forward = 2*N + 4*L*d_attn*s_eff; "
+    "N = non-embedding matmul weights (qkv, o, gate/up/down, value head), "
+    "s_eff = sum_seq s(s+1)/2 / tokens (mean causal context); padding and recomputed FLOPs not counted"
+)
 
 
 def matmul_params(backbone, head_size: int) -> int:

@@ -47,8 +47,11 @@ def main() -> None:
     params = set(inspect.signature(varlen_attn).parameters)
 
     h, g, d = args.heads, args.kv_heads, args.dim
-    scale = d ** -0.5
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, heads {h}/{g}, dim {d}, {args.tokens} tokens per micro-batch")
+    scale = d**-0.5
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name()}, heads {h}/{g}, dim {d}, {args.tokens} tokens per "
+        "micro-batch"
+    )
     print(f"{'length':>7} {'seqs':>4}  {'kernel':<28} {'ms fwd+bwd':>10} {'TFLOP/s':>8} {'max |diff|':>10}")
     for length in [int(x) for x in args.lengths.split(",")]:
         n = max(1, args.tokens // length)
@@ -61,14 +64,15 @@ def main() -> None:
         cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
         flops = 2.5 * 2 * 2 * (length * (length + 1) / 2) * h * d * n
 
-        def varlen():  # as value_assets/gpu/model/attention.py calls it (K/V repeated where it has no GQA)
+        def varlen(q=q, k=k, v=v, cu=cu, length=length):  # as value_assets/gpu/model/attention.py calls it (K/V
+            # repeated where it has no GQA); the loop's tensors bound now
             kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
             if "enable_gqa" in params:
                 return varlen_attn(q, k, v, cu, cu, length, length, scale=scale, enable_gqa=True, **kw)
             kr, vr = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
             return varlen_attn(q, kr, vr, cu, cu, length, length, scale=scale, **kw)
 
-        def sdpa(backend, repeat):
+        def sdpa(backend, repeat, q=q, k=k, v=v, n=n, length=length):
             def run():
                 outs = []
                 for i in range(n):
@@ -78,25 +82,34 @@ def main() -> None:
                     if repeat:
                         ks, vs = ks.repeat_interleave(h // g, dim=1), vs.repeat_interleave(h // g, dim=1)
                     with sdpa_kernel([backend]):
-                        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=not repeat)
+                        o = F.scaled_dot_product_attention(
+                            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=not repeat
+                        )
                     outs.append(o.squeeze(0).transpose(0, 1))
                 return torch.cat(outs)
+
             return run
 
         ref = varlen().detach().float()
         kernels = [("varlen (flash, packed path)", varlen)]
-        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for name, backend in (
+            ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ):
             for repeat in (False, True):
                 kernels.append((f"sdpa {name} {'repeat kv' if repeat else 'gqa'}", sdpa(backend, repeat)))
         for name, fn in kernels:
             try:
                 out = fn()
                 diff = (out.detach().float() - ref).abs().max().item()
-                ms = timed(lambda: fn().backward(grad))
+                ms = timed(lambda fn=fn, grad=grad: fn().backward(grad))
                 print(f"{length:>7} {n:>4}  {name:<28} {ms:>10.2f} {flops / ms / 1e9:>8.1f} {diff:>10.2e}", flush=True)
             except Exception as exc:  # noqa: BLE001  (a backend that does not support the case)
-                print(f"{length:>7} {n:>4}  {name:<28} {'n/a':>10} {'':>8} {type(exc).__name__}: {str(exc)[:60]}", flush=True)
+                print(
+                    f"{length:>7} {n:>4}  {name:<28} {'n/a':>10} {'':>8} {type(exc).__name__}: {str(exc)[:60]}",
+                    flush=True,
+                )
             q.grad = k.grad = v.grad = None
 
 

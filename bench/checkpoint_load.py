@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
 
 def _best(fn, repeat: int) -> float:
@@ -70,8 +70,15 @@ def main() -> int:
     try:
         obj, cfg = Objective(), presets[args.model]()
         ddp, opt = wrap_for_training(build_critic(cfg, obj), lr=1e-5, weight_decay=0.0, clip_grad=1.0)
-        rows = [Row(row_id=i, tokens=torch.randint(0, cfg.vocab_size, (64,)).numpy(), response_length=32,
-                    returns=torch.zeros(32).numpy()) for i in range(2)]
+        rows = [
+            Row(
+                row_id=i,
+                tokens=torch.randint(0, cfg.vocab_size, (64,)).numpy(),
+                response_length=32,
+                returns=torch.zeros(32).numpy(),
+            )
+            for i in range(2)
+        ]
         optimizer_step(ddp, opt, pack_rows(rows, 4096), 2, obj)  # Adam state exists
         step = folder / "iter_0000001"
         step.mkdir()
@@ -87,6 +94,7 @@ def main() -> int:
                 if with_optimizer:
                     state["optimizer"] = opt.sharded_state_dict(sd, is_loading=True, metadata=ckpt._OPTIMIZER_METADATA)
                 dist_checkpointing.load(state, str(step), strict=StrictHandling.RAISE_UNEXPECTED)
+
             return run
 
         rows_out = [("verify (driver, every file)", _best(lambda: verify_checkpoint(step, contract), args.repeat))]
@@ -109,7 +117,10 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
     device = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"\n{args.model} critic, {size_gb:.2f} GB of checkpoint files (model + Adam state), {device}, best of {args.repeat}\n")
+    print(
+        f"\n{args.model} critic, {size_gb:.2f} GB of checkpoint files (model + Adam state), {device}, best of "
+        f"{args.repeat}\n"
+    )
     print("| load | seconds | GB/s of files |")
     print("| --- | --- | --- |")
     for name, seconds in rows_out:

@@ -30,14 +30,14 @@ def trajectory_rows(report: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     m = np.array([row for batch in report["batches"] for row in batch["trajectory"]["row_stats"]], dtype=np.float64)
     r = m[:, 1]
     v = r - m[:, 3]
-    v2 = m[:, 4] - r ** 2 + 2 * r * v
+    v2 = m[:, 4] - r**2 + 2 * r * v
     return r, v, v2
 
 
 def ev(r: np.ndarray, v: np.ndarray, v2: np.ndarray) -> float:
     """The report's trajectory-weighted EV of returns `r` against these values (ev_of_sums)."""
-    e, e2 = r - v, r ** 2 - 2 * r * v + v2
-    stats = np.array([len(r), r.sum(), (r ** 2).sum(), e.sum(), e2.sum()])
+    e, e2 = r - v, r**2 - 2 * r * v + v2
+    stats = np.array([len(r), r.sum(), (r**2).sum(), e.sum(), e2.sum()])
     return float(ev_of_sums(stats))
 
 
@@ -63,19 +63,28 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     word = {True: "PASSED", False: "FAILED"}
-    lines = [f"| report | rows | trajectory EV | corr(V, R) | permutation p | miles | interval | interval, min EV {args.min_ev:g} |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| report | rows | trajectory EV | corr(V, R) | permutation p | miles | interval | interval, min EV "
+        f"{args.min_ev:g} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for path in args.reports:
         report = json.loads(Path(path).read_text())
         r, v, v2 = trajectory_rows(report)
         obs = ev(r, v, v2)
-        assert abs(obs - report["aggregates"]["trajectory"]["ev"]) < 1e-9, (obs, report["aggregates"]["trajectory"]["ev"])
+        assert abs(obs - report["aggregates"]["trajectory"]["ev"]) < 1e-9, (
+            obs,
+            report["aggregates"]["trajectory"]["ev"],
+        )
         rng = np.random.default_rng(args.seed)
         null = np.array([ev(rng.permutation(r), v, v2) for _ in range(args.permutations)])
         p = (1 + int((null >= obs).sum())) / (1 + args.permutations)
         corr = float(np.corrcoef(r, v)[0, 1])
-        lines.append(f"| {Path(path).stem} | {len(r)} | {obs:.5f} | {corr:+.3f} | {p:.4f} | {word[verdict(report, 'miles', 0.0)]} | "
-                     f"{word[verdict(report, 'interval', 0.0)]} | {word[verdict(report, 'interval', args.min_ev)]} |")
+        lines.append(
+            f"| {Path(path).stem} | {len(r)} | {obs:.5f} | {corr:+.3f} | {p:.4f} | "
+            f"{word[verdict(report, 'miles', 0.0)]} | "
+            f"{word[verdict(report, 'interval', 0.0)]} | {word[verdict(report, 'interval', args.min_ev)]} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from value_assets.core.memory import GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, predict_peak  # noqa: E402
+from value_assets.core.memory import GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, predict_peak
 
 H200_GIB = 139.0
 TOKENS = (4096, 16384, 32768)
@@ -30,10 +30,18 @@ SETTINGS = [
     ("1 GPU", Layout(), MemoryConfig(recompute="full", recompute_layers=4), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(distributed_optimizer=True), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(recompute="full", distributed_optimizer=True), True),
-    ("8 GPUs dp4 tp2", Layout(dp=4, tp=2), MemoryConfig(recompute="full", distributed_optimizer=True,
-                                                        sequence_parallel=True), True),
-    ("8 GPUs dp2 tp2 pp2", Layout(dp=2, tp=2, pp=2), MemoryConfig(recompute="full", distributed_optimizer=True,
-                                                                  sequence_parallel=True), True),
+    (
+        "8 GPUs dp4 tp2",
+        Layout(dp=4, tp=2),
+        MemoryConfig(recompute="full", distributed_optimizer=True, sequence_parallel=True),
+        True,
+    ),
+    (
+        "8 GPUs dp2 tp2 pp2",
+        Layout(dp=2, tp=2, pp=2),
+        MemoryConfig(recompute="full", distributed_optimizer=True, sequence_parallel=True),
+        True,
+    ),
     ("8 GPUs dp1 tp8", Layout(tp=8), MemoryConfig(recompute="full", sequence_parallel=True), True),
     ("1 GPU, evaluation", Layout(), MemoryConfig(), False),
 ]
@@ -68,23 +76,46 @@ def table() -> str:
                 if meas is not None:
                     cell = f"**{cell}** (measured {meas})"
                 cells.append(cell)
-            rc = (memory.recompute if memory.recompute_layers is None else f"full, first {memory.recompute_layers} layers") if train else "-"
-            lines.append("| " + " | ".join([model, label, rc, "yes" if memory.distributed_optimizer else "-",
-                                            "yes" if memory.sequence_parallel else "-"] + cells) + " |")
+            rc = (
+                (
+                    memory.recompute
+                    if memory.recompute_layers is None
+                    else f"full, first {memory.recompute_layers} layers"
+                )
+                if train
+                else "-"
+            )
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        model,
+                        label,
+                        rc,
+                        "yes" if memory.distributed_optimizer else "-",
+                        "yes" if memory.sequence_parallel else "-",
+                    ]
+                    + cells
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
     print(table())
     print()
-    print("Predicted peak GiB per GPU (first pipeline stage), bf16 weights, fp32 grads, Adam (fp32 master "
-          "+ 2 moments), packed micro-batches of the given size; ✗ = over an H200's 139 GiB. Model and "
-          "formula: value_assets/core/memory.py; calibrated on the measured points in its MEASURED (H200, 1 GPU, "
-          "bench/train_throughput.py: training with megatron's fused SwiGLU on micro-batches of 15k-83k tokens, "
-          "evaluation on 32k), bold where one falls on a column. Selective "
-          "recompute saves little with flash attention (only the roped q, k); full recompute keeps one "
-          "layer input per layer, and with --recompute-layers K only for the first K layers of each stage. Pipeline stages under 1F1B hold as many activations as one micro-batch "
-          "through all layers, so pp splits weights but not activations.")
+    print(
+        "Predicted peak GiB per GPU (first pipeline stage), bf16 weights, fp32 grads, Adam (fp32 master "
+        "+ 2 moments), packed micro-batches of the given size; ✗ = over an H200's 139 GiB. Model and "
+        "formula: value_assets/core/memory.py; calibrated on the measured points in its MEASURED (H200, 1 GPU, "
+        "bench/train_throughput.py: training with megatron's fused SwiGLU on micro-batches of 15k-83k tokens, "
+        "evaluation on 32k), bold where one falls on a column. Selective "
+        "recompute saves little with flash attention (only the roped q, k); full recompute keeps one "
+        "layer input per layer, and with --recompute-layers K only for the first K layers of each stage. Pipeline "
+        "stages under 1F1B hold as many activations as one micro-batch "
+        "through all layers, so pp splits weights but not activations."
+    )
     return 0
 
 

@@ -42,7 +42,7 @@ def find_gguf() -> Path:
 
 
 def convert(out: Path) -> None:
-    from transformers import AutoTokenizer, LlamaForCausalLM, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     gguf = find_gguf()
     t0 = time.time()
@@ -65,7 +65,7 @@ def convert(out: Path) -> None:
     plain.save_pretrained(str(out), safe_serialization=True)
     try:
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
-    except Exception as exc:  # the tokenizer is a convenience for the bench, not needed by the converter
+    except Exception as exc:  # noqa: BLE001 - the tokenizer is a convenience for the bench, not needed to convert
         print(f"tokenizer not saved: {exc}")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {out} ({size / 1e6:.1f} MB) from {gguf} in {time.time() - t0:.1f}s")
@@ -102,12 +102,13 @@ def check(out: Path) -> dict:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(out))
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+        )
         enc = tok(prompt, return_tensors="pt")
         gen = hf.generate(**enc, max_new_tokens=12, do_sample=False)
-        result["greedy_answer"] = tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    except Exception as exc:
+        result["greedy_answer"] = tok.decode(gen[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - a check printed, not required
         result["greedy_answer"] = f"(not run: {exc})"
     print(json.dumps(result))
     return result

@@ -18,7 +18,8 @@ Three phases (the first on any CPU, the others on a GPU; `bench/h200.sh study` r
   splits), then critics bootstrapped from the same actor are trained (`value-assets train`) and
   gated (`value-assets evaluate`); the same rollouts with rewards shuffled across rows are the
   negative controls (one per `--shuffle-seeds` seed and configuration; `--controls-only` runs just
-  them), each gated under both rules on the same batches. Every report is kept under `reports/`. Each critic is exported (`export-hf`) and run over every held-out row to
+  them), each gated under both rules on the same batches. Every report is kept under `reports/`. Each critic is exported
+  (`export-hf`) and run over every held-out row to
   compare, on held-out prompts, with two baselines: the per-task mean predictor (the train split's
   success rate of the row's task: knows only which task) and the prompt-only value (the critic's
   own value at the first response token, held for the whole response). Every EV carries a 95%
@@ -64,10 +65,20 @@ def cmd_tasks(args) -> None:
         # examples inlined in one message.
         shots_turns = [{"role": "system", "content": INSTRUCTION}]
         for s in shots:
-            shots_turns += [{"role": "user", "content": s["question"]}, {"role": "assistant", "content": str(s["answer"])}]
+            shots_turns += [
+                {"role": "user", "content": s["question"]},
+                {"role": "assistant", "content": str(s["answer"])},
+            ]
         for i, item in enumerate(items):
-            out.append({"item": f"{family}/{i}", "task": family, "question": item["question"], "answer": str(item["answer"]).strip(),
-                        "prompt": shots_turns + [{"role": "user", "content": item["question"]}]})
+            out.append(
+                {
+                    "item": f"{family}/{i}",
+                    "task": family,
+                    "question": item["question"],
+                    "answer": str(item["answer"]).strip(),
+                    "prompt": shots_turns + [{"role": "user", "content": item["question"]}],
+                }
+            )
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in out))
     print(f"wrote {len(out)} items ({args.per_family} per family, {len(FAMILIES)} families) to {args.out}")
 
@@ -82,17 +93,28 @@ def score(response: str, answer: str) -> float:
     return 1.0 if found and found[-1] == answer else 0.0
 
 
-def _sample(model, tok, prompts: list[str], temperature: float, max_new_tokens: int, batch: int, seed: int) -> list[str]:
+def _sample(
+    model, tok, prompts: list[str], temperature: float, max_new_tokens: int, batch: int, seed: int
+) -> list[str]:
     import torch
 
     torch.manual_seed(seed)
     texts = []
     for start in range(0, len(prompts), batch):
-        enc = tok(prompts[start:start + batch], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        enc = tok(prompts[start : start + batch], return_tensors="pt", padding=True, add_special_tokens=False).to(
+            model.device
+        )
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                 max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        texts += tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            )
+        texts += tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return [t.strip() for t in texts]
 
 
@@ -106,8 +128,14 @@ def cmd_generate(args) -> None:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    rendered = {it["item"]: tok.apply_chat_template(it["prompt"], tokenize=False, add_generation_prompt=True) for it in items}
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        .to(device)
+        .eval()
+    )
+    rendered = {
+        it["item"]: tok.apply_chat_template(it["prompt"], tokenize=False, add_generation_prompt=True) for it in items
+    }
     by_family = defaultdict(list)
     for it in items:
         by_family[it["task"]].append(it)
@@ -117,9 +145,23 @@ def cmd_generate(args) -> None:
         calib = fam_items[: args.calibrate]
         tried = []
         for temp in args.temperatures:
-            texts = _sample(model, tok, [rendered[it["item"]] for it in calib for _ in range(args.samples)], temp,
-                            args.max_new_tokens, args.batch, args.seed)
-            rate = float(np.mean([score(t, it["answer"]) for t, it in zip(texts, [it for it in calib for _ in range(args.samples)])]))
+            texts = _sample(
+                model,
+                tok,
+                [rendered[it["item"]] for it in calib for _ in range(args.samples)],
+                temp,
+                args.max_new_tokens,
+                args.batch,
+                args.seed,
+            )
+            rate = float(
+                np.mean(
+                    [
+                        score(t, it["answer"])
+                        for t, it in zip(texts, [it for it in calib for _ in range(args.samples)], strict=True)
+                    ]
+                )
+            )
             tried.append((temp, rate))
             if 0.15 <= rate <= 0.85:
                 break
@@ -130,21 +172,41 @@ def cmd_generate(args) -> None:
     for family, fam_items in by_family.items():
         temp = chosen[family]["temperature"]
         # Calibration items are not reused: every item in the study is sampled once, fresh.
-        fam_items = fam_items[args.calibrate:]
+        fam_items = fam_items[args.calibrate :]
         expanded = [it for it in fam_items for _ in range(args.samples)]
-        texts = _sample(model, tok, [rendered[it["item"]] for it in expanded], temp, args.max_new_tokens, args.batch, args.seed + 1)
-        for k, (it, text) in enumerate(zip(expanded, texts)):
-            rows.append({"id": f"{it['item']}#{k % args.samples}", "item": it["item"], "task": family, "prompt": it["prompt"],
-                         "response": text if text else " ", "reward": score(text, it["answer"]), "answer": it["answer"],
-                         "temperature": temp})
+        texts = _sample(
+            model, tok, [rendered[it["item"]] for it in expanded], temp, args.max_new_tokens, args.batch, args.seed + 1
+        )
+        for k, (it, text) in enumerate(zip(expanded, texts, strict=True)):
+            rows.append(
+                {
+                    "id": f"{it['item']}#{k % args.samples}",
+                    "item": it["item"],
+                    "task": family,
+                    "prompt": it["prompt"],
+                    "response": text if text else " ",
+                    "reward": score(text, it["answer"]),
+                    "answer": it["answer"],
+                    "temperature": temp,
+                }
+            )
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     # A small real sample (the first items of every family, all their samples) for tests/data.
-    first = {f: {it["item"] for it in fam[args.calibrate: args.calibrate + args.sample_items]} for f, fam in by_family.items()}
+    first = {
+        f: {it["item"] for it in fam[args.calibrate : args.calibrate + args.sample_items]}
+        for f, fam in by_family.items()
+    }
     sample = [r for r in rows if r["item"] in first[r["task"]]]
     Path(args.out).with_suffix(".sample.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sample))
-    meta = {"model": args.model, "samples_per_item": args.samples, "max_new_tokens": args.max_new_tokens, "families": chosen,
-            "rows": len(rows), "seconds": round(time.time() - t0, 1),
-            "success": {f: float(np.mean([r["reward"] for r in rows if r["task"] == f])) for f in by_family}}
+    meta = {
+        "model": args.model,
+        "samples_per_item": args.samples,
+        "max_new_tokens": args.max_new_tokens,
+        "families": chosen,
+        "rows": len(rows),
+        "seconds": round(time.time() - t0, 1),
+        "success": {f: float(np.mean([r["reward"] for r in rows if r["task"] == f])) for f in by_family},
+    }
     Path(args.out).with_suffix(".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(json.dumps(meta["success"], indent=1))
 
@@ -178,7 +240,7 @@ def _per_row_values(hf_dir: Path, rows, device: str):
         support = torch.linspace(low, high, int(k), dtype=torch.float64, device=device)
     out = []
     for start in range(0, len(rows), 64):
-        chunk = rows[start:start + 64]
+        chunk = rows[start : start + 64]
         width = max(len(r.tokens) - 1 for r in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         att = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -189,7 +251,7 @@ def _per_row_values(hf_dir: Path, rows, device: str):
             logits = model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.double()
         values = (logits.softmax(-1) @ support) if support is not None else logits[..., 0]
         for i, r in enumerate(chunk):
-            out.append(values[i, r.prompt_length - 1: len(r.tokens) - 1].cpu().numpy())
+            out.append(values[i, r.prompt_length - 1 : len(r.tokens) - 1].cpu().numpy())
     return out
 
 
@@ -199,7 +261,7 @@ def _metrics(name, rows, values, prompt_of, resamples, seed):
 
     tok_by, traj_by = defaultdict(list), defaultdict(list)
     traj_values, labels, deciles = [], [], []
-    for r, v in zip(rows, values):
+    for r, v in zip(rows, values, strict=True):
         tok_by[prompt_of(r)].append(token_stats(r.returns, v, r.loss_mask))
         traj_by[prompt_of(r)].append(trajectory_stats(r.returns, v, r.loss_mask))
         m = np.asarray(r.loss_mask).astype(bool)
@@ -213,18 +275,33 @@ def _metrics(name, rows, values, prompt_of, resamples, seed):
     traj_iv = bootstrap_ev_interval(traj_units, resamples=resamples, seed=seed)
     tv, lb = np.array(traj_values), np.array(labels)
     bins = np.clip((tv * 10).astype(int), 0, 9)
-    calib = [{"bin": b, "rows": int((bins == b).sum()), "mean_value": float(tv[bins == b].mean()),
-              "success": float(lb[bins == b].mean())} for b in range(10) if (bins == b).any()]
+    calib = [
+        {
+            "bin": b,
+            "rows": int((bins == b).sum()),
+            "mean_value": float(tv[bins == b].mean()),
+            "success": float(lb[bins == b].mean()),
+        }
+        for b in range(10)
+        if (bins == b).any()
+    ]
     ece = float(sum(c["rows"] * abs(c["mean_value"] - c["success"]) for c in calib) / len(tv))
-    return {"method": name, "token_ev": tok_iv.to_json(), "trajectory_ev": traj_iv.to_json(),
-            "auroc": auroc(tv.tolist(), lb.tolist()), "ece": ece, "calibration": calib,
-            "ev_by_decile": ev_by_position(deciles)}
+    return {
+        "method": name,
+        "token_ev": tok_iv.to_json(),
+        "trajectory_ev": traj_iv.to_json(),
+        "auroc": auroc(tv.tolist(), lb.tolist()),
+        "ece": ece,
+        "calibration": calib,
+        "ev_by_decile": ev_by_position(deciles),
+    }
 
 
 def cmd_study(args) -> None:
+    from gate_controls import decide_under
+
     from value_assets.core.dataset import validate_dataset
     from value_assets.core.manifest import load_manifest
-    from gate_controls import decide_under
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -245,16 +322,38 @@ def cmd_study(args) -> None:
         # A control per seed: the same rows, rewards permuted across rows (independent of the text).
         shuffled = [dict(r) for r in rows]
         perm = random.Random(seed).sample([r["reward"] for r in rows], len(rows))
-        for r, w in zip(shuffled, perm):
+        for r, w in zip(shuffled, perm, strict=True):
             r["reward"] = w
         sources[f"shuffled-s{seed}"] = work / f"shuffled_rollouts_s{seed}.jsonl"
         sources[f"shuffled-s{seed}"].write_text("".join(json.dumps(r) + "\n" for r in shuffled))
 
-    results = {"rollouts": len(rollouts), "study_rows": len(rows), "task_success": rates, "kept_tasks": kept, "runs": []}
+    results = {
+        "rollouts": len(rollouts),
+        "study_rows": len(rows),
+        "task_success": rates,
+        "kept_tasks": kept,
+        "runs": [],
+    }
     manifests = {}
     for tag, src in sources.items():
-        res = _va("import-rollouts", str(src), "--tokenizer", args.model, "--out", str(work / f"ds-{tag}"), "--id-field", "id",
-                  "--group-field", "item", "--heldout-fraction", str(args.heldout_fraction), "--seed", str(args.seed), "--name", tag)
+        res = _va(
+            "import-rollouts",
+            str(src),
+            "--tokenizer",
+            args.model,
+            "--out",
+            str(work / f"ds-{tag}"),
+            "--id-field",
+            "id",
+            "--group-field",
+            "item",
+            "--heldout-fraction",
+            str(args.heldout_fraction),
+            "--seed",
+            str(args.seed),
+            "--name",
+            tag,
+        )
         if res.returncode:
             sys.stderr.write(res.stderr)
             raise SystemExit("import-rollouts failed")
@@ -281,8 +380,16 @@ def cmd_study(args) -> None:
 
     if not torch.cuda.is_available():
         device = "cpu"
-    methods = [_metrics("per-task mean", held_rows, [np.full(r.response_length, task_mean[task_of(r)]) for r in held_rows],
-                        prompt_of, args.resamples, args.seed)]
+    methods = [
+        _metrics(
+            "per-task mean",
+            held_rows,
+            [np.full(r.response_length, task_mean[task_of(r)]) for r in held_rows],
+            prompt_of,
+            args.resamples,
+            args.seed,
+        )
+    ]
     # Each control mirrors a real configuration (the first full fine-tune lr, the first head-only lr).
     configs = [(args.lrs[0], "none")] + ([(args.freeze_lrs[0], "backbone")] if args.freeze_lrs else [])
     plan = [(f"shuffled-s{seed}", lr, args.epochs, freeze) for lr, freeze in configs for seed in args.shuffle_seeds]
@@ -295,16 +402,50 @@ def cmd_study(args) -> None:
         name = f"{tag}{'-freeze-' + freeze if freeze != 'none' else ''}-lr{lr:g}-e{epochs}"
         cdir = work / f"critic-{name}"
         t0 = time.time()
-        tr = _va("train", str(manifests[tag]), "--output", str(cdir), "--backbone", args.model, "--gpus", "1",
-                 "--global-batch-size", str(args.batch_size), "--epochs", str(epochs), "--lr", str(lr),
-                 "--warmup-steps", str(args.warmup), "--micro-batch-tokens", "16384", "--freeze", freeze)
+        tr = _va(
+            "train",
+            str(manifests[tag]),
+            "--output",
+            str(cdir),
+            "--backbone",
+            args.model,
+            "--gpus",
+            "1",
+            "--global-batch-size",
+            str(args.batch_size),
+            "--epochs",
+            str(epochs),
+            "--lr",
+            str(lr),
+            "--warmup-steps",
+            str(args.warmup),
+            "--micro-batch-tokens",
+            "16384",
+            "--freeze",
+            freeze,
+        )
         if tr.returncode:
             sys.stderr.write(tr.stderr[-3000:])
             raise SystemExit(f"train {name} failed")
         contract = _last_json(tr.stdout)["contract_sha256"]
         train_s = time.time() - t0
-        ev = _va("evaluate", "--checkpoint", str(cdir), "--manifest", str(manifests[tag]), "--contract-sha256", contract,
-                 "--report", str(work / f"ev-{name}.json"), "--global-batch-size", str(g), "--num-batches", str(nb), "--gpus", "1")
+        ev = _va(
+            "evaluate",
+            "--checkpoint",
+            str(cdir),
+            "--manifest",
+            str(manifests[tag]),
+            "--contract-sha256",
+            contract,
+            "--report",
+            str(work / f"ev-{name}.json"),
+            "--global-batch-size",
+            str(g),
+            "--num-batches",
+            str(nb),
+            "--gpus",
+            "1",
+        )
         gate = _last_json(ev.stdout)
         report = json.loads((work / f"ev-{name}.json").read_text())
         (reports / f"ev-{name}.json").write_text(json.dumps(report) + "\n")
@@ -312,28 +453,54 @@ def cmd_study(args) -> None:
         decision = decide_under(report, "interval", 0.0)
         barred = decide_under(report, "interval", args.min_ev).passed
         lows = {w: (iv.low if iv is not None else None) for w, iv in decision.intervals.items()}
-        run = {"name": name, "manifest": tag, "lr": lr, "epochs": epochs, "freeze": freeze, "train_s": round(train_s, 1),
-               "gate_passed": gate["passed"], "report_token_ev": gate["token_ev"], "report_trajectory_ev": gate["trajectory_ev"],
-               "report_auroc": gate["auroc"], "interval_gate_passed": decision.passed, "interval_low": lows,
-               "min_ev": args.min_ev, "interval_min_ev_gate_passed": barred}
-        print(f"{name}: gate {'PASSED' if gate['passed'] else 'FAILED'}, interval gate "
-              f"{'PASSED' if decision.passed else 'FAILED'} (lower bounds {lows}), interval gate with min EV "
-              f"{args.min_ev:g} {'PASSED' if barred else 'FAILED'}; token EV {gate['token_ev']:.4f} "
-              f"trajectory EV {gate['trajectory_ev']:.4f} ({train_s:.0f}s)", flush=True)
+        run = {
+            "name": name,
+            "manifest": tag,
+            "lr": lr,
+            "epochs": epochs,
+            "freeze": freeze,
+            "train_s": round(train_s, 1),
+            "gate_passed": gate["passed"],
+            "report_token_ev": gate["token_ev"],
+            "report_trajectory_ev": gate["trajectory_ev"],
+            "report_auroc": gate["auroc"],
+            "interval_gate_passed": decision.passed,
+            "interval_low": lows,
+            "min_ev": args.min_ev,
+            "interval_min_ev_gate_passed": barred,
+        }
+        print(
+            f"{name}: gate {'PASSED' if gate['passed'] else 'FAILED'}, interval gate "
+            f"{'PASSED' if decision.passed else 'FAILED'} (lower bounds {lows}), interval gate with min EV "
+            f"{args.min_ev:g} {'PASSED' if barred else 'FAILED'}; token EV {gate['token_ev']:.4f} "
+            f"trajectory EV {gate['trajectory_ev']:.4f} ({train_s:.0f}s)",
+            flush=True,
+        )
         if tag == "real":
             hf = work / f"hf-{name}"
             _va("export-hf", "--checkpoint", str(cdir), "--out", str(hf))
             values = _per_row_values(hf, held_rows, device)
             methods.append(_metrics(f"critic {name}", held_rows, values, prompt_of, args.resamples, args.seed))
-            methods.append(_metrics(f"prompt-only {name}", held_rows, [np.full(v.shape, v[0]) for v in values],
-                                    prompt_of, args.resamples, args.seed))
+            methods.append(
+                _metrics(
+                    f"prompt-only {name}",
+                    held_rows,
+                    [np.full(v.shape, v[0]) for v in values],
+                    prompt_of,
+                    args.resamples,
+                    args.seed,
+                )
+            )
         results["runs"].append(run)
         # Saved after every run, so a run cut short by a time limit keeps what it measured.
         (out / "partial_runs.json").write_text(json.dumps(results["runs"], indent=1) + "\n")
     results["methods"] = methods
     labels = [float(r.returns[0]) for r in held_rows]
-    results["heldout"] = {"rows": len(held_rows), "prompts": len({prompt_of(r) for r in held_rows}),
-                          "label_balance": {"1.0": int(sum(labels)), "0.0": len(labels) - int(sum(labels))}}
+    results["heldout"] = {
+        "rows": len(held_rows),
+        "prompts": len({prompt_of(r) for r in held_rows}),
+        "label_balance": {"1.0": int(sum(labels)), "0.0": len(labels) - int(sum(labels))},
+    }
     results["train"] = {"rows": len(train_ids)}
     stem = "real_rollouts_controls" if args.controls_only else "real_rollouts"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -342,6 +509,7 @@ def cmd_study(args) -> None:
     print(table)
     if not args.controls_only:
         _plot(results, out / "real_rollouts.png")
+
 
 def _fmt_iv(iv) -> str:
     if iv["estimate"] is None:
@@ -352,22 +520,37 @@ def _fmt_iv(iv) -> str:
 
 
 def _table(results) -> str:
-    lines = [f"held-out: {results['heldout']['rows']} rows, {results['heldout']['prompts']} prompts, labels {results['heldout']['label_balance']}; "
-             f"train: {results['train']['rows']} rows; tasks {results['kept_tasks']}", "",
-             "| method | token EV [95% CI over prompts] | trajectory EV [95% CI] | AUROC | ECE |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"held-out: {results['heldout']['rows']} rows, {results['heldout']['prompts']} prompts, labels "
+        f"{results['heldout']['label_balance']}; "
+        f"train: {results['train']['rows']} rows; tasks {results['kept_tasks']}",
+        "",
+        "| method | token EV [95% CI over prompts] | trajectory EV [95% CI] | AUROC | ECE |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for m in results["methods"]:
         au = "n/a" if m["auroc"] is None else f"{m['auroc']:.3f}"
-        lines.append(f"| {m['method']} | {_fmt_iv(m['token_ev'])} | {_fmt_iv(m['trajectory_ev'])} | {au} | {m['ece']:.3f} |")
+        lines.append(
+            f"| {m['method']} | {_fmt_iv(m['token_ev'])} | {_fmt_iv(m['trajectory_ev'])} | {au} | {m['ece']:.3f} |"
+        )
     bar = next((r["min_ev"] for r in results["runs"] if "min_ev" in r), None)
-    lines += ["", f"| run | gate (miles) | gate (interval) | gate (interval, min EV {bar}) | report token EV | report trajectory EV | "
-              "interval lower bounds (token, trajectory) | train s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"| run | gate (miles) | gate (interval) | gate (interval, min EV {bar}) | report token EV | report "
+        "trajectory EV | interval lower bounds (token, trajectory) | train s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     verdict = {True: "PASSED", False: "FAILED", None: "-"}
     for r in results["runs"]:
         low = r.get("interval_low") or {}
-        lows = ", ".join("n/a" if low.get(w) is None else f"{low[w]:.4f}" for w in ("token", "trajectory")) if low else "-"
-        lines.append(f"| {r['name']} | {verdict[r['gate_passed']]} | {verdict[r.get('interval_gate_passed')]} | "
-                     f"{verdict[r.get('interval_min_ev_gate_passed')]} | {r['report_token_ev']:.4f} | "
-                     f"{r['report_trajectory_ev']:.4f} | {lows} | {r['train_s']} |")
+        lows = (
+            ", ".join("n/a" if low.get(w) is None else f"{low[w]:.4f}" for w in ("token", "trajectory")) if low else "-"
+        )
+        lines.append(
+            f"| {r['name']} | {verdict[r['gate_passed']]} | {verdict[r.get('interval_gate_passed')]} | "
+            f"{verdict[r.get('interval_min_ev_gate_passed')]} | {r['report_token_ev']:.4f} | "
+            f"{r['report_trajectory_ev']:.4f} | {lows} | {r['train_s']} |"
+        )
     return "\n".join(lines)
 
 
@@ -382,8 +565,8 @@ def _plot(results, path: Path) -> None:
     names = [m["method"] for m in ms]
     for k, (key, color) in enumerate((("token_ev", "tab:blue"), ("trajectory_ev", "tab:orange"))):
         est = [m[key]["estimate"] or 0.0 for m in ms]
-        lo = [e - (m[key]["low"] if m[key]["low"] is not None else e) for e, m in zip(est, ms)]
-        hi = [(m[key]["high"] if m[key]["high"] is not None else e) - e for e, m in zip(est, ms)]
+        lo = [e - (m[key]["low"] if m[key]["low"] is not None else e) for e, m in zip(est, ms, strict=True)]
+        hi = [(m[key]["high"] if m[key]["high"] is not None else e) - e for e, m in zip(est, ms, strict=True)]
         a.barh(np.arange(len(ms)) + 0.4 * k, est, height=0.4, xerr=[lo, hi], color=color, label=key.replace("_", " "))
     a.set_yticks(np.arange(len(ms)) + 0.2, names, fontsize=7)
     a.axvline(0, color="k", lw=0.8)
@@ -391,7 +574,13 @@ def _plot(results, path: Path) -> None:
     a.legend(fontsize=8)
     for m in ms:
         if m["calibration"]:
-            b.plot([x["mean_value"] for x in m["calibration"]], [x["success"] for x in m["calibration"]], "o-", ms=3, label=m["method"])
+            b.plot(
+                [x["mean_value"] for x in m["calibration"]],
+                [x["success"] for x in m["calibration"]],
+                "o-",
+                ms=3,
+                label=m["method"],
+            )
     b.plot([0, 1], [0, 1], "k--", lw=0.8)
     b.set_xlabel("predicted success (trajectory value)")
     b.set_ylabel("observed success")
@@ -433,8 +622,13 @@ def main() -> None:
     s.add_argument("--work", required=True)
     s.add_argument("--out")
     s.add_argument("--lrs", type=float, nargs="+", default=[2e-5, 1e-4])
-    s.add_argument("--freeze-lrs", type=float, nargs="*", default=[1e-3],
-                   help="learning rates of the `--freeze backbone` critics (only the value head trains)")
+    s.add_argument(
+        "--freeze-lrs",
+        type=float,
+        nargs="*",
+        default=[1e-3],
+        help="learning rates of the `--freeze backbone` critics (only the value head trains)",
+    )
     s.add_argument("--epochs", type=int, default=2)
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--warmup", type=int, default=10)
@@ -445,12 +639,24 @@ def main() -> None:
     s.add_argument("--max-rate", type=float, default=0.9)
     s.add_argument("--resamples", type=int, default=2000)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--shuffle-seeds", type=int, nargs="+", default=[0],
-                   help="one shuffled-reward control per seed and configuration (the reward permutation's seed)")
-    s.add_argument("--min-ev", type=float, default=0.005,
-                   help="the minimum useful EV of the third verdict (interval rule, lower bounds > it)")
-    s.add_argument("--controls-only", action="store_true",
-                   help="train and gate only the shuffled controls; results go to real_rollouts_controls.{json,md}")
+    s.add_argument(
+        "--shuffle-seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one shuffled-reward control per seed and configuration (the reward permutation's seed)",
+    )
+    s.add_argument(
+        "--min-ev",
+        type=float,
+        default=0.005,
+        help="the minimum useful EV of the third verdict (interval rule, lower bounds > it)",
+    )
+    s.add_argument(
+        "--controls-only",
+        action="store_true",
+        help="train and gate only the shuffled controls; results go to real_rollouts_controls.{json,md}",
+    )
     s.set_defaults(func=cmd_study)
     args = p.parse_args()
     args.func(args)

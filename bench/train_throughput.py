@@ -66,25 +66,34 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-from value_assets.core.backbone import CriticShape  # noqa: E402
-from value_assets.core.memory import (GIB, RECOMPUTE, Layout, MemoryConfig, auto_micro_batch_tokens,
-                                     more_recompute, predict_peak)
+from value_assets.core.backbone import CriticShape
+from value_assets.core.memory import (
+    GIB,
+    RECOMPUTE,
+    Layout,
+    MemoryConfig,
+    auto_micro_batch_tokens,
+    more_recompute,
+    predict_peak,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._flops import FORMULA, flops_per_token, matmul_params, s_eff  # noqa: E402
+from bench._flops import FORMULA, flops_per_token, matmul_params, s_eff
 
 PEAK_TFLOPS = 790.0  # bf16 dense matmul, measured on this workplace's H200 (docs/operations.md)
 CUDA = torch.cuda.is_available()
 
 
 # --------------------------------------------------------------------------------------- data
+
 
 def length_mix(n: int, seed: int, smoke: bool) -> list[tuple[int, int]]:
     """(prompt, response) lengths: lognormal, clipped; prompt + response <= cap."""
@@ -109,9 +118,12 @@ def make_batches(num_batches: int, batch_rows: int, vocab: int, seed: int, smoke
     rng = np.random.default_rng(seed + 1)
     rows = []
     for i, (p, r) in enumerate(lens):
-        rows.append(Row(row_id=i, tokens=rng.integers(0, vocab, p + r, dtype=np.int64),
-                        response_length=r, returns=rng.random(r)))
-    return [rows[i * batch_rows:(i + 1) * batch_rows] for i in range(num_batches)]
+        rows.append(
+            Row(
+                row_id=i, tokens=rng.integers(0, vocab, p + r, dtype=np.int64), response_length=r, returns=rng.random(r)
+            )
+        )
+    return [rows[i * batch_rows : (i + 1) * batch_rows] for i in range(num_batches)]
 
 
 def fixed_length_batches(num_batches: int, batch_rows: int, vocab: int, seed: int, length: int, prompt: int):
@@ -119,9 +131,16 @@ def fixed_length_batches(num_batches: int, batch_rows: int, vocab: int, seed: in
     from value_assets.gpu.model.packing import Row
 
     rng = np.random.default_rng(seed + 2)
-    rows = [Row(row_id=i, tokens=rng.integers(0, vocab, length, dtype=np.int64), response_length=length - prompt,
-                returns=rng.random(length - prompt)) for i in range(num_batches * batch_rows)]
-    return [rows[i * batch_rows:(i + 1) * batch_rows] for i in range(num_batches)]
+    rows = [
+        Row(
+            row_id=i,
+            tokens=rng.integers(0, vocab, length, dtype=np.int64),
+            response_length=length - prompt,
+            returns=rng.random(length - prompt),
+        )
+        for i in range(num_batches * batch_rows)
+    ]
+    return [rows[i * batch_rows : (i + 1) * batch_rows] for i in range(num_batches)]
 
 
 def model_lens(rows) -> list[int]:
@@ -156,12 +175,13 @@ def pad_batch(rows) -> dict[str, torch.Tensor]:
         n, p = L - 1, L - r
         ids[b, :n] = torch.from_numpy(row.tokens[:n])
         am[b, :n] = 1
-        ret[b, p - 1:p - 1 + r] = torch.from_numpy(np.asarray(row.returns, dtype=np.float32))
-        msk[b, p - 1:p - 1 + r] = 1.0
+        ret[b, p - 1 : p - 1 + r] = torch.from_numpy(np.asarray(row.returns, dtype=np.float32))
+        msk[b, p - 1 : p - 1 + r] = 1.0
     return {"input_ids": ids, "attention_mask": am, "returns": ret, "mask": msk}
 
 
 # ----------------------------------------------------------------------------------- helpers
+
 
 def sync() -> None:
     if CUDA:
@@ -173,7 +193,7 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib() -> Optional[float]:
+def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
 
 
@@ -202,24 +222,44 @@ class Results:
         self.profiles: list[dict[str, Any]] = []  # profile_steps' summaries
         self.sync_audits: dict[str, list[dict[str, Any]]] = {}  # sync_audit's rows per model row
 
-    def add(self, model: str, system: str, mode: str, *, seconds: Optional[float] = None,
-            tokens: int = 0, flops_tok: float = 0.0, steps: int = 1, error: Optional[str] = None,
-            **extra: Any) -> None:
+    def add(
+        self,
+        model: str,
+        system: str,
+        mode: str,
+        *,
+        seconds: float | None = None,
+        tokens: int = 0,
+        flops_tok: float = 0.0,
+        steps: int = 1,
+        error: str | None = None,
+        **extra: Any,
+    ) -> None:
         rec: dict[str, Any] = dict(model=model, system=system, mode=mode, error=error, **extra)
         if error == "OOM":
             rec["peak_gib"] = peak_gib()  # where it ran out
         elif seconds:
             tps = tokens / seconds
             tflops = tps * flops_tok / 1e12
-            rec.update(tokens_per_s=tps, tflops=tflops, mfu=tflops / PEAK_TFLOPS,
-                       step_time_s=seconds / steps, timed_tokens=tokens, timed_s=seconds,
-                       flops_per_token=flops_tok, peak_gib=peak_gib())
+            rec.update(
+                tokens_per_s=tps,
+                tflops=tflops,
+                mfu=tflops / PEAK_TFLOPS,
+                step_time_s=seconds / steps,
+                timed_tokens=tokens,
+                timed_s=seconds,
+                flops_per_token=flops_tok,
+                peak_gib=peak_gib(),
+            )
         self.rows.append(rec)
-        msg = (f"  -> {system} {mode}: " + (f"{rec['tokens_per_s']:,.0f} tok/s, {rec['tflops']:.1f} TFLOP/s, "
-               f"MFU {100 * rec['mfu']:.1f}%" if error is None else f"ERROR {error}"))
+        msg = f"  -> {system} {mode}: " + (
+            f"{rec['tokens_per_s']:,.0f} tok/s, {rec['tflops']:.1f} TFLOP/s, MFU {100 * rec['mfu']:.1f}%"
+            if error is None
+            else f"ERROR {error}"
+        )
         print(msg, flush=True)
 
-    def get(self, model: str, system: str, mode: str) -> Optional[float]:
+    def get(self, model: str, system: str, mode: str) -> float | None:
         for r in self.rows:
             if (r["model"], r["system"], r["mode"]) == (model, system, mode) and r.get("tokens_per_s"):
                 return r["tokens_per_s"]
@@ -227,23 +267,29 @@ class Results:
 
     def table(self) -> str:
         w = max([9] + [len(r["model"]) for r in self.rows])
-        hdr = (f"{'model':<{w}} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
-               f"{'pred GiB':>9} {'step s':>8}  notes")
+        hdr = (
+            f"{'model':<{w}} {'system':<6} {'mode':<6} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+            f"{'pred GiB':>9} {'step s':>8}  notes"
+        )
         lines = [hdr, "-" * len(hdr)]
         for r in self.rows:
             pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
             pred = "-" if r.get("pred_gib") is None else f"{r['pred_gib']:.1f}"
             if r.get("error"):
-                lines.append(f"{r['model']:<{w}} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {pk:>9} "
-                             f"{pred:>9} {'-':>8}  {r['error']}  {r.get('notes', '')}")
+                lines.append(
+                    f"{r['model']:<{w}} {r['system']:<6} {r['mode']:<6} {'-':>11} {'-':>8} {'-':>6} {pk:>9} "
+                    f"{pred:>9} {'-':>8}  {r['error']}  {r.get('notes', '')}"
+                )
                 continue
             lines.append(
                 f"{r['model']:<{w}} {r['system']:<6} {r['mode']:<6} {r['tokens_per_s']:>11,.0f} {r['tflops']:>8.1f} "
-                f"{100 * r['mfu']:>5.1f}% {pk:>9} {pred:>9} {r['step_time_s']:>8.3f}  {r.get('notes', '')}")
+                f"{100 * r['mfu']:>5.1f}% {pk:>9} {pred:>9} {r['step_time_s']:>8.3f}  {r.get('notes', '')}"
+            )
         return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------- ours
+
 
 def predicted_gib(bb, obj, memory: MemoryConfig, tokens: int, train: bool) -> float:
     return predict_peak(CriticShape(bb, obj.head_size), Layout(), memory, tokens, train=train, bf16=CUDA) / GIB
@@ -256,23 +302,33 @@ def recompute_note(memory: MemoryConfig, num_layers: int) -> str:
     return f"recompute full ({memory.recompute_layers}/{num_layers} layers)"
 
 
-def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
-             memory: MemoryConfig = MemoryConfig(), modes: tuple[str, ...] = ("eval", "fwd", "train"),
-             profile_n: int = 2) -> None:
-    from value_assets.gpu.model.losses import predicted_values
+def run_ours(
+    name: str,
+    bb,
+    obj,
+    batches,
+    args,
+    res: Results,
+    profile: bool,
+    memory: MemoryConfig | None = None,
+    modes: tuple[str, ...] = ("eval", "fwd", "train"),
+    profile_n: int = 2,
+) -> None:
     from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.packing import pack_rows
     from value_assets.gpu.runtime.step import evaluate_rows, optimizer_step, wrap_for_training
 
     G = args.global_batch
-    warm, timed_b = batches[:args.warmup], batches[args.warmup:]
+    memory = memory or MemoryConfig()
+    timed_b = batches[args.warmup :]
     real = sum(sum(model_lens(b)) for b in timed_b)
     lens = [n for b in timed_b for n in model_lens(b)]
     f_train = flops_per_token(bb, obj.head_size, lens, train=True)
     f_fwd = flops_per_token(bb, obj.head_size, lens, train=False)
     mbs = [pack_rows(b, args.micro_batch_tokens) for b in batches]
     emb = [pack_rows(b, args.eval_micro_batch_tokens) for b in batches]
-    n_mb = np.mean([len(m) for m in mbs[args.warmup:]])
+    n_mb = np.mean([len(m) for m in mbs[args.warmup :]])
     train_note = f"{n_mb:.1f} packed mb/step of <= {args.micro_batch_tokens} tok"
     if memory.recompute != "none":
         train_note += ", " + recompute_note(memory, bb.num_layers)
@@ -288,14 +344,18 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
         model = build_critic(bb, obj, memory=memory)
         print(f"  built ours {name} in {time.perf_counter() - t0:.1f}s", flush=True)
         n_model = sum(p.numel() for n_, p in model.named_parameters() if "embedding" not in n_)
-        print(f"  ours non-embedding params {n_model / 1e6:.1f}M (FLOP count uses matmul "
-              f"weights {matmul_params(bb, obj.head_size) / 1e6:.1f}M)", flush=True)
+        print(
+            f"  ours non-embedding params {n_model / 1e6:.1f}M (FLOP count uses matmul "
+            f"weights {matmul_params(bb, obj.head_size) / 1e6:.1f}M)",
+            flush=True,
+        )
 
         # -- forward-only: evaluate_rows (engine API) and the raw packed forward
         for mode in [m for m in ("eval", "fwd") if m in modes]:
             reset_peak()
             try:
                 if mode == "eval":
+
                     def go(bs):
                         for m in bs:
                             evaluate_rows(model, m, obj)
@@ -306,26 +366,44 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
                         with torch.no_grad():
                             for m in bs:
                                 for mb in m:
-                                    head = critic_forward(model, mb.tokens, mb.position_ids,
-                                                          mb.cu_seqlens, mb.max_seqlen)
+                                    head = critic_forward(
+                                        model, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen
+                                    )
                                     predicted_values(head, obj).cpu()
+
                     emb_run = dev_mbs
                 src = emb if mode == "eval" else emb_run
                 model.eval()
-                dt = timed(lambda: go(src[:args.warmup]), lambda: go(src[args.warmup:]))
+                dt = timed(lambda src=src: go(src[: args.warmup]), lambda src=src: go(src[args.warmup :]))
                 if mode == "eval" and name in args.sync_audit_rows:
-                    res.sync_audits[f"{name} eval"] = sync_audit(lambda: go(src[args.warmup:args.warmup + 1]),
-                                                                 f"ours eval {name}")
+                    res.sync_audits[f"{name} eval"] = sync_audit(
+                        lambda src=src: go(src[args.warmup : args.warmup + 1]), f"ours eval {name}"
+                    )
                 model.train()
-                res.add(name, "ours", mode, seconds=dt, tokens=real, flops_tok=f_fwd, pred_gib=pred_eval,
-                        steps=len(timed_b), notes=eval_note + (" (evaluate_rows)" if mode == "eval" else " (raw)"))
+                res.add(
+                    name,
+                    "ours",
+                    mode,
+                    seconds=dt,
+                    tokens=real,
+                    flops_tok=f_fwd,
+                    pred_gib=pred_eval,
+                    steps=len(timed_b),
+                    notes=eval_note + (" (evaluate_rows)" if mode == "eval" else " (raw)"),
+                )
             except Exception as exc:  # noqa: BLE001
                 if not is_oom(exc):
                     traceback.print_exc()
-                res.add(name, "ours", mode, error=("OOM" if is_oom(exc) else type(exc).__name__),
-                        pred_gib=pred_eval, notes=eval_note)
+                res.add(
+                    name,
+                    "ours",
+                    mode,
+                    error=("OOM" if is_oom(exc) else type(exc).__name__),
+                    pred_gib=pred_eval,
+                    notes=eval_note,
+                )
             finally:
-                src = emb_run = dev_mbs = None  # noqa: F841
+                src = emb_run = dev_mbs = None
                 free_memory()
 
         # -- training
@@ -333,26 +411,46 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
             return
         reset_peak()
         try:
-            ddp, opt = wrap_for_training(model, lr=1e-6, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer)
+            ddp, opt = wrap_for_training(
+                model, lr=1e-6, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer
+            )
 
             def steps(bs):
                 for m in bs:
                     optimizer_step(ddp, opt, m, G, obj)
 
-            dt = timed(lambda: steps(mbs[:args.warmup]), lambda: steps(mbs[args.warmup:]))
-            res.add(name, "ours", "train", seconds=dt, tokens=real, flops_tok=f_train, pred_gib=pred_train,
-                    steps=len(timed_b), notes=train_note)
+            dt = timed(lambda: steps(mbs[: args.warmup]), lambda: steps(mbs[args.warmup :]))
+            res.add(
+                name,
+                "ours",
+                "train",
+                seconds=dt,
+                tokens=real,
+                flops_tok=f_train,
+                pred_gib=pred_train,
+                steps=len(timed_b),
+                notes=train_note,
+            )
             if profile:
                 n = min(profile_n, len(mbs) - args.warmup)
-                res.profiles.append(profile_steps(lambda: steps(mbs[args.warmup:args.warmup + n]),
-                                                  f"ours train {name}", n, opt))
+                res.profiles.append(
+                    profile_steps(lambda: steps(mbs[args.warmup : args.warmup + n]), f"ours train {name}", n, opt)
+                )
             if name in args.sync_audit_rows:
-                res.sync_audits[name] = sync_audit(lambda: steps(mbs[args.warmup:args.warmup + 1]), f"ours train {name}")
+                res.sync_audits[name] = sync_audit(
+                    lambda: steps(mbs[args.warmup : args.warmup + 1]), f"ours train {name}"
+                )
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 traceback.print_exc()
-            res.add(name, "ours", "train", error=("OOM" if is_oom(exc) else type(exc).__name__),
-                    pred_gib=pred_train, notes=train_note)
+            res.add(
+                name,
+                "ours",
+                "train",
+                error=("OOM" if is_oom(exc) else type(exc).__name__),
+                pred_gib=pred_train,
+                notes=train_note,
+            )
     except Exception as exc:  # noqa: BLE001  (build failed)
         if not is_oom(exc):
             traceback.print_exc()
@@ -364,13 +462,19 @@ def run_ours(name: str, bb, obj, batches, args, res: Results, profile: bool,
             # wrap_for_training hangs the optimizer off the shared config: drop it.
             model.config.grad_scale_func = None
             model.config.finalize_model_grads_func = None
-        model = ddp = opt = None  # noqa: F841
+        model = ddp = opt = None
         free_memory()
 
 
 OPTIMIZER_RANGE = "bench: optimizer.step"
-PROFILE_GROUPS = ("matmul (gemm)", "attention", "elementwise / norm / other", "optimizer step", "memcpy / memset",
-                  "communication")
+PROFILE_GROUPS = (
+    "matmul (gemm)",
+    "attention",
+    "elementwise / norm / other",
+    "optimizer step",
+    "memcpy / memset",
+    "communication",
+)
 _MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv", "aten::_scaled_mm"}
 _ATTN = re.compile(r"flash|fmha|attention|attn|scaled_dot_product|sdpa", re.I)
 _GEMM = re.compile(r"gemm|nvjet|cublas|cutlass|xmma|wgmma|sm\d\d_|ampere_|hopper_", re.I)
@@ -435,8 +539,13 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
     groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
     recomputed = host_sync = 0.0
     if CUDA:
-        device = [e for e in events if e.device_type == DeviceType.CUDA and e.name != OPTIMIZER_RANGE
-                  and not getattr(e, "is_user_annotation", False)]
+        device = [
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA
+            and e.name != OPTIMIZER_RANGE
+            and not getattr(e, "is_user_annotation", False)
+        ]
         linked = 0.0
         for e in events:
             if e.device_type != DeviceType.CPU:
@@ -469,20 +578,29 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
         rest = "outside ops (Python, idle)"
     seconds = {g: v / 1e6 for g, v in groups.items()}
     seconds[rest] = max(0.0, wall_s - busy / 1e6)
-    return {"wall_s": wall_s, "device": "cuda" if CUDA else "cpu", "seconds": seconds,
-            "percent_of_wall": {g: 100 * v / wall_s for g, v in seconds.items()},
-            "recomputed_forward_s": recomputed / 1e6, "host_sync_s": host_sync / 1e6}
+    return {
+        "wall_s": wall_s,
+        "device": "cuda" if CUDA else "cpu",
+        "seconds": seconds,
+        "percent_of_wall": {g: 100 * v / wall_s for g, v in seconds.items()},
+        "recomputed_forward_s": recomputed / 1e6,
+        "host_sync_s": host_sync / 1e6,
+    }
 
 
 def print_profile_groups(summary: dict[str, Any], label: str) -> None:
     wall = summary["wall_s"]
-    print(f"---- where the time goes: {label}, % of wall {wall:.3f}s "
-          f"({'kernel device time' if summary['device'] == 'cuda' else 'op self CPU time'}) ----")
+    print(
+        f"---- where the time goes: {label}, % of wall {wall:.3f}s "
+        f"({'kernel device time' if summary['device'] == 'cuda' else 'op self CPU time'}) ----"
+    )
     for g, v in summary["seconds"].items():
         print(f"  {g:<40} {100 * v / wall:6.1f}%  {v:8.3f}s")
     if summary["recomputed_forward_s"]:
-        print(f"  {'(of which recomputed forward)':<40} {100 * summary['recomputed_forward_s'] / wall:6.1f}%  "
-              f"{summary['recomputed_forward_s']:8.3f}s")
+        print(
+            f"  {'(of which recomputed forward)':<40} {100 * summary['recomputed_forward_s'] / wall:6.1f}%  "
+            f"{summary['recomputed_forward_s']:8.3f}s"
+        )
     if summary["host_sync_s"]:
         print(f"  host blocked in CUDA syncs (CPU side): {summary['host_sync_s']:.3f}s")
 
@@ -504,11 +622,15 @@ def sync_audit(fn: Callable[[], None], label: str) -> list[dict[str, Any]]:
         if "synchroniz" not in str(message):  # other warnings raised during the step
             return
         frames = traceback.extract_stack()[:-1]
-        ours = [f for f in frames if ("value_assets" in f.filename or "megatron" in f.filename)
-                and "warnings" not in f.filename]
+        ours = [
+            f
+            for f in frames
+            if ("value_assets" in f.filename or "megatron" in f.filename) and "warnings" not in f.filename
+        ]
         where = ours[-1] if ours else frames[-1]
-        key = (f"{os.path.relpath(where.filename, here) if where.filename.startswith(here) else where.filename.split('site-packages/')[-1]}"
-               f":{where.lineno}", (where.line or "").strip()[:80])
+        ours_file = where.filename.startswith(here)
+        name = os.path.relpath(where.filename, here) if ours_file else where.filename.split("site-packages/")[-1]
+        key = (f"{name}:{where.lineno}", (where.line or "").strip()[:80])
         counts[key] = counts.get(key, 0) + 1
 
     sync()
@@ -541,9 +663,11 @@ def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = Non
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
     step, had_step = getattr(opt, "step", None), "step" in vars(opt) if opt is not None else False
     if step is not None:
+
         def marked(*a, **kw):
             with record_function(OPTIMIZER_RANGE):
                 return step(*a, **kw)
+
         opt.step = marked
     sync()
     try:
@@ -560,7 +684,7 @@ def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = Non
                 del opt.step  # the class's method again
     ka = prof.key_averages()
     table = None
-    for sort in (("self_device_time_total", "self_cuda_time_total") if CUDA else ("self_cpu_time_total",)):
+    for sort in ("self_device_time_total", "self_cuda_time_total") if CUDA else ("self_cpu_time_total",):
         try:
             table = ka.table(sort_by=sort, row_limit=15)
             break
@@ -581,6 +705,7 @@ def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = Non
 
 # --------------------------------------------------------------------------------------- HF
 
+
 def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ...] = ("fwd", "train")) -> None:
     from transformers import AutoModel, Qwen2Config
 
@@ -589,25 +714,32 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
     G = args.global_batch
     dtype = torch.bfloat16 if CUDA else torch.float32
     dev = torch.device("cuda") if CUDA else torch.device("cpu")
-    timed_b = batches[args.warmup:]
+    timed_b = batches[args.warmup :]
     real = sum(sum(model_lens(b)) for b in timed_b)
     lens = [n for b in timed_b for n in model_lens(b)]
     f_train = flops_per_token(bb, obj.head_size, lens, train=True)
     f_fwd = flops_per_token(bb, obj.head_size, lens, train=False)
     groups = [[pad_batch(g) for g in pad_groups(b, args.micro_batch_tokens)] for b in batches]
     egroups = [[pad_batch(g) for g in pad_groups(b, args.eval_micro_batch_tokens)] for b in batches]
-    padded = sum(int(p["input_ids"].numel()) for gs in groups[args.warmup:] for p in gs)
-    epadded = sum(int(p["input_ids"].numel()) for gs in egroups[args.warmup:] for p in gs)
-    n_mb = np.mean([len(g) for g in groups[args.warmup:]])
+    padded = sum(int(p["input_ids"].numel()) for gs in groups[args.warmup :] for p in gs)
+    epadded = sum(int(p["input_ids"].numel()) for gs in egroups[args.warmup :] for p in gs)
+    n_mb = np.mean([len(g) for g in groups[args.warmup :]])
     train_note = f"{n_mb:.1f} padded mb/step, {100 * (1 - real / padded):.0f}% pad"
     eval_note = f"padded mb, {100 * (1 - real / epadded):.0f}% pad"
 
     cfg = Qwen2Config(
-        vocab_size=bb.vocab_size, hidden_size=bb.hidden_size, intermediate_size=bb.ffn_hidden_size,
-        num_hidden_layers=bb.num_layers, num_attention_heads=bb.num_attention_heads,
-        num_key_value_heads=bb.num_query_groups, max_position_embeddings=bb.max_seq_len,
-        rope_theta=bb.rotary_base, rms_norm_eps=bb.norm_epsilon, tie_word_embeddings=False,
-        use_cache=False, attention_dropout=0.0,
+        vocab_size=bb.vocab_size,
+        hidden_size=bb.hidden_size,
+        intermediate_size=bb.ffn_hidden_size,
+        num_hidden_layers=bb.num_layers,
+        num_attention_heads=bb.num_attention_heads,
+        num_key_value_heads=bb.num_query_groups,
+        max_position_embeddings=bb.max_seq_len,
+        rope_theta=bb.rotary_base,
+        rms_norm_eps=bb.norm_epsilon,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attention_dropout=0.0,
     )
     model = head = opt = params = None
     try:
@@ -619,9 +751,11 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
                 model = AutoModel.from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
             head = torch.nn.Linear(bb.hidden_size, obj.head_size, dtype=torch.float32)
         model.config.use_cache = False
-        print(f"  built hf {name} in {time.perf_counter() - t0:.1f}s "
-              f"(attn {getattr(model.config, '_attn_implementation', '?')}, {next(model.parameters()).dtype})",
-              flush=True)
+        print(
+            f"  built hf {name} in {time.perf_counter() - t0:.1f}s "
+            f"(attn {getattr(model.config, '_attn_implementation', '?')}, {next(model.parameters()).dtype})",
+            flush=True,
+        )
 
         def forward(p):
             hs = model(input_ids=p["input_ids"], attention_mask=p["attention_mask"], use_cache=False).last_hidden_state
@@ -643,9 +777,8 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
             reset_peak()
             try:
                 model.eval()
-                dt = timed(lambda: fwd(egroups[:args.warmup]), lambda: fwd(egroups[args.warmup:]))
-                res.add(name, "hf", mode, seconds=dt, tokens=real, flops_tok=f_fwd, steps=len(timed_b),
-                        notes=eval_note)
+                dt = timed(lambda: fwd(egroups[: args.warmup]), lambda: fwd(egroups[args.warmup :]))
+                res.add(name, "hf", mode, seconds=dt, tokens=real, flops_tok=f_fwd, steps=len(timed_b), notes=eval_note)
             except Exception as exc:  # noqa: BLE001
                 if not is_oom(exc):
                     traceback.print_exc()
@@ -679,9 +812,10 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
                 for gs in gs_list:
                     step(gs)
 
-            dt = timed(lambda: steps(groups[:args.warmup]), lambda: steps(groups[args.warmup:]))
-            res.add(name, "hf", "train", seconds=dt, tokens=real, flops_tok=f_train, steps=len(timed_b),
-                    notes=train_note)
+            dt = timed(lambda: steps(groups[: args.warmup]), lambda: steps(groups[args.warmup :]))
+            res.add(
+                name, "hf", "train", seconds=dt, tokens=real, flops_tok=f_train, steps=len(timed_b), notes=train_note
+            )
         except Exception as exc:  # noqa: BLE001
             if not is_oom(exc):
                 traceback.print_exc()
@@ -693,48 +827,82 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
             if not any((r["model"], r["system"], r["mode"]) == (name, "hf", mode) for r in res.rows):
                 res.add(name, "hf", mode, error=("OOM" if is_oom(exc) else type(exc).__name__))
     finally:
-        model = head = opt = params = None  # noqa: F841  (params hold the grads: drop them before emptying the cache)
+        model = head = opt = params = None
         free_memory()
 
 
 # ------------------------------------------------------------------------------------- main
 
-def main(argv: Optional[list[str]] = None) -> int:
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.5b,1.5b", help="comma list of 0.5b, 1.5b (tiny with --smoke)")
     ap.add_argument("--systems", default="ours,hf", help="comma list of ours, hf")
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps (global batches)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--micro-batch-tokens", default="16384",
-                    help="packed train micro-batch token budget of the 4k-mix rows, or auto: per model the largest "
-                         "that the memory model fits in 90%% of the free GPU memory (what `value-assets train "
-                         "--micro-batch-tokens auto` picks); the hf rows keep 16384")
-    ap.add_argument("--eval-micro-batch-tokens", type=int, default=None,
-                    help="forward-only micro-batch token budget (default: 2x --micro-batch-tokens)")
+    ap.add_argument(
+        "--micro-batch-tokens",
+        default="16384",
+        help="packed train micro-batch token budget of the 4k-mix rows, or auto: per model the largest "
+        "that the memory model fits in 90%% of the free GPU memory (what `value-assets train "
+        "--micro-batch-tokens auto` picks); the hf rows keep 16384",
+    )
+    ap.add_argument(
+        "--eval-micro-batch-tokens",
+        type=int,
+        default=None,
+        help="forward-only micro-batch token budget (default: 2x --micro-batch-tokens)",
+    )
     ap.add_argument("--global-batch", type=int, default=64, help="rows per optimizer step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps")
-    ap.add_argument("--profile", nargs="?", const="", default=None, metavar="ROWS",
-                    help="torch.profiler of ours-train: 2 steps (1 of a long-row row) of each row labelled in the "
-                         "comma list ROWS (e.g. 0.5b,1.5b@32k,'1.5b dist-opt'); bare: the 1.5B shape (or the last "
-                         "model). Prints the top kernels and the step time grouped by kind (matmul, attention, "
-                         "elementwise/norm, optimizer, idle gaps), also written to --json")
-    ap.add_argument("--sync-audit", default="", metavar="ROWS",
-                    help="comma list of rows (as --profile) whose ours-train step is run once more under CUDA sync "
-                         "debug mode: prints each source line that synchronised the host with the GPU, and how often")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ROWS",
+        help="torch.profiler of ours-train: 2 steps (1 of a long-row row) of each row labelled in the "
+        "comma list ROWS (e.g. 0.5b,1.5b@32k,'1.5b dist-opt'); bare: the 1.5B shape (or the last "
+        "model). Prints the top kernels and the step time grouped by kind (matmul, attention, "
+        "elementwise/norm, optimizer, idle gaps), also written to --json",
+    )
+    ap.add_argument(
+        "--sync-audit",
+        default="",
+        metavar="ROWS",
+        help="comma list of rows (as --profile) whose ours-train step is run once more under CUDA sync "
+        "debug mode: prints each source line that synchronised the host with the GPU, and how often",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
-    ap.add_argument("--rows", choices=("default", "long", "all"), default="default",
-                    help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows (ours, and hf "
-                         "train as the floor), 1.5b with the distributed optimizer and a 3b critic on 4k rows "
-                         "(ours); all: both")
+    ap.add_argument(
+        "--rows",
+        choices=("default", "long", "all"),
+        default="default",
+        help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows (ours, and hf "
+        "train as the floor), 1.5b with the distributed optimizer and a 3b critic on 4k rows (ours); all: both",
+    )
     ap.add_argument("--long-steps", type=int, default=2, help="timed steps of the long-row rows")
     ap.add_argument("--long-global-batch", type=int, default=16, help="rows per step of the long-row rows")
-    ap.add_argument("--long-recompute", choices=("auto",) + RECOMPUTE, default="auto",
-                    help="recompute of the long-row rows (auto: the least the memory model fits)")
-    ap.add_argument("--long-recompute-layers", type=int, default=None, metavar="K",
-                    help="with --long-recompute full: recompute only the first K layers")
-    ap.add_argument("--long-hf-global-batch", type=int, default=4,
-                    help="rows per step of the hf long-row rows (1 warm-up and --long-hf-steps timed steps)")
+    ap.add_argument(
+        "--long-recompute",
+        choices=("auto",) + RECOMPUTE,
+        default="auto",
+        help="recompute of the long-row rows (auto: the least the memory model fits)",
+    )
+    ap.add_argument(
+        "--long-recompute-layers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --long-recompute full: recompute only the first K layers",
+    )
+    ap.add_argument(
+        "--long-hf-global-batch",
+        type=int,
+        default=4,
+        help="rows per step of the hf long-row rows (1 warm-up and --long-hf-steps timed steps)",
+    )
     ap.add_argument("--long-hf-steps", type=int, default=1, help="timed steps of the hf long-row rows")
     args = ap.parse_args(argv)
 
@@ -758,8 +926,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.eval_micro_batch_tokens is None:
         args.eval_micro_batch_tokens = 2 * args.micro_batch_tokens
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    presets = {"0.5b": BackboneConfig.qwen2_5_0_5b, "1.5b": BackboneConfig.qwen2_5_1_5b, "3b": lambda: BackboneConfig.qwen2_5("3b"),
-               "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096)}
+    presets = {
+        "0.5b": BackboneConfig.qwen2_5_0_5b,
+        "1.5b": BackboneConfig.qwen2_5_1_5b,
+        "3b": lambda: BackboneConfig.qwen2_5("3b"),
+        "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096),
+    }
     for n in names:
         if n not in presets:
             ap.error(f"unknown model {n!r}; choose from 0.5b, 1.5b")
@@ -774,34 +946,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     obj = Objective()  # classification, 51 bins, HL-Gauss (the default objective)
 
     dev_name = torch.cuda.get_device_name() if CUDA else "CPU (smoke; MFU meaningless)"
-    print(f"device: {dev_name}; torch {torch.__version__}; "
-          f"varlen_attn: {_varlen_available()}; MFU denominator {PEAK_TFLOPS:.0f} TFLOP/s "
-          "(measured bf16 matmul rate on this H200)", flush=True)
+    print(
+        f"device: {dev_name}; torch {torch.__version__}; "
+        f"varlen_attn: {_varlen_available()}; MFU denominator {PEAK_TFLOPS:.0f} TFLOP/s "
+        "(measured bf16 matmul rate on this H200)",
+        flush=True,
+    )
     t_start = time.perf_counter()
     init_distributed(rank=0, world_size=1, master_port=free_port())
     print(f"init_distributed in {time.perf_counter() - t_start:.1f}s", flush=True)
     res = Results()
     data_lines = []
     try:
-        for name in (names if args.rows in ("default", "all") else []):
+        for name in names if args.rows in ("default", "all") else []:
             bb = presets[name]()
-            batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size,
-                                   args.seed, args.smoke)
-            lens = [n for b in batches[args.warmup:] for n in model_lens(b)]
-            line = (f"{name}: {len(lens)} timed rows, {sum(lens) / args.steps:,.0f} real tokens/step "
-                    f"(mean row {np.mean(lens):.0f}, max {max(lens)}), s_eff {s_eff(lens):.0f}, "
-                    f"N {matmul_params(bb, obj.head_size) / 1e9:.3f}B, "
-                    f"train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok, "
-                    f"fwd {flops_per_token(bb, obj.head_size, lens, train=False) / 1e9:.2f} GFLOP/tok")
+            batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
+            lens = [n for b in batches[args.warmup :] for n in model_lens(b)]
+            line = (
+                f"{name}: {len(lens)} timed rows, {sum(lens) / args.steps:,.0f} real tokens/step "
+                f"(mean row {np.mean(lens):.0f}, max {max(lens)}), s_eff {s_eff(lens):.0f}, "
+                f"N {matmul_params(bb, obj.head_size) / 1e9:.3f}B, "
+                f"train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok, "
+                f"fwd {flops_per_token(bb, obj.head_size, lens, train=False) / 1e9:.2f} GFLOP/tok"
+            )
             data_lines.append(line)
             print(f"== {line}", flush=True)
             run_args = args
             if args.mbt_auto and CUDA:
                 longest = max(n for b in batches for n in model_lens(b))
-                mbt = auto_micro_batch_tokens(CriticShape(bb, obj.head_size), Layout(), MemoryConfig(),
-                                              free_bytes=torch.cuda.mem_get_info()[0], longest_row=longest)
-                run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens":
-                                                 args.eval_micro_batch_tokens if eval_mbt_given else 2 * mbt})
+                mbt = auto_micro_batch_tokens(
+                    CriticShape(bb, obj.head_size),
+                    Layout(),
+                    MemoryConfig(),
+                    free_bytes=torch.cuda.mem_get_info()[0],
+                    longest_row=longest,
+                )
+                run_args = argparse.Namespace(
+                    **{
+                        **vars(args),
+                        "micro_batch_tokens": mbt,
+                        "eval_micro_batch_tokens": args.eval_micro_batch_tokens if eval_mbt_given else 2 * mbt,
+                    }
+                )
                 print(f"  micro-batch tokens (auto): train {mbt}, eval {run_args.eval_micro_batch_tokens}", flush=True)
             if "ours" in systems:
                 run_ours(name, bb, obj, batches, run_args, res, name in args.profile_rows)
@@ -813,20 +999,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         destroy()
 
     print("\n" + "=" * 100)
-    print(f"critic throughput on {dev_name}: global batch {args.global_batch} rows, {args.steps} timed steps "
-          f"after {args.warmup} warm-up, train micro-batch <= {args.micro_batch_tokens} tokens, "
-          f"eval <= {args.eval_micro_batch_tokens}")
+    print(
+        f"critic throughput on {dev_name}: global batch {args.global_batch} rows, {args.steps} timed steps "
+        f"after {args.warmup} warm-up, train micro-batch <= {args.micro_batch_tokens} tokens, "
+        f"eval <= {args.eval_micro_batch_tokens}"
+    )
     for line in data_lines:
         print("  data " + line)
     print(res.table())
-    print(f"tokens/s = real (non-pad) tokens / s; MFU = achieved useful TFLOP/s / {PEAK_TFLOPS:.0f} TFLOP/s "
-          "(measured bf16 matmul rate on this H200); step s = time per global batch")
+    print(
+        f"tokens/s = real (non-pad) tokens / s; MFU = achieved useful TFLOP/s / {PEAK_TFLOPS:.0f} TFLOP/s "
+        "(measured bf16 matmul rate on this H200); step s = time per global batch"
+    )
     print(FORMULA)
-    for name in (names if args.rows != "long" else []):
+    for name in names if args.rows != "long" else []:
         ot, oe, of_ = res.get(name, "ours", "train"), res.get(name, "ours", "eval"), res.get(name, "ours", "fwd")
         ht, hf_ = res.get(name, "hf", "train"), res.get(name, "hf", "fwd")
-        mfu = next((r["mfu"] for r in res.rows if (r["model"], r["system"], r["mode"]) == (name, "ours", "train")
-                    and r.get("mfu") is not None), None)
+        mfu = next(
+            (
+                r["mfu"]
+                for r in res.rows
+                if (r["model"], r["system"], r["mode"]) == (name, "ours", "train") and r.get("mfu") is not None
+            ),
+            None,
+        )
         parts = [f"targets {name}:"]
         if mfu is not None:
             parts.append(f"ours train MFU {100 * mfu:.1f}%" + (" (target >= 45% for 1.5b)" if name == "1.5b" else ""))
@@ -851,11 +1047,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(
-            {"device": dev_name, "peak_tflops": PEAK_TFLOPS, "formula": FORMULA,
-             "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
-             "data": data_lines, "results": res.rows, "profiles": res.profiles,
-             "sync_audits": res.sync_audits}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "device": dev_name,
+                    "peak_tflops": PEAK_TFLOPS,
+                    "formula": FORMULA,
+                    "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
+                    "data": data_lines,
+                    "results": res.rows,
+                    "profiles": res.profiles,
+                    "sync_audits": res.sync_audits,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
@@ -866,8 +1072,11 @@ def pick_recompute(bb, obj, tokens: int, args, index: int) -> MemoryConfig:
     if args.long_recompute != "auto":
         return MemoryConfig(recompute=args.long_recompute, recompute_layers=args.long_recompute_layers)
     if not CUDA:
-        return (MemoryConfig(recompute="selective"), MemoryConfig(recompute="full", recompute_layers=1),
-                MemoryConfig(recompute="full"))[index % 3]
+        return (
+            MemoryConfig(recompute="selective"),
+            MemoryConfig(recompute="full", recompute_layers=1),
+            MemoryConfig(recompute="full"),
+        )[index % 3]
     total = torch.cuda.get_device_properties(0).total_memory
     shape = CriticShape(bb, obj.head_size)
     for mem in [MemoryConfig()] + more_recompute(shape, Layout(), MemoryConfig()):
@@ -887,36 +1096,65 @@ def run_long_rows(args, presets, obj, res: Results) -> list[str]:
     base = "tiny" if args.smoke else "1.5b"
     bb = presets[base]()
     labels = [f"{base}@{length // 1024 or length}{'k' if length >= 1024 else ''}" for length in lengths]
-    for i, (label, length) in enumerate(zip(labels, lengths)):
+    for i, (label, length) in enumerate(zip(labels, lengths, strict=True)):
         if "ours" not in systems:
             break
-        run_args = argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm,
-                                         "global_batch": args.long_global_batch if not args.smoke else 4,
-                                         "micro_batch_tokens": max(args.micro_batch_tokens, length - 1)})
+        run_args = argparse.Namespace(
+            **{
+                **vars(args),
+                "steps": steps,
+                "warmup": warm,
+                "global_batch": args.long_global_batch if not args.smoke else 4,
+                "micro_batch_tokens": max(args.micro_batch_tokens, length - 1),
+            }
+        )
         run_args.eval_micro_batch_tokens = run_args.micro_batch_tokens
         mem = pick_recompute(bb, obj, run_args.micro_batch_tokens, args, i)
         batches = fixed_length_batches(warm + steps, run_args.global_batch, bb.vocab_size, args.seed, length, prompt)
         lens = [n for b in batches[warm:] for n in model_lens(b)]
-        line = (f"{label}: {len(lens)} timed rows of {length} tokens, {sum(lens) / steps:,.0f} tokens/step, "
-                f"s_eff {s_eff(lens):.0f}, train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} "
-                f"GFLOP/tok (recompute not counted in MFU), {recompute_note(mem, bb.num_layers)}")
+        line = (
+            f"{label}: {len(lens)} timed rows of {length} tokens, {sum(lens) / steps:,.0f} tokens/step, "
+            f"s_eff {s_eff(lens):.0f}, train {flops_per_token(bb, obj.head_size, lens, train=True) / 1e9:.2f} "
+            f"GFLOP/tok (recompute not counted in MFU), {recompute_note(mem, bb.num_layers)}"
+        )
         lines.append(line)
         print(f"== {line}", flush=True)
-        run_ours(label, bb, obj, batches, run_args, res, label in args.profile_rows, memory=mem, modes=("train",),
-                 profile_n=1)
+        run_ours(
+            label,
+            bb,
+            obj,
+            batches,
+            run_args,
+            res,
+            label in args.profile_rows,
+            memory=mem,
+            modes=("train",),
+            profile_n=1,
+        )
     if "ours" in systems:
         # The distributed optimizer on one GPU (dp 1: nothing to shard): its path runs on the GPU,
         # with its peak and throughput beside the plain 1.5b row.
         label = f"{base} dist-opt"
         batches = make_batches(warm + steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
         lens = [n for b in batches[warm:] for n in model_lens(b)]
-        line = (f"{label}: {len(lens)} timed rows of the 4k mix (mean {np.mean(lens):.0f}, max {max(lens)}), "
-                f"distributed optimizer, dp 1, {warm} warm-up + {steps} timed steps")
+        line = (
+            f"{label}: {len(lens)} timed rows of the 4k mix (mean {np.mean(lens):.0f}, max {max(lens)}), "
+            f"distributed optimizer, dp 1, {warm} warm-up + {steps} timed steps"
+        )
         lines.append(line)
         print(f"== {line}", flush=True)
         run_args = argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm})
-        run_ours(label, bb, obj, batches, run_args, res, label in args.profile_rows,
-                 memory=MemoryConfig(distributed_optimizer=True), modes=("train",))
+        run_ours(
+            label,
+            bb,
+            obj,
+            batches,
+            run_args,
+            res,
+            label in args.profile_rows,
+            memory=MemoryConfig(distributed_optimizer=True),
+            modes=("train",),
+        )
 
         bbig = presets[big]()
         batches = make_batches(args.warmup + args.steps, args.global_batch, bbig.vocab_size, args.seed, args.smoke)
@@ -925,36 +1163,52 @@ def run_long_rows(args, presets, obj, res: Results) -> list[str]:
         if CUDA:
             free = torch.cuda.mem_get_info()[0]
             try:
-                mbt = min(mbt, auto_micro_batch_tokens(CriticShape(bbig, obj.head_size), Layout(), MemoryConfig(),
-                                                       free_bytes=free, longest_row=longest))
+                mbt = min(
+                    mbt,
+                    auto_micro_batch_tokens(
+                        CriticShape(bbig, obj.head_size), Layout(), MemoryConfig(), free_bytes=free, longest_row=longest
+                    ),
+                )
             except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
                 print(f"  memory model: {exc}", flush=True)
         run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})
-        lens = [n for b in batches[args.warmup:] for n in model_lens(b)]
+        lens = [n for b in batches[args.warmup :] for n in model_lens(b)]
         label = "3b" if not args.smoke else "tiny-3b"
-        line = (f"{label}: {len(lens)} timed rows (mean {np.mean(lens):.0f}, max {max(lens)}), micro-batch {mbt} tokens "
-                f"(auto), N {matmul_params(bbig, obj.head_size) / 1e9:.3f}B, "
-                f"train {flops_per_token(bbig, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok")
+        line = (
+            f"{label}: {len(lens)} timed rows (mean {np.mean(lens):.0f}, max {max(lens)}), micro-batch {mbt} tokens "
+            f"(auto), N {matmul_params(bbig, obj.head_size) / 1e9:.3f}B, "
+            f"train {flops_per_token(bbig, obj.head_size, lens, train=True) / 1e9:.2f} GFLOP/tok"
+        )
         lines.append(line)
         print(f"== {line}", flush=True)
         run_ours(label, bbig, obj, batches, run_args, res, label in args.profile_rows)
     if "hf" in systems:
         g = args.long_hf_global_batch if not args.smoke else 2
         hf_steps = args.long_hf_steps if not args.smoke else 1
-        for label, length in zip(labels, lengths):
+        for label, length in zip(labels, lengths, strict=True):
             mbt = max(args.micro_batch_tokens, length - 1)
-            run_args = argparse.Namespace(**{**vars(args), "steps": hf_steps, "warmup": 1, "global_batch": g,
-                                             "micro_batch_tokens": mbt, "eval_micro_batch_tokens": mbt})
+            run_args = argparse.Namespace(
+                **{
+                    **vars(args),
+                    "steps": hf_steps,
+                    "warmup": 1,
+                    "global_batch": g,
+                    "micro_batch_tokens": mbt,
+                    "eval_micro_batch_tokens": mbt,
+                }
+            )
             batches = fixed_length_batches(1 + hf_steps, g, bb.vocab_size, args.seed, length, prompt)
-            line = (f"{label} hf: {hf_steps * g} timed rows of {length} tokens, padded micro-batches of <= {mbt} "
-                    "tokens, no recompute (the Hugging Face floor)")
+            line = (
+                f"{label} hf: {hf_steps * g} timed rows of {length} tokens, padded micro-batches of <= {mbt} "
+                "tokens, no recompute (the Hugging Face floor)"
+            )
             lines.append(line)
             print(f"== {line}", flush=True)
             run_hf(label, bb, obj, batches, run_args, res, modes=("train",))
     return lines
 
 
-def hf_floor_line(res: Results) -> Optional[str]:
+def hf_floor_line(res: Results) -> str | None:
     """Where the Hugging Face critic's training runs on the long rows, and from which length it
     runs out of memory."""
     parts, oom = [], None
@@ -969,13 +1223,17 @@ def hf_floor_line(res: Results) -> Optional[str]:
             parts.append(f"{length} {r['tokens_per_s']:,.0f} tok/s")
     if not parts:
         return None
-    return ("hf floor (train, no recompute): " + ", ".join(parts)
-            + (f"; out of memory from {oom} tokens" if oom else "; no out-of-memory"))
+    return (
+        "hf floor (train, no recompute): "
+        + ", ".join(parts)
+        + (f"; out of memory from {oom} tokens" if oom else "; no out-of-memory")
+    )
 
 
 def _varlen_available() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
         return True
     except Exception:  # noqa: BLE001
         return False

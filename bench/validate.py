@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import shutil
 import subprocess
@@ -41,11 +40,13 @@ def make_bodies(n: int, seed: int) -> list[str]:
         rlen = int(rng.integers(32, 2049))
         toks = rng.integers(0, 49152, size=plen + rlen).tolist()
         r = float(rng.integers(0, 2))
-        body = f'"tokens":[{",".join(map(str, toks))}],"response_length":{rlen},"returns":[{",".join([repr(r)] * rlen)}]'
+        body = (
+            f'"tokens":[{",".join(map(str, toks))}],"response_length":{rlen},"returns":[{",".join([repr(r)] * rlen)}]'
+        )
         if rng.random() < 0.5:
             mask = np.ones(rlen, dtype=int)
             s = int(rng.integers(1, rlen))
-            mask[s:s + rlen // 4] = 0
+            mask[s : s + rlen // 4] = 0
             body += f',"loss_mask":[{",".join(map(str, mask.tolist()))}]'
         out.append(body)
     return out
@@ -59,12 +60,19 @@ def write_dataset(folder: Path, target_bytes: int) -> tuple[Path, Path, int]:
     jsonl = folder / "train.jsonl"
     n = 0
     size = 0
-    schema = pa.schema([("sample_id", pa.string()), ("tokens", pa.list_(pa.int64())), ("response_length", pa.int64()),
-                        ("returns", pa.list_(pa.float64())), ("loss_mask", pa.list_(pa.int64()))])
+    schema = pa.schema(
+        [
+            ("sample_id", pa.string()),
+            ("tokens", pa.list_(pa.int64())),
+            ("response_length", pa.int64()),
+            ("returns", pa.list_(pa.float64())),
+            ("loss_mask", pa.list_(pa.int64())),
+        ]
+    )
     parsed = [json.loads("{" + b + "}") for b in bodies]
     with open(jsonl, "w") as f:
         while size < target_bytes:
-            line = '{"sample_id":"row-%09d",%s}\n' % (n, bodies[n % len(bodies)])
+            line = f'{{"sample_id":"row-{n:09d}",{bodies[n % len(bodies)]}}}\n'
             f.write(line)
             size += len(line)
             n += 1
@@ -73,13 +81,18 @@ def write_dataset(folder: Path, target_bytes: int) -> tuple[Path, Path, int]:
         for start in range(0, n, 4096):
             idx = range(start, min(n, start + 4096))
             rows = [parsed[i % len(parsed)] for i in idx]
-            w.write_table(pa.table({
-                "sample_id": [f"row-{i:09d}" for i in idx],
-                "tokens": [r["tokens"] for r in rows],
-                "response_length": [r["response_length"] for r in rows],
-                "returns": [r["returns"] for r in rows],
-                "loss_mask": [r.get("loss_mask", [1] * r["response_length"]) for r in rows],
-            }, schema=schema))
+            w.write_table(
+                pa.table(
+                    {
+                        "sample_id": [f"row-{i:09d}" for i in idx],
+                        "tokens": [r["tokens"] for r in rows],
+                        "response_length": [r["response_length"] for r in rows],
+                        "returns": [r["returns"] for r in rows],
+                        "loss_mask": [r.get("loss_mask", [1] * r["response_length"]) for r in rows],
+                    },
+                    schema=schema,
+                )
+            )
     return jsonl, pqf, n
 
 
@@ -109,7 +122,8 @@ if kind == "ours":
     p = pathlib.Path({str(path)!r})
     sha = open(str(p) + ".sha").read().strip()
     t = time.perf_counter()
-    ds = validate_dataset(DatasetRef(split="train", path=p, declared_path=p.name, sha256=sha, num_samples={n}), Objective())
+    ds = validate_dataset(DatasetRef(split="train", path=p, declared_path=p.name, sha256=sha, num_samples={n}),
+    Objective())
     assert len(ds) == {n}
 else:
     sys.path.insert(0, {str(HERE)!r})
@@ -137,8 +151,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, action="append", help="dataset size(s) in GB (default 0.25 and 1)")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--reference-mb", type=int, default=256,
-                    help="the stdlib reference runs on this many MB of the JSONL and is scaled linearly (it is O(bytes))")
+    ap.add_argument(
+        "--reference-mb",
+        type=int,
+        default=256,
+        help="the stdlib reference runs on this many MB of the JSONL and is scaled linearly (it is O(bytes))",
+    )
     args = ap.parse_args()
     sizes = args.gb or [0.25, 1.0]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="va-bench-"))
@@ -148,31 +166,48 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         jsonl, pqf, n = write_dataset(folder, int(gb * 1e9))
         for p in (jsonl, pqf):
-            Path(str(p) + ".sha").write_text(subprocess.run(["sha256sum", str(p)], capture_output=True, text=True, check=True).stdout.split()[0])
+            Path(str(p) + ".sha").write_text(
+                subprocess.run(["sha256sum", str(p)], capture_output=True, text=True, check=True).stdout.split()[0]
+            )
         ref_bytes = min(jsonl.stat().st_size, args.reference_mb * 1_000_000)
         ref_wall, ref_rss = run_measure("reference", jsonl, n, limit_bytes=ref_bytes)
         ref_scaled = ref_wall * jsonl.stat().st_size / ref_bytes
         for fmt, p in (("jsonl", jsonl), ("parquet", pqf)):
             sha_t = sha256sum_time(p)
             ours_t, ours_rss = run_measure("ours", p, n)
-            rows.append({
-                "size": f"{gb:g} GB", "format": fmt, "file_mb": p.stat().st_size / 1e6, "rows": n,
-                "sha256sum_s": sha_t, "ours_s": ours_t, "ratio": ours_t / sha_t,
-                "reference_s": ref_scaled if fmt == "jsonl" else None,
-                "speedup": ref_scaled / ours_t if fmt == "jsonl" else None,
-                "peak_mib": ours_rss, "ref_peak_mib": ref_rss if fmt == "jsonl" else None,
-            })
+            rows.append(
+                {
+                    "size": f"{gb:g} GB",
+                    "format": fmt,
+                    "file_mb": p.stat().st_size / 1e6,
+                    "rows": n,
+                    "sha256sum_s": sha_t,
+                    "ours_s": ours_t,
+                    "ratio": ours_t / sha_t,
+                    "reference_s": ref_scaled if fmt == "jsonl" else None,
+                    "speedup": ref_scaled / ours_t if fmt == "jsonl" else None,
+                    "peak_mib": ours_rss,
+                    "ref_peak_mib": ref_rss if fmt == "jsonl" else None,
+                }
+            )
         shutil.rmtree(folder, ignore_errors=True)
-    hdr = f"{'size':<8} {'format':<8} {'file MB':>8} {'rows':>8} {'sha256sum s':>11} {'ours s':>8} {'ours/sha':>8} {'stdlib ref s':>12} {'speed-up':>8} {'peak MiB':>9}"
+    hdr = (
+        f"{'size':<8} {'format':<8} {'file MB':>8} {'rows':>8} {'sha256sum s':>11} {'ours s':>8} {'ours/sha':>8} "
+        f"{'stdlib ref s':>12} {'speed-up':>8} {'peak MiB':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         ref = f"{r['reference_s']:.1f}" if r["reference_s"] is not None else "-"
         sp = f"{r['speedup']:.1f}x" if r["speedup"] is not None else "-"
-        print(f"{r['size']:<8} {r['format']:<8} {r['file_mb']:>8.0f} {r['rows']:>8} {r['sha256sum_s']:>11.2f} {r['ours_s']:>8.2f} "
-              f"{r['ratio']:>7.2f}x {ref:>12} {sp:>8} {r['peak_mib']:>9.0f}")
-    print(f"\nstdlib reference measured on the first {args.reference_mb} MB of each JSONL and scaled to the file size;"
-          " targets: JSONL <= 3x sha256sum, Parquet <= 1.5x, >= 5x faster than the reference, flat peak memory.")
+        print(
+            f"{r['size']:<8} {r['format']:<8} {r['file_mb']:>8.0f} {r['rows']:>8} {r['sha256sum_s']:>11.2f} "
+            f"{r['ours_s']:>8.2f} {r['ratio']:>7.2f}x {ref:>12} {sp:>8} {r['peak_mib']:>9.0f}"
+        )
+    print(
+        f"\nstdlib reference measured on the first {args.reference_mb} MB of each JSONL and scaled to the file size;"
+        " targets: JSONL <= 3x sha256sum, Parquet <= 1.5x, >= 5x faster than the reference, flat peak memory."
+    )
 
 
 if __name__ == "__main__":

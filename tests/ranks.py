@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "value_assets.gpu", "megatron.core", "value_assets.gpu.model.critic", "value_assets.gpu.runtime.parallel"]
+PRELOAD = [
+    "torch",
+    "value_assets.gpu",
+    "megatron.core",
+    "value_assets.gpu.model.critic",
+    "value_assets.gpu.runtime.parallel",
+]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 

@@ -45,7 +45,9 @@ def _anchors(md: Path) -> set[str]:
 def _files() -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     for top in SOURCES:
-        files += sorted(p for p in (ROOT / top).rglob("*") if p.suffix in {".py", ".md", ".sh", ".yaml"} and p.is_file())
+        files += sorted(
+            p for p in (ROOT / top).rglob("*") if p.suffix in {".py", ".md", ".sh", ".yaml"} and p.is_file()
+        )
     return files
 
 
@@ -84,9 +86,13 @@ def test_every_docs_reference_names_an_existing_file_and_heading():
 
 
 def test_nothing_cites_documents_outside_the_repository():
-    bad = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-           for path in _files() if path != Path(__file__)
-           for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    bad = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in _files()
+        if path != Path(__file__)
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not bad, "\n".join(bad)
 
 

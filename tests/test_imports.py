@@ -76,7 +76,7 @@ def test_no_import_cycle():
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycle = stack[stack.index(n):] + [n]
+                cycle = stack[stack.index(n) :] + [n]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if n not in state:
                 visit(n)
@@ -103,18 +103,24 @@ def test_layers():
             top = _top(imp)
             inner = imp.split(".")[1] if top == "value_assets" and "." in imp else None
             if layer == "core":
-                bad = (top not in sys.stdlib_module_names and top not in CORE_THIRD_PARTY and top != "value_assets") or (
-                    top == "value_assets" and inner not in (None, "core"))
+                bad = (
+                    top not in sys.stdlib_module_names and top not in CORE_THIRD_PARTY and top != "value_assets"
+                ) or (top == "value_assets" and inner not in (None, "core"))
             elif layer == "gpu":
                 # The job talks to Dagster only through dagster_pipes.
-                bad = top == "dagster" or (top.startswith("dagster_") and top != "dagster_pipes") or (
-                    top == "value_assets" and inner not in (None, "core", "gpu"))
+                bad = (
+                    top == "dagster"
+                    or (top.startswith("dagster_") and top != "dagster_pipes")
+                    or (top == "value_assets" and inner not in (None, "core", "gpu"))
+                )
             elif layer == "resources":
                 bad = top in HEAVY or (top == "value_assets" and inner == "gpu")
             else:
                 # The Dagster code location and the CLI stay light; only the CLI registers the GPU
                 # commands (value_assets.gpu.cli declares arguments and imports torch lazily).
-                allowed_gpu = mod == "value_assets.cli" and (imp == "value_assets.gpu" or imp.startswith("value_assets.gpu.cli"))
+                allowed_gpu = mod == "value_assets.cli" and (
+                    imp == "value_assets.gpu" or imp.startswith("value_assets.gpu.cli")
+                )
                 bad = top in HEAVY or (top == "value_assets" and inner == "gpu" and not allowed_gpu)
             if bad:
                 breaches.append(f"{mod} ({layer}) imports {imp}")
@@ -143,8 +149,9 @@ def _gpu_rank(mod: str) -> int | None:
 
 def test_gpu_sub_layers_import_only_downwards():
     modules = set(_graph())
-    unknown = [m for m in modules if m.startswith("value_assets.gpu.")
-               and m.split(".")[2] not in GPU_ORDER + GPU_ENTRY_POINTS]
+    unknown = [
+        m for m in modules if m.startswith("value_assets.gpu.") and m.split(".")[2] not in GPU_ORDER + GPU_ENTRY_POINTS
+    ]
     assert not unknown, f"GPU modules outside the known sub-layers (add them to GPU_ORDER): {unknown}"
     breaches = []
     for mod, imports in sorted(_all_imports().items()):
@@ -190,11 +197,14 @@ def test_job_drivers_read_the_backbone_without_torch_and_jsonl_without_pyarrow(t
     from value_assets.core.demo_data import make_demo_data
 
     manifest = make_demo_data(tmp_path, rows=8, heldout_rows=4, seed=0)
-    code = ("import sys; from value_assets.gpu.drivers.train import prepare; from value_assets.gpu.drivers.evaluate import evaluate; "
-            "from value_assets.gpu.convert.bootstrap import resolve_backbone; resolve_backbone('tiny', seed=0, hf_config=None); "
-            "from value_assets.core.manifest import load_manifest; from value_assets.core.dataset import validate_dataset; "
-            f"mf = load_manifest({str(manifest)!r}); assert len(validate_dataset(mf.train, mf.objective)) == 8; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'ray', 'pyarrow'}))")
+    code = (
+        "import sys; from value_assets.gpu.drivers.train import prepare; from value_assets.gpu.drivers.evaluate "
+        "import evaluate; from value_assets.gpu.convert.bootstrap import resolve_backbone; resolve_backbone('tiny', "
+        "seed=0, hf_config=None); from value_assets.core.manifest import load_manifest; from "
+        f"value_assets.core.dataset import validate_dataset; mf = load_manifest({str(manifest)!r}); assert "
+        f"len(validate_dataset(mf.train, mf.objective)) == 8; print(sorted({{m.split('.')[0] for m in sys.modules}} & "
+        f"{{'torch', 'megatron', 'ray', 'pyarrow'}}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

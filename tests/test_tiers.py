@@ -10,9 +10,8 @@ The test folders are packages: helpers are imported relatively, never through `s
 
 from __future__ import annotations
 
-import re
-
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,14 @@ def _tier_marks(node: ast.AST) -> list[str]:
     """`pytest.mark.<tier>` attributes anywhere inside `node` (bare or called)."""
     found = []
     for sub in ast.walk(node):
-        if (isinstance(sub, ast.Attribute) and sub.attr in TIERS and isinstance(sub.value, ast.Attribute)
-                and sub.value.attr == "mark" and isinstance(sub.value.value, ast.Name) and sub.value.value.id == "pytest"):
+        if (
+            isinstance(sub, ast.Attribute)
+            and sub.attr in TIERS
+            and isinstance(sub.value, ast.Attribute)
+            and sub.value.attr == "mark"
+            and isinstance(sub.value.value, ast.Name)
+            and sub.value.value.id == "pytest"
+        ):
             found.append(sub.attr)
     return found
 
@@ -58,13 +63,17 @@ def test_the_suite_has_test_modules_in_every_folder():
 @pytest.mark.parametrize("path", _test_modules(), ids=lambda p: str(p.relative_to(TESTS)))
 def test_module_declares_exactly_one_tier(path):
     module_level, elsewhere = tiers_of(path)
-    assert len(module_level) == 1, f"{path.name}: pytestmark names tiers {module_level}; exactly one of {TIERS} is required"
+    assert len(module_level) == 1, (
+        f"{path.name}: pytestmark names tiers {module_level}; exactly one of {TIERS} is required"
+    )
     assert not elsewhere, f"{path.name}: tier marks outside pytestmark: {elsewhere} (split the module instead)"
 
 
 def test_folders_are_packages_without_path_hacks():
     folders = {p.parent for p in TESTS.rglob("*.py")}
-    assert all((f / "__init__.py").is_file() for f in folders), sorted(str(f) for f in folders if not (f / "__init__.py").is_file())
+    assert all((f / "__init__.py").is_file() for f in folders), sorted(
+        str(f) for f in folders if not (f / "__init__.py").is_file()
+    )
     for path in sorted(set(TESTS.rglob("*.py")) - {Path(__file__).resolve()}):
         text = path.read_text()
         assert "sys.path.insert" not in text and "from conftest import" not in text, path.name
@@ -72,19 +81,23 @@ def test_folders_are_packages_without_path_hacks():
         # only works when some other test happened to put the folder on sys.path.
         siblings = {p.stem for p in path.parent.glob("*.py")} - {"__init__"}
         bare = re.findall(r"^\s*(?:from|import) (\w+)\b", text, re.M)
-        assert not siblings & set(bare), f"{path.name} imports sibling test module(s) {sorted(siblings & set(bare))} without a dot"
+        assert not siblings & set(bare), (
+            f"{path.name} imports sibling test module(s) {sorted(siblings & set(bare))} without a dot"
+        )
 
 
 def test_the_checker_sees_tiers(tmp_path):
     path = tmp_path / "test_x.py"
-    path.write_text("import pytest\npytestmark = [pytest.mark.integration, pytest.mark.timeout(9)]\n"
-                    "@pytest.mark.gpu\ndef test_a():\n    pass\n")
+    path.write_text(
+        "import pytest\npytestmark = [pytest.mark.integration, pytest.mark.timeout(9)]\n"
+        "@pytest.mark.gpu\ndef test_a():\n    pass\n"
+    )
     assert tiers_of(path) == (["integration"], ["gpu"])
 
 
 def test_the_slow_module_list_names_modules_that_exist():
     """conftest.SLOW_MODULES orders `make test`'s modules; a renamed module must not drop out."""
-    from .conftest import SLOW_MODULES
+    from tests.conftest import SLOW_MODULES
 
     root = TESTS.parent
     missing = [m for m in SLOW_MODULES if not (root / m).is_file()]

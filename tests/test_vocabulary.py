@@ -39,16 +39,26 @@ def test_the_graph_has_exactly_the_vocabularys_assets_and_every_task_reports_rea
 def _string_constants(path: Path) -> list[tuple[int, str]]:
     """Every string literal of a module, except the Python names listed in `__all__`."""
     tree = ast.parse(path.read_text(), str(path))
-    exported = {id(n) for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) for n in ast.walk(node.value)}
-    return [(node.lineno, node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exported]
+    exported = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        for n in ast.walk(node.value)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exported
+    ]
 
 
 def test_no_dagster_or_pipes_module_but_the_lineage_reader_spells_an_asset_name():
-    found = [f"{path.relative_to(PKG.parent)}:{line}: {value!r}"
-             for path in _dagster_and_pipes_modules()
-             for line, value in _string_constants(path) if value in v.ASSETS]
+    found = [
+        f"{path.relative_to(PKG.parent)}:{line}: {value!r}"
+        for path in _dagster_and_pipes_modules()
+        for line, value in _string_constants(path)
+        if value in v.ASSETS
+    ]
     assert not found, "\n".join(found)
 
 

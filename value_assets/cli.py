@@ -15,12 +15,12 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Sequence
+from typing import Any
 
-from typing import Any, Sequence
-
-from .core.errors import InputError, require_int
-from .core.job_configs import TrainJob, data_roots_from_env, field_default, field_doc
-from .core.publish import PublishError
+from value_assets.core.errors import InputError, require_int
+from value_assets.core.job_configs import TrainJob, data_roots_from_env, field_default, field_doc
+from value_assets.core.publish import PublishError
 
 EXIT_INVALID = 2
 EXIT_UNEXPECTED = 1
@@ -63,54 +63,83 @@ def _data_roots(args) -> tuple[str, ...] | None:
 
 
 def _load_manifest(args):
-    from .core.manifest import load_manifest
+    from value_assets.core.manifest import load_manifest
 
-    return load_manifest(args.manifest, pinned_sha256=getattr(args, "manifest_sha256", None), data_roots=_data_roots(args))
+    return load_manifest(
+        args.manifest, pinned_sha256=getattr(args, "manifest_sha256", None), data_roots=_data_roots(args)
+    )
 
 
 def cmd_validate(args) -> int:
-    from .core.dataset import DEFAULT_MAX_ROW_BYTES, validate_dataset
+    from value_assets.core.dataset import DEFAULT_MAX_ROW_BYTES, validate_dataset
 
     manifest = _load_manifest(args)
-    out: dict[str, Any] = {"manifest": str(manifest.path), "sha256": manifest.sha256, "objective": manifest.objective.canonical(),
-                           "ignored_objective_keys": list(manifest.ignored_objective_keys)}
+    out: dict[str, Any] = {
+        "manifest": str(manifest.path),
+        "sha256": manifest.sha256,
+        "objective": manifest.objective.canonical(),
+        "ignored_objective_keys": list(manifest.ignored_objective_keys),
+    }
     max_row_bytes = args.max_row_bytes or DEFAULT_MAX_ROW_BYTES
     for ref in manifest.splits():
         bar = _ProgressBar(f"{ref.split}:")
         try:
-            ds = validate_dataset(ref, manifest.objective, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len,
-                                  max_row_bytes=max_row_bytes, progress=bar)
+            ds = validate_dataset(
+                ref,
+                manifest.objective,
+                vocab_size=args.vocab_size,
+                max_seq_len=args.max_seq_len,
+                max_row_bytes=max_row_bytes,
+                progress=bar,
+            )
         finally:
             bar.close()
         s = ds.stats
-        out[ref.split] = {"path": str(ds.path), "sha256": ds.sha256, "format": ds.format, "rows": s.rows, "tokens": s.tokens,
-                          "active_targets": s.active_targets, "label_counts": s.label_counts, "max_tokens": s.max_tokens,
-                          "length_quantiles": s.length_quantiles}
+        out[ref.split] = {
+            "path": str(ds.path),
+            "sha256": ds.sha256,
+            "format": ds.format,
+            "rows": s.rows,
+            "tokens": s.tokens,
+            "active_targets": s.active_targets,
+            "label_counts": s.label_counts,
+            "max_tokens": s.max_tokens,
+            "length_quantiles": s.length_quantiles,
+        }
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
     print(f"manifest  {out['manifest']}")
     print(f"sha256    {out['sha256']}")
     obj = out["objective"]
-    print(f"objective {obj['loss_type']}, {obj['num_bins']} bins over {obj['reward_range']}, {obj['target_type']} (sigma ratio {obj['hl_gauss_sigma_ratio']})")
+    print(
+        f"objective {obj['loss_type']}, {obj['num_bins']} bins over {obj['reward_range']}, {obj['target_type']} (sigma "
+        f"ratio {obj['hl_gauss_sigma_ratio']})"
+    )
     if out["ignored_objective_keys"]:
         keys = ", ".join(repr(k) for k in out["ignored_objective_keys"])
         print(f"          ignored unknown objective key(s): {keys} (as Miles' loader ignores them)")
     print()
-    print(f"{'split':<8} {'format':<8} {'rows':>8} {'tokens':>10} {'active':>10} {'max len':>8}  labels              sha256")
+    print(
+        f"{'split':<8} {'format':<8} {'rows':>8} {'tokens':>10} {'active':>10} {'max len':>8}  labels              "
+        "sha256"
+    )
     for split in ("train", "heldout"):
         if split not in out:
             continue
         d = out[split]
         labels = ", ".join(f"{k}:{v}" for k, v in d["label_counts"].items()) or "-"
-        print(f"{split:<8} {d['format']:<8} {d['rows']:>8} {d['tokens']:>10} {d['active_targets']:>10} {d['max_tokens']:>8}  {labels:<19} {d['sha256'][:16]}...")
+        print(
+            f"{split:<8} {d['format']:<8} {d['rows']:>8} {d['tokens']:>10} {d['active_targets']:>10} "
+            f"{d['max_tokens']:>8}  {labels:<19} {d['sha256'][:16]}..."
+        )
     if "heldout" not in out:
         print("\nnote: no heldout split: a critic trained on this manifest can train but cannot be promoted")
     return 0
 
 
 def cmd_plan(args) -> int:
-    from .core.plan import build_plan, choose_exact_coverage
+    from value_assets.core.plan import build_plan, choose_exact_coverage
 
     manifest = _load_manifest(args)
     n = manifest.train.num_samples
@@ -118,15 +147,28 @@ def cmd_plan(args) -> int:
         if args.gpus is None or args.max_global_batch_size is None:
             raise InputError("command line", "--gpus and --max-global-batch-size go together")
         if args.global_batch_size is not None:
-            raise InputError("command line", "--global-batch-size cannot be combined with --gpus/--max-global-batch-size (they choose it)")
+            raise InputError(
+                "command line",
+                "--global-batch-size cannot be combined with --gpus/--max-global-batch-size (they choose it)",
+            )
         c = choose_exact_coverage(n, args.gpus, args.max_global_batch_size)
-        res = {"num_rows": n, "gpus": args.gpus, "max_global_batch_size": args.max_global_batch_size,
-               "dp": c.dp, "global_batch_size": c.global_batch_size, "dropped": c.dropped, "repeated": c.repeated}
+        res = {
+            "num_rows": n,
+            "gpus": args.gpus,
+            "max_global_batch_size": args.max_global_batch_size,
+            "dp": c.dp,
+            "global_batch_size": c.global_batch_size,
+            "dropped": c.dropped,
+            "repeated": c.repeated,
+        }
         if args.json:
             print(json.dumps(res, sort_keys=True))
         else:
-            print(f"rows {n}, GPUs {args.gpus}, max G {args.max_global_batch_size}: dp = {c.dp}, G = {c.global_batch_size}, "
-                  f"steps per epoch = {n // c.global_batch_size}, dropped rows = {c.dropped}, repeated rows = {c.repeated}")
+            print(
+                f"rows {n}, GPUs {args.gpus}, max G {args.max_global_batch_size}: dp = {c.dp}, G = "
+                f"{c.global_batch_size}, steps per epoch = {n // c.global_batch_size}, dropped rows = {c.dropped}, "
+                f"repeated rows = {c.repeated}"
+            )
         return 0
     if args.global_batch_size is None:
         raise InputError("command line", "give --global-batch-size G, or --gpus N with --max-global-batch-size M")
@@ -136,8 +178,10 @@ def cmd_plan(args) -> int:
         print(json.dumps({"sha256": plan.sha256, **plan.to_json(), **cov}, sort_keys=True))
         return 0
     print(f"plan sha256 {plan.sha256}")
-    print(f"rows {n}, G {plan.global_batch_size}, epochs {plan.epochs}, seed {plan.seed}: {plan.num_steps} steps, "
-          f"dropped {cov['dropped']} row slots, repeated {cov['repeated']}")
+    print(
+        f"rows {n}, G {plan.global_batch_size}, epochs {plan.epochs}, seed {plan.seed}: {plan.num_steps} steps, "
+        f"dropped {cov['dropped']} row slots, repeated {cov['repeated']}"
+    )
     for k, batch in enumerate(plan.steps, start=1):
         if k > 6 and k < plan.num_steps:
             if k == 7:
@@ -149,12 +193,19 @@ def cmd_plan(args) -> int:
 
 
 def cmd_make_demo_data(args) -> int:
-    from .core.demo_data import make_demo_data
+    from value_assets.core.demo_data import make_demo_data
 
     require_int(args.rows, "--rows")
     require_int(args.heldout_rows, "--heldout-rows", minimum=0)
-    path = make_demo_data(args.out_dir, rows=args.rows, heldout_rows=args.heldout_rows, seed=args.seed,
-                          shuffle_labels=args.shuffle_labels, fmt=args.format, name=args.name)
+    path = make_demo_data(
+        args.out_dir,
+        rows=args.rows,
+        heldout_rows=args.heldout_rows,
+        seed=args.seed,
+        shuffle_labels=args.shuffle_labels,
+        fmt=args.format,
+        name=args.name,
+    )
     print(path)
     return 0
 
@@ -162,8 +213,8 @@ def cmd_make_demo_data(args) -> int:
 def cmd_verify(args) -> int:
     """Check every file of a save against its contract (the same core code evaluation, export and
     promotion use). Exit 0 when they match, 2 otherwise. Reads and hashes; deserializes nothing."""
-    from .core.checkpoint_files import checkpoint_differences
-    from .core.contract import load_contract, resolve_step_dir
+    from value_assets.core.checkpoint_files import checkpoint_differences
+    from value_assets.core.contract import load_contract, resolve_step_dir
 
     step_dir, latest_pin = resolve_step_dir(args.checkpoint)
     pin = args.contract_sha256 or latest_pin
@@ -171,8 +222,18 @@ def cmd_verify(args) -> int:
     diffs = checkpoint_differences(step_dir, contract)
     files = contract.get("checkpoint_files") or []
     if args.json:
-        print(json.dumps({"checkpoint": str(step_dir), "contract_sha256": sha, "files": len(files), "matches": not diffs,
-                          "differences": diffs}, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "checkpoint": str(step_dir),
+                    "contract_sha256": sha,
+                    "files": len(files),
+                    "matches": not diffs,
+                    "differences": diffs,
+                },
+                sort_keys=True,
+            )
+        )
     if diffs:
         for d in diffs:
             print(f"value-assets: {step_dir}: {d}", file=sys.stderr)
@@ -189,8 +250,8 @@ def cmd_handoff(args) -> int:
     import shlex
     from pathlib import Path
 
-    from .core.handoff import read_registry_record, record_rl_settings, verify_handoff
-    from .core.hashing import require_sha
+    from value_assets.core.handoff import read_registry_record, record_rl_settings, verify_handoff
+    from value_assets.core.hashing import require_sha
 
     path = Path(args.record)
     pin, pinned_by = args.record_sha256, "--record-sha256"
@@ -199,22 +260,41 @@ def cmd_handoff(args) -> int:
     if args.instance:
         promoted = _instance_record_sha(path)
         if pin is not None and pin != promoted:
-            raise InputError("--record-sha256", f"{pin} is not the record the Dagster instance's latest promotion of "
-                             f"{path.stem!r} wrote ({promoted})")
+            raise InputError(
+                "--record-sha256",
+                f"{pin} is not the record the Dagster instance's latest promotion of {path.stem!r} wrote ({promoted})",
+            )
         pin, pinned_by = promoted, f"the Dagster instance ({os.environ.get('DAGSTER_HOME')})"
     if pin is None:
-        raise InputError(str(path), "the registry record is not pinned, and whoever can write the artifacts folder can rewrite "
-                         "it with its bundles: pass --record-sha256 HEX (promoted_critic's registry_record_sha256 in "
-                         "Dagster) or --instance (the latest promotion in the instance at $DAGSTER_HOME)")
+        raise InputError(
+            str(path),
+            "the registry record is not pinned, and whoever can write the artifacts folder can rewrite "
+            "it with its bundles: pass --record-sha256 HEX (promoted_critic's registry_record_sha256 in "
+            "Dagster) or --instance (the latest promotion in the instance at $DAGSTER_HOME)",
+        )
     record, sha = read_registry_record(path, pin)
     verify_handoff(record, str(path))
     settings = record_rl_settings(record)
     if args.json:
-        print(json.dumps({"registry_record": str(path), "registry_record_sha256": sha, "partition_key": record.get("partition_key"),
-                          "training_contract_sha256": record.get("contract_sha256"),
-                          "model_identity": record["handoff"]["model_identity"], **settings}, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "registry_record": str(path),
+                    "registry_record_sha256": sha,
+                    "partition_key": record.get("partition_key"),
+                    "training_contract_sha256": record.get("contract_sha256"),
+                    "model_identity": record["handoff"]["model_identity"],
+                    **settings,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
         return 0
-    print(f"# promoted critic of partition {record.get('partition_key')} (training contract {record.get('contract_sha256')})")
+    print(
+        f"# promoted critic of partition {record.get('partition_key')} (training contract "
+        f"{record.get('contract_sha256')})"
+    )
     print(f"# registry record {sha} pinned by {pinned_by}; bundles verified against it")
     print("# Miles RL trainer (Megatron-LM):")
     print(shlex.join(settings["miles_args"]))
@@ -228,10 +308,12 @@ def _instance_record_sha(record_path) -> str:
     """The record sha the latest promotion of the record's partition (its file name,
     `registry/<partition>.json`) wrote, read from the Dagster instance at $DAGSTER_HOME."""
     if not os.environ.get("DAGSTER_HOME"):
-        raise InputError("--instance", "DAGSTER_HOME is not set: it names the Dagster instance that recorded the promotion")
+        raise InputError(
+            "--instance", "DAGSTER_HOME is not set: it names the Dagster instance that recorded the promotion"
+        )
     from dagster import DagsterInstance
 
-    from .lineage import Lineage
+    from value_assets.lineage import Lineage
 
     with DagsterInstance.get() as instance:
         return Lineage(instance, record_path.stem).promoted_record_sha()
@@ -255,21 +337,30 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(prog="value-assets", description="Offline critic pretraining with an explained-variance promotion gate.")
+    p = _ArgumentParser(
+        prog="value-assets", description="Offline critic pretraining with an explained-variance promotion gate."
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
     def manifest_args(sp):
         sp.add_argument("manifest", help="manifest JSON (miles.value-pretrain.v1)")
-        sp.add_argument("--data-root", action="append", help="refuse dataset paths outside these folders (repeatable; also VALUE_ASSETS_DATA_ROOTS)")
+        sp.add_argument(
+            "--data-root",
+            action="append",
+            help="refuse dataset paths outside these folders (repeatable; also VALUE_ASSETS_DATA_ROOTS)",
+        )
 
     v = sub.add_parser("validate", help="validate a manifest and every dataset it names")
     manifest_args(v)
     v.add_argument("--manifest-sha256", help="pin the manifest's sha256 (checked before parsing)")
     v.add_argument("--vocab-size", type=_positive, help="refuse a token id >= this (the backbone's vocabulary size)")
     v.add_argument("--max-seq-len", type=_positive, help="refuse a row with more tokens than this")
-    v.add_argument("--max-row-bytes", type=_positive,
-                   help="refuse a row larger than this many bytes (JSONL line; Parquet decoded row); default 64 MiB")
+    v.add_argument(
+        "--max-row-bytes",
+        type=_positive,
+        help="refuse a row larger than this many bytes (JSONL line; Parquet decoded row); default 64 MiB",
+    )
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     v.set_defaults(func=cmd_validate)
 
@@ -278,9 +369,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--manifest-sha256", help="pin the manifest's sha256 (checked before parsing)")
     pl.add_argument("--global-batch-size", type=_positive, help="G, rows per optimizer step: print this plan")
     # The plan's settings are training's (core.job_configs.TrainJob): same defaults, same meaning.
-    pl.add_argument("--epochs", type=_positive, default=field_default(TrainJob, "epochs"), help=field_doc(TrainJob, "epochs") + " (default: %(default)s)")
-    pl.add_argument("--seed", type=int, default=field_default(TrainJob, "seed"), help=field_doc(TrainJob, "seed") + " (default: %(default)s)")
-    pl.add_argument("--gpus", type=_positive, help="with --max-global-batch-size: choose dp and G for exact coverage on this many GPUs")
+    pl.add_argument(
+        "--epochs",
+        type=_positive,
+        default=field_default(TrainJob, "epochs"),
+        help=field_doc(TrainJob, "epochs") + " (default: %(default)s)",
+    )
+    pl.add_argument(
+        "--seed",
+        type=int,
+        default=field_default(TrainJob, "seed"),
+        help=field_doc(TrainJob, "seed") + " (default: %(default)s)",
+    )
+    pl.add_argument(
+        "--gpus",
+        type=_positive,
+        help="with --max-global-batch-size: choose dp and G for exact coverage on this many GPUs",
+    )
     pl.add_argument("--max-global-batch-size", type=_positive, help="with --gpus: the largest G to consider")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
@@ -291,21 +396,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--heldout-rows", type=int, default=256, help="heldout rows; 0 for none (default: %(default)s)")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default: %(default)s)")
     d.add_argument("--shuffle-labels", action="store_true", help="negative control: permute rewards across rows")
-    d.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl", help="dataset file format (default: %(default)s)")
+    d.add_argument(
+        "--format", choices=("jsonl", "parquet"), default="jsonl", help="dataset file format (default: %(default)s)"
+    )
     d.add_argument("--name", help="manifest stem (default: demo, or demo-shuffled with --shuffle-labels)")
     d.set_defaults(func=cmd_make_demo_data)
 
-    vf = sub.add_parser("verify", help="check every file of a saved checkpoint against its contract (exit 0: match, 2: differs)")
+    vf = sub.add_parser(
+        "verify", help="check every file of a saved checkpoint against its contract (exit 0: match, 2: differs)"
+    )
     vf.add_argument("checkpoint", help="an iter_* folder, or a critic folder (its latest)")
     vf.add_argument("--contract-sha256", help="pin the contract's sha256 (checked before parsing)")
     vf.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     vf.set_defaults(func=cmd_verify)
 
-    h = sub.add_parser("handoff", help="print the RL-side settings of a promoted critic (verifies the pinned record and its bundles first)")
+    h = sub.add_parser(
+        "handoff",
+        help="print the RL-side settings of a promoted critic (verifies the pinned record and its bundles first)",
+    )
     h.add_argument("record", help="registry record (<artifacts>/registry/<partition>.json)")
-    h.add_argument("--record-sha256", help="pin the record's sha256 (promoted_critic's registry_record_sha256 in Dagster)")
-    h.add_argument("--instance", action="store_true",
-                   help="pin the record the latest promotion of its partition wrote, read from the Dagster instance at $DAGSTER_HOME")
+    h.add_argument(
+        "--record-sha256", help="pin the record's sha256 (promoted_critic's registry_record_sha256 in Dagster)"
+    )
+    h.add_argument(
+        "--instance",
+        action="store_true",
+        help="pin the record the latest promotion of its partition wrote, read from the Dagster instance at "
+        "$DAGSTER_HOME",
+    )
     h.add_argument("--json", action="store_true", help="print the settings as one JSON object")
     h.set_defaults(func=cmd_handoff)
 
@@ -316,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_engine_commands(sub) -> None:
     """The GPU-job commands live in value_assets.gpu; they register only where it is importable."""
     try:
-        from .gpu.cli import add_commands
+        from value_assets.gpu.cli import add_commands
     except ImportError:
         return
     add_commands(sub)
@@ -344,8 +462,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - no raw traceback: bad input is refused as InputError above
         if os.environ.get("VALUE_ASSETS_TRACEBACK") == "1":
             traceback.print_exc(file=sys.stderr)
-        print(f"value-assets: unexpected failure (please report it): {type(exc).__name__}: {_paragraph(str(exc))} "
-              "(set VALUE_ASSETS_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        print(
+            f"value-assets: unexpected failure (please report it): {type(exc).__name__}: {_paragraph(str(exc))} "
+            "(set VALUE_ASSETS_TRACEBACK=1 for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_UNEXPECTED
 
 

@@ -14,15 +14,17 @@ variables so the same image serves every deployment:
 | VALUE_ASSETS_GPU_IMAGE | kubernetes | required: the GPU job image |
 | VALUE_ASSETS_K8S_NAMESPACE, VALUE_ASSETS_K8S_PVCS (`claim=/mount,...`), VALUE_ASSETS_GPUS | kubernetes | |
 
-This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/test_dg_layers.py loads it; tests/test_imports.py checks every module statically).
+This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/test_dg_layers.py loads it;
+tests/test_imports.py checks every module statically).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from dagster import Definitions, EnvVar, ExecutorDefinition, multi_or_in_process_executor
 
@@ -60,8 +62,12 @@ def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[st
         ),
     }
     return {
-        "local": {**shared, "launcher": SubprocessLauncher(
-            command=shlex.split(env["VALUE_ASSETS_GPU_COMMAND"]) if env.get("VALUE_ASSETS_GPU_COMMAND") else None)},
+        "local": {
+            **shared,
+            "launcher": SubprocessLauncher(
+                command=shlex.split(env["VALUE_ASSETS_GPU_COMMAND"]) if env.get("VALUE_ASSETS_GPU_COMMAND") else None
+            ),
+        },
         "ray": {**shared, "launcher": RayJobLauncher(address=EnvVar("RAY_ADDRESS"))},
         "kubernetes": {
             **shared,
@@ -98,8 +104,10 @@ def _forkserver_unless_told(config: dict[str, Any]) -> dict[str, Any]:
 # the graph each (~0.5 s of CPU per step). Any `execution.config` Dagster's default accepts is
 # accepted; an explicit `start_method` is kept.
 STEP_EXECUTOR = multi_or_in_process_executor.configured(
-    _forkserver_unless_told, name="multi_or_in_process_forkserver",
-    config_schema=multi_or_in_process_executor.config_schema.as_field())
+    _forkserver_unless_told,
+    name="multi_or_in_process_forkserver",
+    config_schema=multi_or_in_process_executor.config_schema.as_field(),
+)
 
 
 def make_definitions(resources: Mapping[str, Any], executor: ExecutorDefinition = STEP_EXECUTOR) -> Definitions:

@@ -22,7 +22,6 @@ from pathlib import Path
 from value_assets.core import vocabulary as v
 from value_assets.definitions import project_root, resources_by_deployment_name
 
-
 # The demo gates in the stricter mode (docs/rules.md#evaluation): the shuffled control's EV is about
 # 0 +- 1e-4, so under the default rule its refusal would rest on the sign of a near-zero number;
 # here it rests on the interval's lower bound (below 0), while the learnable critic's is far above.
@@ -64,7 +63,10 @@ def main() -> int:
     wanted = {str(p.resolve()) for p in manifests}
     requests = [r for r in result.run_requests if r.tags.get("value_assets/manifest") in wanted]
     if len(requests) != len(manifests):
-        print(f"value-assets demo: the sensor requested {len(requests)} runs for {len(manifests)} demo manifests", file=sys.stderr)
+        print(
+            f"value-assets demo: the sensor requested {len(requests)} runs for {len(manifests)} demo manifests",
+            file=sys.stderr,
+        )
         return 1
 
     rows = []
@@ -83,12 +85,19 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
         print(f"\n=== {key}: full job (validate -> plan -> train -> evaluate -> gate -> promote) ===", flush=True)
         t = time.monotonic()
         run = defs.resolve_job_def("full").execute_in_process(
-            instance=instance, partition_key=key, raise_on_error=False,
+            instance=instance,
+            partition_key=key,
+            raise_on_error=False,
             run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}, "ops": DEMO_OPS},
-            tags={**request.tags, "dagster/run_key": request.run_key or key})
+            tags={**request.tags, "dagster/run_key": request.run_key or key},
+        )
         if not run.success:
             failed = sorted({e.step_key for e in run.all_events if e.is_step_failure})
-            print(f"    run {run.run_id[:8]} stopped at {failed} (for the shuffled control this is the blocking gate at work)", flush=True)
+            print(
+                f"    run {run.run_id[:8]} stopped at {failed} (for the shuffled control this is the blocking gate at "
+                "work)",
+                flush=True,
+            )
         gate = {e.check_name: e.passed for e in run.get_asset_check_evaluations()}.get(v.EV_GATE)
         lineage = Lineage(instance, key)
         manifest_meta = lineage.metadata(v.VALUE_MANIFEST) or {}
@@ -96,22 +105,26 @@ def _run_lineages(defs, instance, requests, artifacts: Path, rows: list) -> None
         report = lineage.metadata(v.EV_REPORT) or {}
         promotion = lineage.metadata(v.PROMOTED_CRITIC) or {}
         record = artifacts / "registry" / f"{key}.json"
-        rows.append({
-            "partition": key,
-            "manifest_sha12": str(manifest_meta.get(v.MANIFEST_SHA256, ""))[:12],
-            "steps": ckpt.get("steps"),
-            "contract_sha12": str(ckpt.get(v.CONTRACT_SHA256, ""))[:12],
-            "token_ev": report.get("token_ev"),
-            "trajectory_ev": report.get("trajectory_ev"),
-            "optimal_ev": json.loads(Path(request.tags["value_assets/manifest"]).read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"],
-            "gate": {True: "PASSED", False: "FAILED", None: "not run"}[gate],
-            "token_ev_low": report.get("token_ev_low"),
-            "trajectory_ev_low": report.get("trajectory_ev_low"),
-            "promoted": record.is_file(),
-            "record": record,
-            "record_sha256": promotion.get(v.REGISTRY_RECORD_SHA256),
-            "seconds": time.monotonic() - t,
-        })
+        rows.append(
+            {
+                "partition": key,
+                "manifest_sha12": str(manifest_meta.get(v.MANIFEST_SHA256, ""))[:12],
+                "steps": ckpt.get("steps"),
+                "contract_sha12": str(ckpt.get(v.CONTRACT_SHA256, ""))[:12],
+                "token_ev": report.get("token_ev"),
+                "trajectory_ev": report.get("trajectory_ev"),
+                "optimal_ev": json.loads(Path(request.tags["value_assets/manifest"]).read_text())["provenance"][
+                    "bayes_optimal_trajectory_ev_heldout"
+                ],
+                "gate": {True: "PASSED", False: "FAILED", None: "not run"}[gate],
+                "token_ev_low": report.get("token_ev_low"),
+                "trajectory_ev_low": report.get("trajectory_ev_low"),
+                "promoted": record.is_file(),
+                "record": record,
+                "record_sha256": promotion.get(v.REGISTRY_RECORD_SHA256),
+                "seconds": time.monotonic() - t,
+            }
+        )
 
 
 def _lowest(row: dict):
@@ -124,23 +137,38 @@ def _print_rows(rows: list, requests, home: Path, artifacts: Path, t0: float) ->
         return "-" if v is None else format(v, spec)
 
     print(f"\nvalue_assets demo: {len(rows)} lineages, instance {home}, artifacts {artifacts}\n")
-    hdr = (f"{'partition':<30} {'manifest':<12} {'steps':>5} {'contract':<12} {'token EV':>8} {'traj EV':>8} {'low':>8} "
-           f"{'optimal':>8} {'gate':<7} {'promotion':<9} {'time':>6}")
+    hdr = (
+        f"{'partition':<30} {'manifest':<12} {'steps':>5} {'contract':<12} {'token EV':>8} {'traj EV':>8} {'low':>8} "
+        f"{'optimal':>8} {'gate':<7} {'promotion':<9} {'time':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['partition']:<30} {r['manifest_sha12']:<12} {f(r['steps'], 'd'):>5} {r['contract_sha12']:<12} {f(r['token_ev']):>8} "
-              f"{f(r['trajectory_ev']):>8} {f(_lowest(r), '.4f'):>8} {f(r['optimal_ev']):>8} {r['gate']:<7} {'promoted' if r['promoted'] else 'refused':<9} {r['seconds']:>5.0f}s")
-    print("\nlow: the lower of the two 95% interval bounds (token, trajectory); the gate (mode 'interval') needs it > 0")
+        print(
+            f"{r['partition']:<30} {r['manifest_sha12']:<12} {f(r['steps'], 'd'):>5} {r['contract_sha12']:<12} "
+            f"{f(r['token_ev']):>8} {f(r['trajectory_ev']):>8} {f(_lowest(r), '.4f'):>8} {f(r['optimal_ev']):>8} "
+            f"{r['gate']:<7} {'promoted' if r['promoted'] else 'refused':<9} {r['seconds']:>5.0f}s"
+        )
+    print(
+        "\nlow: the lower of the two 95% interval bounds (token, trajectory); the gate (mode 'interval') needs it > 0"
+    )
     print(f"artifacts: {artifacts}/<partition>/{{plan,critic,reports}}, promotion records: {artifacts}/registry/")
     for r in rows:
         if r["promoted"] and r["record_sha256"]:  # the RL side's settings, from the record pinned in the instance
             print(f"hand-off: .venv/bin/value-assets handoff {r['record']} --record-sha256 {r['record_sha256']}")
-    print(f"total {time.monotonic() - t0:.0f}s; `make ui` shows both lineages, the checks and the plots on http://127.0.0.1:3000")
-    by_name = {Path(r.tags["value_assets/manifest"]).stem: row for r, row in zip(sorted(requests, key=lambda r: r.tags["value_assets/manifest"]), rows)}
+    print(
+        f"total {time.monotonic() - t0:.0f}s; `make ui` shows both lineages, the checks and the plots on http://127.0.0.1:3000"
+    )
+    by_name = {
+        Path(r.tags["value_assets/manifest"]).stem: row
+        for r, row in zip(sorted(requests, key=lambda r: r.tags["value_assets/manifest"]), rows, strict=True)
+    }
     ok = by_name["demo"]["promoted"] and not by_name["demo-shuffled"]["promoted"]
     if not ok:
-        print("value-assets demo: expected the learnable critic promoted and the shuffled control refused", file=sys.stderr)
+        print(
+            "value-assets demo: expected the learnable critic promoted and the shuffled control refused",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 

@@ -9,9 +9,10 @@ rules in `value_assets.core` as plain values. Assets, checks, the demo and `valu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance, RunsFilter
 
@@ -48,7 +49,8 @@ class Lineage:
         """Metadata values of the newest materialization of `asset` (a `core.vocabulary` name) in
         this partition, or None."""
         result = self.instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[self.partition_key]), limit=1)
+            AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[self.partition_key]), limit=1
+        )
         if not result.records or result.records[0].asset_materialization is None:
             return None
         return _values(result.records[0].asset_materialization.metadata)
@@ -56,7 +58,9 @@ class Lineage:
     def _recorded_sha(self, asset: str, key: str, hint: str) -> str:
         sha = (self.metadata(asset) or {}).get(key)
         if not is_sha(sha):
-            raise InputError(self._where(), f"{asset} has no materialization with a {key} in the Dagster instance: {hint}")
+            raise InputError(
+                self._where(), f"{asset} has no materialization with a {key} in the Dagster instance: {hint}"
+            )
         return sha
 
     def plan(self) -> PublishedPlan:
@@ -64,7 +68,9 @@ class Lineage:
         meta = self.metadata(v.BATCH_PLAN) or {}
         sha, path = meta.get(v.PLAN_SHA256), meta.get(v.PLAN_PATH)
         if not is_sha(sha) or not isinstance(path, str):
-            raise InputError(self._where(), f"{v.BATCH_PLAN} has no materialization with its path and sha: materialize it first")
+            raise InputError(
+                self._where(), f"{v.BATCH_PLAN} has no materialization with its path and sha: materialize it first"
+            )
         return PublishedPlan(Path(path), sha)
 
     def contract_sha(self) -> str:
@@ -79,8 +85,12 @@ class Lineage:
             result = self.instance.fetch_materializations(records_filter, limit=100, cursor=cursor)
             for record in result.records:
                 meta = _values(record.asset_materialization.metadata if record.asset_materialization else None)
-                yield ReportRecord(contract_sha256=meta.get(v.CONTRACT_SHA256), report_path=meta.get(v.REPORT_PATH),
-                                   report_sha256=meta.get(v.REPORT_SHA256), evaluated=meta.get(v.REUSED) is not True)
+                yield ReportRecord(
+                    contract_sha256=meta.get(v.CONTRACT_SHA256),
+                    report_path=meta.get(v.REPORT_PATH),
+                    report_sha256=meta.get(v.REPORT_SHA256),
+                    evaluated=meta.get(v.REUSED) is not True,
+                )
             if not result.has_more:
                 return
             cursor = result.cursor
@@ -94,24 +104,38 @@ class Lineage:
 
         key = AssetCheckKey(AssetKey(v.EV_REPORT), v.EV_GATE)
         history = self.instance.event_log_storage.get_asset_check_execution_history(
-            key, limit=1, status=set(COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES),
-            partition_filter=PartitionKeyFilter(key=self.partition_key))
+            key,
+            limit=1,
+            status=set(COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES),
+            partition_filter=PartitionKeyFilter(key=self.partition_key),
+        )
         evaluation = history[0].evaluation if history else None
         if evaluation is None:
             return None
-        return GateRecord(partition_key=evaluation.partition, passed=evaluation.passed, blocking=evaluation.blocking,
-                          report_sha256=_values(evaluation.metadata).get(v.REPORT_SHA256), run_id=history[0].run_id)
+        return GateRecord(
+            partition_key=evaluation.partition,
+            passed=evaluation.passed,
+            blocking=evaluation.blocking,
+            report_sha256=_values(evaluation.metadata).get(v.REPORT_SHA256),
+            run_id=history[0].run_id,
+        )
 
     def promoted_record_sha(self) -> str:
         """The sha256 of the registry record the latest promoted_critic materialization wrote: the
         pin of `value-assets handoff --instance` (docs/rules.md#hand-off)."""
         meta = self.metadata(v.PROMOTED_CRITIC)
         if meta is None:
-            raise InputError(self._where(), f"has no {v.PROMOTED_CRITIC} materialization in the Dagster instance: nothing was promoted")
+            raise InputError(
+                self._where(),
+                f"has no {v.PROMOTED_CRITIC} materialization in the Dagster instance: nothing was promoted",
+            )
         sha = meta.get(v.REGISTRY_RECORD_SHA256)
         if not is_sha(sha):
-            raise InputError(self._where(), f"its latest promotion recorded no {v.REGISTRY_RECORD_SHA256} (promoted before "
-                                            f"records were pinned): materialize {v.PROMOTED_CRITIC} again")
+            raise InputError(
+                self._where(),
+                f"its latest promotion recorded no {v.REGISTRY_RECORD_SHA256} (promoted before "
+                f"records were pinned): materialize {v.PROMOTED_CRITIC} again",
+            )
         return sha
 
     def saves(self, critic_dir: Path) -> tuple[str, ...]:

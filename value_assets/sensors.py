@@ -14,7 +14,6 @@ An edited file has a new sha, hence a new partition; the old partition and its l
 The cursor is JSON ``{"version": 1, "files": {path: sha}}`` and survives restarts.
 """
 
-
 import json
 import os
 from dataclasses import dataclass, field
@@ -30,9 +29,9 @@ from dagster import (
     sensor,
 )
 
-from value_assets.core.registration import Registration, register_manifest
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
+from value_assets.core.registration import Registration, register_manifest
 from value_assets.jobs import full_job
 from value_assets.partitions import manifests_partitions, partition_key_for
 from value_assets.resources import ArtifactStore, ManifestInbox
@@ -59,7 +58,9 @@ def dump_cursor(files: dict[str, str]) -> str:
 class Scan:
     """What one pass over the folder found."""
 
-    new: list[tuple[Path, Path, str, bytes]] = field(default_factory=list)  # (path, resolved path, sha, bytes) of valid manifests
+    new: list[tuple[Path, Path, str, bytes]] = field(
+        default_factory=list
+    )  # (path, resolved path, sha, bytes) of valid manifests
     invalid: list[tuple[Path, str, str]] = field(default_factory=list)  # (path, sha, reason)
     seen: dict[str, str] = field(default_factory=dict)  # next cursor
 
@@ -104,8 +105,12 @@ def scan_folder(folder: Path, seen: dict[str, str], data_roots: list[Path] | Non
     return scan
 
 
-@sensor(job=full_job, minimum_interval_seconds=15, default_status=DefaultSensorStatus.RUNNING,
-        description="Registers new or changed manifests as partitions and starts the full job for each.")
+@sensor(
+    job=full_job,
+    minimum_interval_seconds=15,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Registers new or changed manifests as partitions and starts the full job for each.",
+)
 def manifest_sensor(context: SensorEvaluationContext, artifacts: ArtifactStore, inbox: ManifestInbox):
     folder = inbox.folder_path
     if not folder.is_dir():
@@ -117,8 +122,11 @@ def manifest_sensor(context: SensorEvaluationContext, artifacts: ArtifactStore, 
     for path, real, sha, data in scan.new:
         key = partition_key_for(path, sha)
         try:
-            register_manifest(artifacts.partition_dir(key),
-                              Registration(partition_key=key, source_path=real, manifest_sha256=sha), data)
+            register_manifest(
+                artifacts.partition_dir(key),
+                Registration(partition_key=key, source_path=real, manifest_sha256=sha),
+                data,
+            )
         except Exception as exc:  # noqa: BLE001 - retried next tick; the other manifests still register
             context.log.error(f"could not register {path} as {key}: {type(exc).__name__}: {exc}")
             scan.seen.pop(str(path), None)  # retried next tick
@@ -129,8 +137,12 @@ def manifest_sensor(context: SensorEvaluationContext, artifacts: ArtifactStore, 
     cursor = dump_cursor(scan.seen)
     if not runs:
         reasons = [f"{p.name}: {r}" for p, _, r in scan.invalid]
-        return SensorResult(cursor=cursor, skip_reason=SkipReason(
-            "invalid manifest(s), nothing started: " + " | ".join(reasons) if reasons else "no new manifests"))
+        return SensorResult(
+            cursor=cursor,
+            skip_reason=SkipReason(
+                "invalid manifest(s), nothing started: " + " | ".join(reasons) if reasons else "no new manifests"
+            ),
+        )
     return SensorResult(
         run_requests=runs,
         dynamic_partitions_requests=[AddDynamicPartitionsRequest(manifests_partitions.name, keys)],

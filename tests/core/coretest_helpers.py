@@ -18,9 +18,15 @@ from value_assets.core.rows import check_row, format_label
 SHA_A = "a" * 64
 
 
-def row(sid: str = "r0", tokens=(5, 6, 7, 8), rl: int = 2, returns=None, mask: Any = "absent", **extra) -> dict[str, Any]:
-    r: dict[str, Any] = {"sample_id": sid, "tokens": list(tokens), "response_length": rl,
-                         "returns": list(returns) if returns is not None else [1.0] * rl}
+def row(
+    sid: str = "r0", tokens=(5, 6, 7, 8), rl: int = 2, returns=None, mask: Any = "absent", **extra
+) -> dict[str, Any]:
+    r: dict[str, Any] = {
+        "sample_id": sid,
+        "tokens": list(tokens),
+        "response_length": rl,
+        "returns": list(returns) if returns is not None else [1.0] * rl,
+    }
     if mask != "absent":
         r["loss_mask"] = mask
     r.update(extra)
@@ -46,8 +52,12 @@ def write_parquet(path: Path, rows: list[dict[str, Any]], with_mask: bool | None
 
     if with_mask is None:
         with_mask = any("loss_mask" in r for r in rows)
-    fields = [("sample_id", pa.string()), ("tokens", pa.list_(pa.int64())), ("response_length", pa.int64()),
-              ("returns", pa.list_(pa.float64()))]
+    fields = [
+        ("sample_id", pa.string()),
+        ("tokens", pa.list_(pa.int64())),
+        ("response_length", pa.int64()),
+        ("returns", pa.list_(pa.float64())),
+    ]
     if with_mask:
         fields.append(("loss_mask", pa.list_(pa.int64())))
     schema = schema or pa.schema(fields)
@@ -57,7 +67,9 @@ def write_parquet(path: Path, rows: list[dict[str, Any]], with_mask: bool | None
 
 
 def ref_for(path: Path, num_samples: int, *, sha: str | None = None, split: str = "train") -> DatasetRef:
-    return DatasetRef(split=split, path=Path(path), declared_path=str(path), sha256=sha or sha256_file(path), num_samples=num_samples)
+    return DatasetRef(
+        split=split, path=Path(path), declared_path=str(path), sha256=sha or sha256_file(path), num_samples=num_samples
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,7 +135,9 @@ def naive_parse(line: bytes) -> Any:
     return obj
 
 
-def naive_validate(path: Path, objective: Objective, num_samples: int, vocab_size=None, max_seq_len=None) -> dict[str, Any]:
+def naive_validate(
+    path: Path, objective: Objective, num_samples: int, vocab_size=None, max_seq_len=None
+) -> dict[str, Any]:
     """Return {'ok', 'bad_lines' (rows failing rules 2-7 or duplicated ids), 'count_ok', 'rows'}."""
     data = Path(path).read_bytes()
     lines = data.split(b"\n")
@@ -157,7 +171,7 @@ def naive_stats(rows) -> dict[str, Any]:
     tokens = active = 0
     for r in rows:
         tokens += len(r.tokens)
-        act = [float(v) for v, m in zip(r.returns, r.loss_mask) if m == 1]
+        act = [float(v) for v, m in zip(r.returns, r.loss_mask, strict=True) if m == 1]
         active += len(act)
         if all(a == act[0] for a in act):
             key = format_label(act[0])
@@ -166,6 +180,10 @@ def naive_stats(rows) -> dict[str, Any]:
 
 
 def rows_equal(a, b) -> bool:
-    return (a.sample_id == b.sample_id and a.response_length == b.response_length
-            and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.returns, b.returns)
-            and np.array_equal(a.loss_mask, b.loss_mask))
+    return (
+        a.sample_id == b.sample_id
+        and a.response_length == b.response_length
+        and np.array_equal(a.tokens, b.tokens)
+        and np.array_equal(a.returns, b.returns)
+        and np.array_equal(a.loss_mask, b.loss_mask)
+    )

@@ -9,8 +9,15 @@ import pytest
 
 from value_assets.cli import main
 from value_assets.core.checkpoint_files import checkpoint_differences, describe_folder, verify_checkpoint
-from value_assets.core.contract import (LATEST_NAME, build_contract, find_resume_point, iter_dirname, load_verified,
-                                        resolve_step_dir, write_contract)
+from value_assets.core.contract import (
+    LATEST_NAME,
+    build_contract,
+    find_resume_point,
+    iter_dirname,
+    load_verified,
+    resolve_step_dir,
+    write_contract,
+)
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.objective import Objective
@@ -28,28 +35,47 @@ def fake_save(critic, step, payload=b"weights"):
     (d / "common.pt").write_bytes(b"common")
     (d / "sub").mkdir()
     (d / "sub" / "x.bin").write_bytes(b"nested")
-    c = build_contract(manifest_sha256="1" * 64, train_sha256="2" * 64, objective=Objective().canonical(), plan=build_plan(10, 2, 1, 3),
-                       completed_steps=step, model={"kind": "tiny-random", "seed": 0}, backbone_config={}, checkpoint=d.name,
-                       checkpoint_files=describe_folder(d))
+    c = build_contract(
+        manifest_sha256="1" * 64,
+        train_sha256="2" * 64,
+        objective=Objective().canonical(),
+        plan=build_plan(10, 2, 1, 3),
+        completed_steps=step,
+        model={"kind": "tiny-random", "seed": 0},
+        backbone_config={},
+        checkpoint=d.name,
+        checkpoint_files=describe_folder(d),
+    )
     return d, c, write_contract(critic, c)
 
 
 def test_describe_folder_sorted_with_sizes_and_shas(tmp_path):
     d, c, _ = fake_save(tmp_path, 2)
     files = c["checkpoint_files"]
-    assert [f["path"] for f in files] == [".metadata", "__0_0.distcp", "common.pt", "sub/x.bin"]  # the contract itself excluded
+    assert [f["path"] for f in files] == [
+        ".metadata",
+        "__0_0.distcp",
+        "common.pt",
+        "sub/x.bin",
+    ]  # the contract itself excluded
     assert files[2] == {"path": "common.pt", "size": 6, "sha256": sha256_bytes(b"common")}
     assert checkpoint_differences(d, c) == []
     assert load_verified(d)[0] == c
 
 
-@pytest.mark.parametrize("tamper, needle", [
-    (lambda d: (d / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR."), ".metadata: size"),
-    (lambda d: (d / "__0_0.distcp").write_bytes(b"W" + (d / "__0_0.distcp").read_bytes()[1:]), "__0_0.distcp: sha256"),
-    (lambda d: (d / "common.pt").unlink(), "missing file common.pt"),
-    (lambda d: (d / "extra.distcp").write_bytes(b""), "extra file extra.distcp"),
-    (lambda d: (d / "sub" / "x.bin").write_bytes(b"NESTED"), "sub/x.bin: sha256"),
-])
+@pytest.mark.parametrize(
+    "tamper, needle",
+    [
+        (lambda d: (d / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR."), ".metadata: size"),
+        (
+            lambda d: (d / "__0_0.distcp").write_bytes(b"W" + (d / "__0_0.distcp").read_bytes()[1:]),
+            "__0_0.distcp: sha256",
+        ),
+        (lambda d: (d / "common.pt").unlink(), "missing file common.pt"),
+        (lambda d: (d / "extra.distcp").write_bytes(b""), "extra file extra.distcp"),
+        (lambda d: (d / "sub" / "x.bin").write_bytes(b"NESTED"), "sub/x.bin: sha256"),
+    ],
+)
 def test_every_difference_is_refused_and_named(tmp_path, tamper, needle):
     d, c, _ = fake_save(tmp_path, 2)
     tamper(d)
@@ -150,7 +176,9 @@ def test_verify_command(tmp_path, capsys):
 
 def test_verify_command_does_not_import_torch(tmp_path):
     d, _, _ = fake_save(tmp_path, 2)
-    code = ("import sys; from value_assets.cli import main; rc = main(['verify', sys.argv[1]]); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    code = (
+        "import sys; from value_assets.cli import main; rc = main(['verify', sys.argv[1]]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

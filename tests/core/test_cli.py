@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.core.coretest_helpers import dumps, row
 from value_assets.cli import main
 from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.plan import build_plan
 from value_assets.core.strict_json import canonical_bytes
-
-from .coretest_helpers import dumps, row
 
 pytestmark = pytest.mark.unit
 
@@ -44,13 +43,18 @@ def test_validate_json_fields(demo, capsys):
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["manifest"] == str(demo) and doc["sha256"] == sha256_file(demo)
-    assert doc["objective"] == {"loss_type": "classification", "num_bins": 51, "reward_range": [0.0, 1.0],
-                                "target_type": "hl_gauss", "hl_gauss_sigma_ratio": 0.75}
+    assert doc["objective"] == {
+        "loss_type": "classification",
+        "num_bins": 51,
+        "reward_range": [0.0, 1.0],
+        "target_type": "hl_gauss",
+        "hl_gauss_sigma_ratio": 0.75,
+    }
     for split, n in (("train", 40), ("heldout", 16)):
         d = doc[split]
         assert d["path"] == str(demo.parent / "demo" / f"{split}.jsonl")
         assert d["sha256"] == sha256_file(d["path"]) and d["rows"] == n
-        rows = [json.loads(l) for l in Path(d["path"]).read_text().splitlines()]
+        rows = [json.loads(line) for line in Path(d["path"]).read_text().splitlines()]
         assert d["tokens"] == sum(len(r["tokens"]) for r in rows)
         assert d["active_targets"] == sum(sum(r.get("loss_mask", [1] * r["response_length"])) for r in rows)
         assert sum(d["label_counts"].values()) == n and set(d["label_counts"]) <= {"0.0", "1.0"}
@@ -66,8 +70,12 @@ def test_validate_human_output(demo, capsys):
 def _manifest(tmp_path, lines, n, **extra):
     data = tmp_path / "t.jsonl"
     data.write_bytes(b"\n".join(lines) + b"\n")
-    m = {"schema": "miles.value-pretrain.v1", "train": {"path": "t.jsonl", "sha256": sha256_file(data), "num_samples": n},
-         "objective": {}, **extra}
+    m = {
+        "schema": "miles.value-pretrain.v1",
+        "train": {"path": "t.jsonl", "sha256": sha256_file(data), "num_samples": n},
+        "objective": {},
+        **extra,
+    }
     p = tmp_path / "m.json"
     p.write_text(json.dumps(m))
     return p, data
@@ -148,8 +156,10 @@ def test_plan_exact_coverage_and_errors(tmp_path, capsys):
     assert rc == 2 and "0" in err
 
 
-@pytest.mark.parametrize("args, needle", [(["--rows", "0"], "0"), (["--heldout-rows", "-1"], "-1"),
-                                          (["--format", "csv"], "csv"), (["--rows", "x"], "x")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["--rows", "0"], "0"), (["--heldout-rows", "-1"], "-1"), (["--format", "csv"], "csv"), (["--rows", "x"], "x")],
+)
 def test_make_demo_data_bad_args_write_nothing(tmp_path, capsys, args, needle):
     out = tmp_path / "out"
     rc, _, err = run(capsys, "make-demo-data", out, *args)
@@ -159,7 +169,7 @@ def test_make_demo_data_bad_args_write_nothing(tmp_path, capsys, args, needle):
 
 def _split_rows(manifest: Path, split: str):
     m = json.loads(manifest.read_text())
-    return [json.loads(l) for l in (manifest.parent / m[split]["path"]).read_text().splitlines()]
+    return [json.loads(line) for line in (manifest.parent / m[split]["path"]).read_text().splitlines()]
 
 
 def _oracle_ev(rows) -> float:
@@ -183,7 +193,9 @@ def _best_task_predictor_ev(rows) -> float:
 
 def _make_pair(tmp_path, capsys):
     rc, out, _ = run(capsys, "make-demo-data", tmp_path, "--rows", 400, "--heldout-rows", 400, "--seed", 1)
-    rc2, out2, _ = run(capsys, "make-demo-data", tmp_path, "--rows", 400, "--heldout-rows", 400, "--seed", 1, "--shuffle-labels")
+    rc2, out2, _ = run(
+        capsys, "make-demo-data", tmp_path, "--rows", 400, "--heldout-rows", 400, "--seed", 1, "--shuffle-labels"
+    )
     assert rc == rc2 == 0
     return Path(out.strip()), Path(out2.strip())
 
@@ -241,20 +253,23 @@ def test_real_subprocess_exit_codes(tmp_path):
     assert res.returncode == 2 and res.stdout == ""
     assert "duplicate sample_id" in res.stderr and f"{data}:2" in res.stderr and "'a'" in res.stderr
     assert "Traceback" not in res.stderr
-    res = subprocess.run([sys.executable, "-m", "value_assets.cli", "plan", str(p), "--global-batch-size", "1", "--json"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "value_assets.cli", "plan", str(p), "--global-batch-size", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0 and json.loads(res.stdout)["num_steps"] == 2
 
 
 def test_core_imports_no_heavy_frameworks():
     code = (
-        "import importlib, pkgutil, sys, value_assets.core as c\n"
-        "mods = [m.name for m in pkgutil.iter_modules(c.__path__)]\n"
-        "assert len(mods) >= 14, mods\n"
-        "for m in mods: importlib.import_module('value_assets.core.' + m)\n"
-        "import value_assets.cli\n"
-        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('dagster', 'torch', 'ray', 'megatron'))\n"
-        "print(len(mods), bad)\n"
+        "import importlib, pkgutil, sys, value_assets.core as c\nmods = [m.name for m in "
+        "pkgutil.iter_modules(c.__path__)]\nassert len(mods) >= 14, mods\nfor m in mods: "
+        "importlib.import_module('value_assets.core.' + m)\nimport value_assets.cli\nbad = sorted(n for n in "
+        "sys.modules if n.split('.')[0] in ('dagster', 'torch', 'ray', 'megatron'))\nprint(len(mods), bad)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -282,8 +297,11 @@ def test_every_option_has_help_and_shows_its_default():
     assert {command.split()[0] for command, _ in options} >= {"validate", "plan", "make-demo-data", "train", "evaluate"}
     no_help = [f"{c} {a.option_strings[0]}" for c, a in options if not (a.help or "").strip()]
     assert no_help == []
-    hidden_default = [f"{c} {a.option_strings[0]}" for c, a in options
-                      if a.default is not None and a.default is not False and "%(default)s" not in a.help]
+    hidden_default = [
+        f"{c} {a.option_strings[0]}"
+        for c, a in options
+        if a.default is not None and a.default is not False and "%(default)s" not in a.help
+    ]
     assert hidden_default == []
     import argparse
 

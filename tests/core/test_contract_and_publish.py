@@ -1,4 +1,5 @@
-"""docs/rules.md#training-run, docs/rules.md#contract contracts and resume rules; docs/rules.md#evaluation, docs/rules.md#bad-input-and-safety write-once publication (incl. concurrency)."""
+"""docs/rules.md#training-run, docs/rules.md#contract contracts and resume rules; docs/rules.md#evaluation,
+docs/rules.md#bad-input-and-safety write-once publication (incl. concurrency)."""
 
 import json
 import multiprocessing as mp
@@ -7,8 +8,17 @@ import re
 
 import pytest
 
-from value_assets.core.contract import (CONTRACT_NAME, build_contract, build_receipt, check_resume, iter_dirname, load_contract,
-                                        read_latest, refuse_uncontracted, write_contract)
+from value_assets.core.contract import (
+    CONTRACT_NAME,
+    build_contract,
+    build_receipt,
+    check_resume,
+    iter_dirname,
+    load_contract,
+    read_latest,
+    refuse_uncontracted,
+    write_contract,
+)
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.objective import Objective
@@ -23,9 +33,17 @@ OBJ = Objective().canonical()
 
 def contract(steps=2, plan=None, **over):
     plan = plan or build_plan(10, 2, 1, 3)
-    c = build_contract(manifest_sha256=M, train_sha256=T, objective=OBJ, plan=plan, completed_steps=steps,
-                       model={"name": "tiny", "path": "/ckpt/actor"}, backbone_config={"layers": 2, "hidden": 8},
-                       checkpoint=iter_dirname(steps), checkpoint_files=[{"path": "common.pt", "size": 1, "sha256": "3" * 64}])
+    c = build_contract(
+        manifest_sha256=M,
+        train_sha256=T,
+        objective=OBJ,
+        plan=plan,
+        completed_steps=steps,
+        model={"name": "tiny", "path": "/ckpt/actor"},
+        backbone_config={"layers": 2, "hidden": 8},
+        checkpoint=iter_dirname(steps),
+        checkpoint_files=[{"path": "common.pt", "size": 1, "sha256": "3" * 64}],
+    )
     c.update(over)
     return c
 
@@ -33,7 +51,12 @@ def contract(steps=2, plan=None, **over):
 def test_contract_fields():
     plan = build_plan(10, 2, 1, 3)
     c = contract(plan=plan)
-    assert c["batch_plan"] == {"seed": 3, "global_batch_size": 2, "drop_incomplete_batch": True, "algorithm": c["batch_plan"]["algorithm"]}
+    assert c["batch_plan"] == {
+        "seed": 3,
+        "global_batch_size": 2,
+        "drop_incomplete_batch": True,
+        "algorithm": c["batch_plan"]["algorithm"],
+    }
     assert c["batch_plan_sha256"] == plan.sha256 and c["objective"] == OBJ
     assert c["source_manifest_sha256"] == M and c["train_dataset_sha256"] == T and c["completed_steps"] == 2
 
@@ -92,8 +115,12 @@ def test_load_contract_pin_checked_before_parse(tmp_path):
 def test_load_contract_refuses_non_canonical_and_incomplete(tmp_path):
     c = contract()
     f = tmp_path / CONTRACT_NAME
-    for text in [json.dumps(c, sort_keys=True), json.dumps(c, sort_keys=True, separators=(",", ":")),
-                 json.dumps(c, separators=(",", ":")) + "\n", json.dumps(c, sort_keys=True, indent=1) + "\n"]:
+    for text in [
+        json.dumps(c, sort_keys=True),
+        json.dumps(c, sort_keys=True, separators=(",", ":")),
+        json.dumps(c, separators=(",", ":")) + "\n",
+        json.dumps(c, sort_keys=True, indent=1) + "\n",
+    ]:
         if text.encode() == (json.dumps(c, sort_keys=True, separators=(",", ":")) + "\n").encode():
             continue
         f.write_text(text)
@@ -114,8 +141,15 @@ def test_load_contract_refuses_non_canonical_and_incomplete(tmp_path):
 
 
 def _resume(c, **over):
-    args = dict(where="ckpt", manifest_sha256=M, train_sha256=T, objective=OBJ, plan=build_plan(10, 2, 1, 3),
-                model={"name": "tiny", "path": "/ckpt/actor"}, loaded_iterations=[2, 2])
+    args = dict(
+        where="ckpt",
+        manifest_sha256=M,
+        train_sha256=T,
+        objective=OBJ,
+        plan=build_plan(10, 2, 1, 3),
+        model={"name": "tiny", "path": "/ckpt/actor"},
+        loaded_iterations=[2, 2],
+    )
     args.update(over)
     return check_resume(c, **args)
 

@@ -2,8 +2,8 @@
 checked against the digest of the line that was validated."""
 
 import pytest
-from .coretest_helpers import ref_for, row, write_jsonl
 
+from tests.core.coretest_helpers import ref_for, row, write_jsonl
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective

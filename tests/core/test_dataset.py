@@ -5,12 +5,20 @@ import json
 import numpy as np
 import pytest
 
+from tests.core.coretest_helpers import (
+    dumps,
+    naive_stats,
+    ref_for,
+    row,
+    rows_equal,
+    write_jsonl,
+    write_lines,
+    write_parquet,
+)
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 from value_assets.core.rows import check_row
-
-from .coretest_helpers import dumps, naive_stats, ref_for, row, rows_equal, write_jsonl, write_lines, write_parquet
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +44,9 @@ def raw_row(**fields):
     """A row line with exact JSON text per field (to write literals Python's json cannot)."""
     base = {"sample_id": '"x"', "tokens": "[5,6,7,8]", "response_length": "2", "returns": "[1.0,1.0]"}
     base.update(fields)
-    return ("{" + ",".join(f'"{k}":{v}' for k, v in base.items() if v is not None) + "}").encode("latin-1")  # "\xff" -> byte 0xff
+    return ("{" + ",".join(f'"{k}":{v}' for k, v in base.items() if v is not None) + "}").encode(
+        "latin-1"
+    )  # "\xff" -> byte 0xff
 
 
 # --- JSONL: each rule, located at path:line with the offending value --------------------------------
@@ -153,8 +163,10 @@ def test_vocab_and_max_len(tmp_path):
 
 
 def test_extra_keys_ignored(tmp_path):
-    lines = [raw_row(sample_id='"a"', meta='{"x":[1,2,{"y":null}],"s":"a:b"}', note='"loss_mask"'),
-             raw_row(sample_id='"b"', extra="1.5")]
+    lines = [
+        raw_row(sample_id='"a"', meta='{"x":[1,2,{"y":null}],"s":"a:b"}', note='"loss_mask"'),
+        raw_row(sample_id='"b"', extra="1.5"),
+    ]
     ds = accept(write_lines(tmp_path / "d.jsonl", lines), 2)
     assert [ds.row(i).sample_id for i in range(2)] == ["a", "b"]
 
@@ -249,7 +261,12 @@ def test_random_access_and_stats_against_naive(tmp_path, fmt):
         assert rows_equal(ds.row(i), expected[i])
     s = ds.stats
     ns = naive_stats(expected)
-    assert (s.rows, s.tokens, s.active_targets, s.label_counts) == (ns["rows"], ns["tokens"], ns["active_targets"], ns["label_counts"])
+    assert (s.rows, s.tokens, s.active_targets, s.label_counts) == (
+        ns["rows"],
+        ns["tokens"],
+        ns["active_targets"],
+        ns["label_counts"],
+    )
     assert s.max_tokens == max(len(r["tokens"]) for r in rows)
     assert s.min_tokens == min(len(r["tokens"]) for r in rows)
     np.testing.assert_array_equal(ds.lengths, [len(r["tokens"]) for r in rows])
@@ -263,7 +280,9 @@ def test_random_access_and_stats_against_naive(tmp_path, fmt):
 
 
 def test_absent_mask_means_all_ones(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [row("a", rl=3, returns=[0, 0, 0]), row("b", rl=3, returns=[1, 0, 1], mask=[1, 0, 1])])
+    p = write_jsonl(
+        tmp_path / "d.jsonl", [row("a", rl=3, returns=[0, 0, 0]), row("b", rl=3, returns=[1, 0, 1], mask=[1, 0, 1])]
+    )
     ds = accept(p, 2)
     np.testing.assert_array_equal(ds.row(0).loss_mask, [1, 1, 1])
     assert ds.stats.active_targets == 5
@@ -324,8 +343,14 @@ def test_parquet_duplicate_ids_vocab_count(tmp_path):
 def test_parquet_float_tokens_column_refused(tmp_path):
     import pyarrow as pa
 
-    schema = pa.schema([("sample_id", pa.string()), ("tokens", pa.list_(pa.float64())), ("response_length", pa.int64()),
-                        ("returns", pa.list_(pa.float64()))])
+    schema = pa.schema(
+        [
+            ("sample_id", pa.string()),
+            ("tokens", pa.list_(pa.float64())),
+            ("response_length", pa.int64()),
+            ("returns", pa.list_(pa.float64())),
+        ]
+    )
     rows = [{"sample_id": "a", "tokens": [1.0, 2.0, 3.0], "response_length": 1, "returns": [1.0]}]
     p = write_parquet(tmp_path / "d.parquet", rows, schema=schema)
     reject(p, 1, "tokens", "double")
@@ -335,7 +360,9 @@ def test_parquet_missing_column_refused(tmp_path):
     import pyarrow as pa
 
     schema = pa.schema([("sample_id", pa.string()), ("tokens", pa.list_(pa.int64())), ("response_length", pa.int64())])
-    p = write_parquet(tmp_path / "d.parquet", [{"sample_id": "a", "tokens": [1, 2], "response_length": 1}], schema=schema)
+    p = write_parquet(
+        tmp_path / "d.parquet", [{"sample_id": "a", "tokens": [1, 2], "response_length": 1}], schema=schema
+    )
     reject(p, 1, "returns")
 
 
@@ -396,7 +423,9 @@ def test_null_first_line_is_an_input_error_not_a_crash(tmp_path):
 
     p = write_lines(tmp_path / "d.jsonl", [b"null", GOOD[0]])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, "-c", _SEGV_SCRIPT, str(p)], capture_output=True, text=True, timeout=60, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", _SEGV_SCRIPT, str(p)], capture_output=True, text=True, timeout=60, env=env
+    )
     assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-300:]}"
     assert res.stdout.strip() == f"WHERE {p}:1"
 

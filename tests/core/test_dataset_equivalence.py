@@ -11,17 +11,21 @@ nesting, mse returns beyond 1e6 and lines of non-JSON whitespace (a form feed is
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import value_assets.core.dataset as dataset_mod
+from tests.core.coretest_helpers import naive_stats, naive_validate, ref_for, rows_equal
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
-from .coretest_helpers import naive_stats, naive_validate, ref_for, rows_equal
-
 pytestmark = pytest.mark.unit
 
-OBJECTIVES = [Objective(), Objective(loss_type="mse", num_bins=1), Objective(reward_range=(-1.0, 1.0), target_type="two_hot")]
+OBJECTIVES = [
+    Objective(),
+    Objective(loss_type="mse", num_bins=1),
+    Objective(reward_range=(-1.0, 1.0), target_type="two_hot"),
+]
 RETURN_VALUES = [0.0, 1.0, 0.5, 0.25, -1.0, 2.0, 1]
 
 
@@ -31,7 +35,11 @@ def valid_row(draw, i):
     rl = draw(st.integers(1, t - 1))
     tokens = draw(st.lists(st.integers(0, 50), min_size=t, max_size=t))
     lab = draw(st.sampled_from([0.0, 1.0, 0.5]))
-    returns = [lab] * rl if draw(st.booleans()) else draw(st.lists(st.sampled_from([0.0, 1.0, 0.25]), min_size=rl, max_size=rl))
+    returns = (
+        [lab] * rl
+        if draw(st.booleans())
+        else draw(st.lists(st.sampled_from([0.0, 1.0, 0.25]), min_size=rl, max_size=rl))
+    )
     r = {"sample_id": f"id{i}", "tokens": tokens, "response_length": rl, "returns": returns}
     if draw(st.booleans()):
         m = draw(st.lists(st.integers(0, 1), min_size=rl, max_size=rl))
@@ -51,6 +59,7 @@ def _set(key, value):
         r = dict(r)
         r[key] = value(r) if callable(value) else value
         return enc(r)
+
     return f
 
 
@@ -59,6 +68,7 @@ def _del(key):
         r = dict(r)
         r.pop(key, None)
         return enc(r)
+
     return f
 
 
@@ -111,7 +121,9 @@ MUTATIONS = {
     "mask_two": _set("loss_mask", lambda r: [2] + [1] * (r["response_length"] - 1)),
     "mask_bool": _set("loss_mask", lambda r: [True] * r["response_length"]),  # valid (Miles)
     "mask_float": _set("loss_mask", lambda r: [1.0] * r["response_length"]),  # valid (Miles)
-    "mask_mixed": _set("loss_mask", lambda r: ([0.0, False, True] * r["response_length"])[: r["response_length"] - 1] + [1]),
+    "mask_mixed": _set(
+        "loss_mask", lambda r: ([0.0, False, True] * r["response_length"])[: r["response_length"] - 1] + [1]
+    ),
     "mask_bool_zero": _set("loss_mask", lambda r: [False] * r["response_length"]),
     "mask_half": _set("loss_mask", lambda r: [0.5] + [1] * (r["response_length"] - 1)),
     "mask_two_float": _set("loss_mask", lambda r: [1.0] * (r["response_length"] - 1) + [2.0]),
@@ -120,8 +132,13 @@ MUTATIONS = {
     "mask_true_half": _set("loss_mask", lambda r: [True] * (r["response_length"] - 1) + [0.5]),
     "mask_zero": _set("loss_mask", lambda r: [0] * r["response_length"]),
     "mask_str": _set("loss_mask", "1"),
-    "masked_out_of_range": lambda r, o: enc({**r, "loss_mask": [0] + [1] * (r["response_length"] - 1) if r["response_length"] > 1 else [1],
-                                             "returns": [3.0] + r["returns"][1:]}),
+    "masked_out_of_range": lambda r, o: enc(
+        {
+            **r,
+            "loss_mask": [0] + [1] * (r["response_length"] - 1) if r["response_length"] > 1 else [1],
+            "returns": [3.0] + r["returns"][1:],
+        }
+    ),
     "extra_ok": _set("extra", {"a": [1, 2], "b": "x:y"}),
     "dup_known": _insert(b'"sample_id":"shadow"'),
     "dup_returns": _text(lambda b, o: b[:-1] + b',"returns":[0.0]}'),
@@ -154,7 +171,13 @@ MUTATIONS = {
     "int5000_token": _text(lambda b, o: b.replace(b'"tokens":[', b'"tokens":[' + b"7" * 5000 + b",", 1)),
     "deep_extra": _insert(b'"x":' + b"[" * 3000 + b"]" * 3000),
 }
-LINE_MUTATIONS = {"blank_before": b"", "ws_before": b" \t ", "ff_before": b"\x0c", "vt_before": b" \x0b", "nbsp_before": b"\xc2\xa0"}
+LINE_MUTATIONS = {
+    "blank_before": b"",
+    "ws_before": b" \t ",
+    "ff_before": b"\x0c",
+    "vt_before": b" \x0b",
+    "nbsp_before": b"\xc2\xa0",
+}
 
 
 @st.composite
@@ -162,8 +185,17 @@ def corrupted_file(draw):
     n = draw(st.integers(1, 7))
     rows = [draw(valid_row(i)) for i in range(n)]
     lines = [enc(r) for r in rows]
-    muts = draw(st.lists(st.tuples(st.sampled_from(sorted(MUTATIONS) + sorted(LINE_MUTATIONS)), st.integers(0, n - 1),
-                                   st.integers(0, n - 1)), min_size=1, max_size=3))
+    muts = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(sorted(MUTATIONS) + sorted(LINE_MUTATIONS)),
+                st.integers(0, n - 1),
+                st.integers(0, n - 1),
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
     inserts = []
     for name, k, other in muts:
         if name in LINE_MUTATIONS:
@@ -177,13 +209,15 @@ def corrupted_file(draw):
     return lines, trailing, delta, [m[0] for m in muts]
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(case=corrupted_file(), objective=st.sampled_from(OBJECTIVES), chunk=st.sampled_from([None, 64, 97]))
 def test_fast_path_agrees_with_naive_reference(tmp_path_factory, monkeypatch, case, objective, chunk):
     lines, trailing, delta, muts = case
     path = tmp_path_factory.mktemp("eq") / "d.jsonl"
     path.write_bytes(b"\n".join(lines) + (b"\n" if trailing else b""))
-    nonblank = sum(1 for l in lines if l.strip(b" \t\r"))
+    nonblank = sum(1 for line in lines if line.strip(b" \t\r"))
     num_samples = max(1, nonblank + delta)
     ref = naive_validate(path, objective, num_samples)
     with monkeypatch.context() as m:
@@ -203,13 +237,21 @@ def test_fast_path_agrees_with_naive_reference(tmp_path_factory, monkeypatch, ca
             assert rows_equal(ds.row(i), r)
             assert ds.location(i) == f"{path}:{ref['rows'][i][0]}"
         ns = naive_stats(expected)
-        assert (ds.stats.rows, ds.stats.tokens, ds.stats.active_targets, ds.stats.label_counts) == \
-               (ns["rows"], ns["tokens"], ns["active_targets"], ns["label_counts"])
+        assert (ds.stats.rows, ds.stats.tokens, ds.stats.active_targets, ds.stats.label_counts) == (
+            ns["rows"],
+            ns["tokens"],
+            ns["active_targets"],
+            ns["label_counts"],
+        )
         return
-    assert err is not None, f"fast path accepted an invalid file ({muts}); naive bad lines {ref['bad_lines']}, count ok {ref['count_ok']}"
+    assert err is not None, (
+        f"fast path accepted an invalid file ({muts}); naive bad lines {ref['bad_lines']}, count ok {ref['count_ok']}"
+    )
     if err.where == str(path):
         # A file-level verdict (row count) is only right when every row is fine.
         assert not ref["bad_lines"] and not ref["count_ok"], f"{err} ({muts})"
     else:
         line = int(err.where.rsplit(":", 1)[1])
-        assert line in ref["bad_lines"], f"reported line {line} is not bad ({muts}): {err}; bad lines {ref['bad_lines']}"
+        assert line in ref["bad_lines"], (
+            f"reported line {line} is not bad ({muts}): {err}; bad lines {ref['bad_lines']}"
+        )

@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from value_assets.core.mixed import mixed_label_batches
 from value_assets.core.objective import Objective
@@ -47,7 +48,13 @@ def _naive_hl_gauss(r, obj):
     p = []
     for j in range(k):
         c = low + j * w
-        p.append(0.5 * (math.erf((c + w / 2 - mu) / (sigma * math.sqrt(2))) - math.erf((c - w / 2 - mu) / (sigma * math.sqrt(2)))))
+        p.append(
+            0.5
+            * (
+                math.erf((c + w / 2 - mu) / (sigma * math.sqrt(2)))
+                - math.erf((c - w / 2 - mu) / (sigma * math.sqrt(2)))
+            )
+        )
     s = sum(p)
     return [x / s for x in p]
 
@@ -72,7 +79,10 @@ def _naive_two_hot(r, obj):
 
 objectives = st.builds(
     lambda k, lo, width, ratio: Objective(num_bins=k, reward_range=(lo, lo + width), hl_gauss_sigma_ratio=ratio),
-    st.integers(2, 64), st.floats(-5, 5), st.floats(0.1, 10), st.floats(0.1, 3),
+    st.integers(2, 64),
+    st.floats(-5, 5),
+    st.floats(0.1, 10),
+    st.floats(0.1, 3),
 )
 
 
@@ -81,7 +91,7 @@ objectives = st.builds(
 def test_hl_gauss_matches_naive_loop(obj, rs):
     got = hl_gauss(np.array(rs), obj)
     assert got.shape == (len(rs), obj.num_bins) and got.dtype == np.float64
-    for row, r in zip(got, rs):
+    for row, r in zip(got, rs, strict=True):
         np.testing.assert_allclose(row, _naive_hl_gauss(r, obj), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(got.sum(axis=1), 1.0, rtol=1e-12)
 
@@ -90,7 +100,7 @@ def test_hl_gauss_matches_naive_loop(obj, rs):
 @given(objectives, st.lists(st.floats(-20, 20), min_size=1, max_size=6))
 def test_two_hot_matches_naive_loop(obj, rs):
     got = two_hot(np.array(rs), obj)
-    for row, r in zip(got, rs):
+    for row, r in zip(got, rs, strict=True):
         np.testing.assert_allclose(row, _naive_two_hot(r, obj), atol=1e-9)
         assert np.count_nonzero(row > 1e-12) <= 2
     low, high = obj.reward_range

@@ -6,24 +6,41 @@ import pytest
 
 from value_assets.cli import main
 from value_assets.core.errors import InputError
-from value_assets.core.handoff import (build_handoff, describe_bundle, model_identity, objective_flags, record_rl_settings,
-                                       reusable_handoff, verify_handoff)
+from value_assets.core.handoff import (
+    build_handoff,
+    describe_bundle,
+    model_identity,
+    objective_flags,
+    record_rl_settings,
+    reusable_handoff,
+    verify_handoff,
+)
 from value_assets.core.hashing import sha256_file
 from value_assets.core.miles import MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract
 from value_assets.core.strict_json import canonical_bytes
 
 SHA_A, SHA_B, SHA_C = "a" * 64, "b" * 64, "c" * 64
-CLASSIFICATION = {"loss_type": "classification", "num_bins": 11, "reward_range": [0.0, 1.0], "target_type": "hl_gauss",
-                  "hl_gauss_sigma_ratio": 0.75}
+CLASSIFICATION = {
+    "loss_type": "classification",
+    "num_bins": 11,
+    "reward_range": [0.0, 1.0],
+    "target_type": "hl_gauss",
+    "hl_gauss_sigma_ratio": 0.75,
+}
 MSE = {"loss_type": "mse"}
 
 pytestmark = pytest.mark.unit
 
 
 def contract(objective):
-    return {"source_manifest_sha256": SHA_A, "train_dataset_sha256": SHA_B, "objective": objective,
-            "batch_plan": {"seed": 3, "global_batch_size": 8, "drop_incomplete_batch": True, "algorithm": "x"},
-            "completed_steps": 4, "model": {"backbone": "tiny"}}
+    return {
+        "source_manifest_sha256": SHA_A,
+        "train_dataset_sha256": SHA_B,
+        "objective": objective,
+        "batch_plan": {"seed": 3, "global_batch_size": 8, "drop_incomplete_batch": True, "algorithm": "x"},
+        "completed_steps": 4,
+        "model": {"backbone": "tiny"},
+    }
 
 
 def bundles(tmp_path, objective):
@@ -39,8 +56,12 @@ def bundles(tmp_path, objective):
     if scalar:
         (root / "hf").mkdir()
         (root / "hf" / "model.safetensors").write_bytes(b"hf")
-    record = {"schema": "value-assets.promotion.v1", "partition_key": "demo-1", "contract_sha256": SHA_C,
-              "handoff": build_handoff(handoff_dir=root, miles_contract=miles, objective=objective, scalar_hf=scalar)}
+    record = {
+        "schema": "value-assets.promotion.v1",
+        "partition_key": "demo-1",
+        "contract_sha256": SHA_C,
+        "handoff": build_handoff(handoff_dir=root, miles_contract=miles, objective=objective, scalar_hf=scalar),
+    }
     path = tmp_path / "registry.json"
     path.write_bytes(canonical_bytes(record))
     return record, path, miles
@@ -61,9 +82,19 @@ def test_bundle_record_lists_every_file_with_its_sha(tmp_path):
 
 def test_objective_flags_follow_miles_arguments():
     assert objective_flags(MSE) == ["--value-loss-type", "mse"]
-    assert objective_flags(CLASSIFICATION) == ["--value-loss-type", "classification", "--value-num-bins", "11",
-                                               "--value-reward-range", "0.0", "1.0", "--value-target-type", "hl_gauss",
-                                               "--hl-gauss-sigma-ratio", "0.75"]
+    assert objective_flags(CLASSIFICATION) == [
+        "--value-loss-type",
+        "classification",
+        "--value-num-bins",
+        "11",
+        "--value-reward-range",
+        "0.0",
+        "1.0",
+        "--value-target-type",
+        "hl_gauss",
+        "--hl-gauss-sigma-ratio",
+        "0.75",
+    ]
     two_hot = {**CLASSIFICATION, "target_type": "two_hot"}
     assert "--hl-gauss-sigma-ratio" not in objective_flags(two_hot)
 
@@ -72,8 +103,13 @@ def test_rl_settings_of_an_mse_critic_name_verl_path(tmp_path):
     record, _, _ = bundles(tmp_path, MSE)
     s = record_rl_settings(record)
     miles_dir = str(tmp_path / "handoff" / "miles")
-    assert s["miles_args"][:5] == ["--critic-load", miles_dir, "--critic-value-pretrain-contract-sha256",
-                                   record["handoff"]["miles"]["contract_sha256"], "--no-load-optim"]
+    assert s["miles_args"][:5] == [
+        "--critic-load",
+        miles_dir,
+        "--critic-value-pretrain-contract-sha256",
+        record["handoff"]["miles"]["contract_sha256"],
+        "--no-load-optim",
+    ]
     assert "--finetune" not in s["miles_args"]
     assert s["verl"] == {"critic.model.path": str(tmp_path / "handoff" / "hf")}
 
@@ -102,7 +138,10 @@ def test_handoff_cli_prints_the_settings(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["registry_record_sha256"] == sha256_file(path)
     assert shown["contract_sha256_to_pin"] == record["handoff"]["miles"]["contract_sha256"]
-    assert shown["critic_load"] == str(tmp_path / "handoff" / "miles") and shown["model_identity"] == f"value-assets:tiny@{SHA_C}"
+    assert (
+        shown["critic_load"] == str(tmp_path / "handoff" / "miles")
+        and shown["model_identity"] == f"value-assets:tiny@{SHA_C}"
+    )
 
 
 @pytest.mark.parametrize("tamper", ["changed", "extra", "missing"])
@@ -117,8 +156,11 @@ def test_handoff_cli_refuses_a_tampered_bundle_with_the_difference(tmp_path, cap
         weights.unlink()
     assert main(["handoff", str(path), *pin(path)]) == 2
     err = capsys.readouterr().err
-    assert {"changed": "changed iter_0000004/common.pt", "extra": "unexpected iter_0000004/more.distcp",
-            "missing": "missing iter_0000004/common.pt"}[tamper] in err
+    assert {
+        "changed": "changed iter_0000004/common.pt",
+        "extra": "unexpected iter_0000004/more.distcp",
+        "missing": "missing iter_0000004/common.pt",
+    }[tamper] in err
 
 
 def test_handoff_cli_refuses_a_record_without_bundles(tmp_path, capsys):
@@ -136,8 +178,13 @@ def test_handoff_cli_vouches_only_for_a_pinned_record(tmp_path, capsys, monkeypa
     genuine = sha256_file(path)
     weights = tmp_path / "handoff" / "miles" / "iter_0000004" / "common.pt"
     weights.write_bytes(b"the attacker's weights")
-    forged = {**record, "handoff": {**record["handoff"], "miles": {**record["handoff"]["miles"],
-                                                                   **describe_bundle(tmp_path / "handoff" / "miles")}}}
+    forged = {
+        **record,
+        "handoff": {
+            **record["handoff"],
+            "miles": {**record["handoff"]["miles"], **describe_bundle(tmp_path / "handoff" / "miles")},
+        },
+    }
     verify_handoff(forged, "forged")  # self-consistent: the bundle matches the rewritten record
     path.write_bytes(canonical_bytes(forged))
 

@@ -1,6 +1,6 @@
 """Inputs that used to crash with a traceback, pass validation but break training, or cost memory
-without bound; and the Miles-compatible leniencies (docs/rules.md#dataset item 7, docs/rules.md#hand-off). Each test names the
-defect it holds fixed: a located InputError (exit 2 from the command line, nothing written)."""
+without bound; and the Miles-compatible leniencies (docs/rules.md#dataset item 7, docs/rules.md#hand-off). Each test
+names the defect it holds fixed: a located InputError (exit 2 from the command line, nothing written)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import value_assets.core.dataset as dataset_mod
-from .coretest_helpers import dumps, ref_for, row, write_jsonl, write_lines, write_parquet
+from tests.core.coretest_helpers import dumps, ref_for, row, write_jsonl, write_lines, write_parquet
 from value_assets.cli import main
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.errors import InputError
@@ -42,8 +42,12 @@ def refuse(fn, *needles, where=None):
 
 
 def manifest_bytes(train_path="t.jsonl", sha="a" * 64, n=1, objective=None, **extra) -> bytes:
-    m = {"schema": "miles.value-pretrain.v1", "train": {"path": train_path, "sha256": sha, "num_samples": n},
-         "objective": objective if objective is not None else {}, **extra}
+    m = {
+        "schema": "miles.value-pretrain.v1",
+        "train": {"path": train_path, "sha256": sha, "num_samples": n},
+        "objective": objective if objective is not None else {},
+        **extra,
+    }
     return json.dumps(m).encode()
 
 
@@ -64,7 +68,13 @@ def test_nul_byte_in_dataset_path_is_a_located_error_not_a_valueerror(tmp_path):
     p = tmp_path / "m.json"
     p.write_bytes(manifest_bytes("data/a\u0000b.jsonl"))
     for roots in ([tmp_path], None):
-        refuse(lambda: load_manifest(p, data_roots=roots), "train.path", "NUL", "'data/a\\x00b.jsonl'", where=f"{p}: train.path")
+        refuse(
+            lambda roots=roots: load_manifest(p, data_roots=roots),
+            "train.path",
+            "NUL",
+            "'data/a\\x00b.jsonl'",
+            where=f"{p}: train.path",
+        )
 
 
 def test_nul_byte_in_data_root_or_manifest_path_is_an_input_error(tmp_path):
@@ -74,12 +84,15 @@ def test_nul_byte_in_data_root_or_manifest_path_is_an_input_error(tmp_path):
     refuse(lambda: load_manifest(str(tmp_path / "m\x00.json")), "not a valid file system path")
 
 
-@pytest.mark.parametrize("raw, needle", [
-    (b'{"schema":"miles.value-pretrain.v1","x":' + HUGE_INT + b"}", "5000 digits"),
-    (b'{"schema":"miles.value-pretrain.v1","x":-' + HUGE_INT + b"}", "5000 digits"),
-    (b'{"schema":"miles.value-pretrain.v1","x":' + DEEP + b"}", "nested too deeply"),
-    (b'{"schema":"miles.value-pretrain.v1","x":"\\ud800"}', "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b'{"schema":"miles.value-pretrain.v1","x":' + HUGE_INT + b"}", "5000 digits"),
+        (b'{"schema":"miles.value-pretrain.v1","x":-' + HUGE_INT + b"}", "5000 digits"),
+        (b'{"schema":"miles.value-pretrain.v1","x":' + DEEP + b"}", "nested too deeply"),
+        (b'{"schema":"miles.value-pretrain.v1","x":"\\ud800"}', "lone surrogate"),
+    ],
+)
 def test_huge_integer_deep_nesting_and_lone_surrogate_in_manifest_are_located_errors(tmp_path, raw, needle):
     p = tmp_path / "m.json"
     p.write_bytes(raw)
@@ -102,8 +115,11 @@ CRASHING_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("line, needles", CRASHING_ROWS, ids=["int5000-extra", "int5000-token", "deep", "int400-return",
-                                                             "surrogate", "low-surrogate"])
+@pytest.mark.parametrize(
+    "line, needles",
+    CRASHING_ROWS,
+    ids=["int5000-extra", "int5000-token", "deep", "int400-return", "surrogate", "low-surrogate"],
+)
 def test_rows_that_crashed_validation_are_located_errors(tmp_path, line, needles):
     p = write_lines(tmp_path / "d.jsonl", [GOOD, line])
     refuse(lambda: validate_dataset(ref_for(p, 2), CLS), *needles, where=f"{p}:2")
@@ -143,7 +159,7 @@ def test_num_samples_beyond_int64_is_refused(tmp_path, n):
 
 def test_surrogate_pair_sample_id_is_valid_and_lone_surrogate_refused_by_check_row(tmp_path):
     p = write_lines(tmp_path / "d.jsonl", [_row_with(sample_id='"\\ud83d\\ude00"')])
-    assert validate_dataset(ref_for(p, 1), CLS).row(0).sample_id == "\U0001F600"
+    assert validate_dataset(ref_for(p, 1), CLS).row(0).sample_id == "\U0001f600"
     refuse(lambda: check_row(row("\ud800"), "here", CLS), "sample_id", "'\\ud800'", "UTF-8", where="here")
 
 
@@ -151,15 +167,19 @@ def test_parquet_duplicate_column_name_is_a_located_error_not_a_keyerror(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    t = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"]), pa.array([[1, 2, 3]]), pa.array([2]), pa.array([[1.0, 1.0]])],
-                             names=["sample_id", "sample_id", "tokens", "response_length", "returns"])
+    t = pa.Table.from_arrays(
+        [pa.array(["a"]), pa.array(["b"]), pa.array([[1, 2, 3]]), pa.array([2]), pa.array([[1.0, 1.0]])],
+        names=["sample_id", "sample_id", "tokens", "response_length", "returns"],
+    )
     p = tmp_path / "d.parquet"
     pq.write_table(t, p)
     refuse(lambda: validate_dataset(ref_for(p, 1), CLS), "duplicate column", "'sample_id'", where=str(p))
 
 
 def test_parquet_corrupt_data_page_is_a_located_error_not_an_oserror(tmp_path):
-    p = write_parquet(tmp_path / "d.parquet", [row(f"s{i}", tokens=[i % 50, 2, 3], returns=[1.0, 0.5]) for i in range(5000)])
+    p = write_parquet(
+        tmp_path / "d.parquet", [row(f"s{i}", tokens=[i % 50, 2, 3], returns=[1.0, 0.5]) for i in range(5000)]
+    )
     data = bytearray(p.read_bytes())
     for k in range(1000, 1040):  # inside the first column chunk's data page, far from the footer
         data[k] ^= 0x5A
@@ -172,7 +192,9 @@ def test_parquet_invalid_utf8_sample_id_is_a_located_error(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    ids = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(np.array([0, 1, 2], dtype=np.int32).tobytes()), pa.py_buffer(b"a\xff")])
+    ids = pa.Array.from_buffers(
+        pa.string(), 2, [None, pa.py_buffer(np.array([0, 1, 2], dtype=np.int32).tobytes()), pa.py_buffer(b"a\xff")]
+    )
     t = pa.table({"sample_id": ids, "tokens": [[1, 2, 3]] * 2, "response_length": [2, 2], "returns": [[1.0, 0.5]] * 2})
     p = tmp_path / "d.parquet"
     pq.write_table(t, p)
@@ -232,19 +254,22 @@ def test_cli_unexpected_exception_is_one_paragraph_exit_1_without_traceback(tmp_
 # ---- 2. accepted by validate, fatal in training ---------------------------------------------------
 
 
-@pytest.mark.parametrize("objective, field, needle", [
-    ({"reward_range": [-1e308, 1e308]}, "reward_range", "1e+308"),  # high - low overflows to inf
-    ({"reward_range": [0.0, 2e6]}, "reward_range", "2000000.0"),
-    ({"loss_type": "mse", "num_bins": 1, "reward_range": [-1e300, 1e300]}, "reward_range", "1e+300"),
-    ({"reward_range": [0.0, 5e-324]}, "reward_range", "width"),  # bin width underflows to 0
-    ({"reward_range": [1.0, 1.0000000000000002]}, "reward_range", "strictly increasing"),  # equal centres
-    ({"hl_gauss_sigma_ratio": 5e-324}, "hl_gauss_sigma_ratio", "sigma"),  # sigma underflows to 0
-    ({"reward_range": [0, int("1" * 400)]}, "reward_range", "finite"),  # an int beyond float range
-    ({"hl_gauss_sigma_ratio": int("1" * 400)}, "hl_gauss_sigma_ratio", "finite"),
-    ({"num_bins": 1_000_000_000}, "num_bins", "4096"),
-    ({"num_bins": 4097}, "num_bins", "4096"),
-    ({"loss_type": "mse", "num_bins": 4097}, "num_bins", "4096"),
-])
+@pytest.mark.parametrize(
+    "objective, field, needle",
+    [
+        ({"reward_range": [-1e308, 1e308]}, "reward_range", "1e+308"),  # high - low overflows to inf
+        ({"reward_range": [0.0, 2e6]}, "reward_range", "2000000.0"),
+        ({"loss_type": "mse", "num_bins": 1, "reward_range": [-1e300, 1e300]}, "reward_range", "1e+300"),
+        ({"reward_range": [0.0, 5e-324]}, "reward_range", "width"),  # bin width underflows to 0
+        ({"reward_range": [1.0, 1.0000000000000002]}, "reward_range", "strictly increasing"),  # equal centres
+        ({"hl_gauss_sigma_ratio": 5e-324}, "hl_gauss_sigma_ratio", "sigma"),  # sigma underflows to 0
+        ({"reward_range": [0, int("1" * 400)]}, "reward_range", "finite"),  # an int beyond float range
+        ({"hl_gauss_sigma_ratio": int("1" * 400)}, "hl_gauss_sigma_ratio", "finite"),
+        ({"num_bins": 1_000_000_000}, "num_bins", "4096"),
+        ({"num_bins": 4097}, "num_bins", "4096"),
+        ({"loss_type": "mse", "num_bins": 4097}, "num_bins", "4096"),
+    ],
+)
 def test_objective_that_validated_but_cannot_train_is_refused(tmp_path, objective, field, needle):
     p = tmp_path / "m.json"
     p.write_bytes(manifest_bytes(objective=objective))
@@ -280,8 +305,13 @@ def test_jsonl_line_over_max_row_bytes_is_refused_without_reading_it_whole(tmp_p
     ref = ref_for(p, 3)
     tracemalloc.start()
     try:
-        e = refuse(lambda: validate_dataset(ref, CLS, max_row_bytes=1 << 20),
-                   "maximum row size of 1048576 bytes", "max_row_bytes", "--max-row-bytes", where=f"{p}:2")
+        e = refuse(
+            lambda: validate_dataset(ref, CLS, max_row_bytes=1 << 20),
+            "maximum row size of 1048576 bytes",
+            "max_row_bytes",
+            "--max-row-bytes",
+            where=f"{p}:2",
+        )
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -295,7 +325,9 @@ def test_max_row_bytes_boundary_is_the_line_without_its_newline(tmp_path):
     for trailing in (True, False):
         p = write_lines(tmp_path / f"d{trailing}.jsonl", [line], trailing_newline=trailing)
         assert len(validate_dataset(ref_for(p, 1), CLS, max_row_bytes=n)) == 1
-        refuse(lambda: validate_dataset(ref_for(p, 1), CLS, max_row_bytes=n - 1), "maximum row size", where=f"{p}:1")
+        refuse(
+            lambda p=p: validate_dataset(ref_for(p, 1), CLS, max_row_bytes=n - 1), "maximum row size", where=f"{p}:1"
+        )
     blank = write_lines(tmp_path / "blank.jsonl", [line, b" " * (n + 5)])
     refuse(lambda: validate_dataset(ref_for(blank, 1), CLS, max_row_bytes=n), "maximum row size", where=f"{blank}:2")
     refuse(lambda: validate_dataset(ref_for(blank, 1), CLS, max_row_bytes=0), "max_row_bytes", "0")
@@ -326,12 +358,24 @@ def test_dictionary_encoded_parquet_sample_id_is_accepted(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    df = pd.DataFrame({"sample_id": pd.Categorical(["a", "b", "c"]), "tokens": [[1, 2, 3]] * 3, "response_length": [2] * 3,
-                       "returns": [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]})
+    df = pd.DataFrame(
+        {
+            "sample_id": pd.Categorical(["a", "b", "c"]),
+            "tokens": [[1, 2, 3]] * 3,
+            "response_length": [2] * 3,
+            "returns": [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]],
+        }
+    )
     p1 = tmp_path / "cat.parquet"
     df.to_parquet(p1)
-    t = pa.table({"sample_id": pa.array(["x", "y", "x"]).dictionary_encode(), "tokens": [[1, 2, 3]] * 3,
-                  "response_length": pa.array([2, 2, 2]).dictionary_encode(), "returns": [[1.0, 0.0]] * 3})
+    t = pa.table(
+        {
+            "sample_id": pa.array(["x", "y", "x"]).dictionary_encode(),
+            "tokens": [[1, 2, 3]] * 3,
+            "response_length": pa.array([2, 2, 2]).dictionary_encode(),
+            "returns": [[1.0, 0.0]] * 3,
+        }
+    )
     p2 = tmp_path / "dict.parquet"
     pq.write_table(t, p2)
     ds = validate_dataset(ref_for(p1, 3), CLS)
@@ -361,12 +405,19 @@ def test_symlinked_manifest_resolves_relative_paths_against_the_file_it_reads(tm
 
 # ---- 6. Miles compatibility ---------------------------------------------------------------------------
 
-MILES_MASKS = [([1.0, 0.0, 1.0], [1, 0, 1]), ([True, False, True], [1, 0, 1]), ([0.0, True, 1], [0, 1, 1]),
-               ([False, False, True], [0, 0, 1]), ([-0.0, 1.0, 1.0], [0, 1, 1])]
+MILES_MASKS = [
+    ([1.0, 0.0, 1.0], [1, 0, 1]),
+    ([True, False, True], [1, 0, 1]),
+    ([0.0, True, 1], [0, 1, 1]),
+    ([False, False, True], [0, 0, 1]),
+    ([-0.0, 1.0, 1.0], [0, 1, 1]),
+]
 
 
 def test_loss_mask_float_and_bool_are_accepted_and_normalised_on_the_fast_path(tmp_path, monkeypatch):
-    rows = [row(f"m{i}", tokens=[1, 2, 3, 4], rl=3, returns=[0.5, 1.0, 0.5], mask=m) for i, (m, _) in enumerate(MILES_MASKS)]
+    rows = [
+        row(f"m{i}", tokens=[1, 2, 3, 4], rl=3, returns=[0.5, 1.0, 0.5], mask=m) for i, (m, _) in enumerate(MILES_MASKS)
+    ]
     p = write_jsonl(tmp_path / "d.jsonl", rows)
     calls = []
     monkeypatch.setattr(dataset_mod, "check_row", lambda *a, **k: calls.append(a) or check_row(*a, **k))
@@ -379,14 +430,27 @@ def test_loss_mask_float_and_bool_are_accepted_and_normalised_on_the_fast_path(t
 
 def test_loss_mask_float_and_bool_are_accepted_by_the_exact_path(tmp_path):
     # A leading space and an extra key send each line to the strict stdlib parser.
-    lines = [b" " + dumps(row(f"m{i}", tokens=[1, 2, 3, 4], rl=3, mask=m, meta={"k": 1})) for i, (m, _) in enumerate(MILES_MASKS)]
+    lines = [
+        b" " + dumps(row(f"m{i}", tokens=[1, 2, 3, 4], rl=3, mask=m, meta={"k": 1}))
+        for i, (m, _) in enumerate(MILES_MASKS)
+    ]
     ds = validate_dataset(ref_for(write_lines(tmp_path / "d.jsonl", lines), len(lines)), CLS)
     assert [ds.row(i).loss_mask.tolist() for i in range(len(lines))] == [w for _, w in MILES_MASKS]
 
 
-@pytest.mark.parametrize("mask, needle", [([0.5, 1, 1], "0.5"), ([1, 2, 1], "2"), ([1, 2.0, 1], "2.0"), ([1, "1", 1], "'1'"),
-                                          ([1, None, 1], "None"), ([1.0, 1.0, float("nan")], "nan"), ([False] * 3, "no 1"),
-                                          ([0.0] * 3, "no 1")])
+@pytest.mark.parametrize(
+    "mask, needle",
+    [
+        ([0.5, 1, 1], "0.5"),
+        ([1, 2, 1], "2"),
+        ([1, 2.0, 1], "2.0"),
+        ([1, "1", 1], "'1'"),
+        ([1, None, 1], "None"),
+        ([1.0, 1.0, float("nan")], "nan"),
+        ([False] * 3, "no 1"),
+        ([0.0] * 3, "no 1"),
+    ],
+)
 @pytest.mark.parametrize("path", ["fast", "exact"])
 def test_loss_mask_values_other_than_0_1_false_true_are_still_refused(tmp_path, mask, needle, path):
     r = row("x", tokens=[1, 2, 3, 4], rl=3, mask=mask)
@@ -398,15 +462,30 @@ def test_loss_mask_values_other_than_0_1_false_true_are_still_refused(tmp_path, 
     refuse(lambda: validate_dataset(ref_for(p, 2), CLS), "loss_mask", needle, where=f"{p}:2")
 
 
-@pytest.mark.parametrize("pa_type, values, ok", [
-    ("bool_", [True, False], [1, 0]), ("float64", [1.0, 0.0], [1, 0]), ("float32", [0.0, 1.0], [0, 1]), ("int8", [1, 1], [1, 1]),
-    ("float64", [1.0, 0.5], None), ("float64", [1.0, 2.0], None), ("float64", [1.0, float("nan")], None),
-])
+@pytest.mark.parametrize(
+    "pa_type, values, ok",
+    [
+        ("bool_", [True, False], [1, 0]),
+        ("float64", [1.0, 0.0], [1, 0]),
+        ("float32", [0.0, 1.0], [0, 1]),
+        ("int8", [1, 1], [1, 1]),
+        ("float64", [1.0, 0.5], None),
+        ("float64", [1.0, 2.0], None),
+        ("float64", [1.0, float("nan")], None),
+    ],
+)
 def test_parquet_bool_and_float_loss_mask_columns(tmp_path, pa_type, values, ok):
     import pyarrow as pa
 
-    schema = pa.schema([("sample_id", pa.string()), ("tokens", pa.list_(pa.int64())), ("response_length", pa.int64()),
-                        ("returns", pa.list_(pa.float64())), ("loss_mask", pa.list_(getattr(pa, pa_type)()))])
+    schema = pa.schema(
+        [
+            ("sample_id", pa.string()),
+            ("tokens", pa.list_(pa.int64())),
+            ("response_length", pa.int64()),
+            ("returns", pa.list_(pa.float64())),
+            ("loss_mask", pa.list_(getattr(pa, pa_type)())),
+        ]
+    )
     one = True if pa_type == "bool_" else 1
     rows = [row("a", mask=[one, one]), row("b", mask=values)]
     p = write_parquet(tmp_path / "d.parquet", rows, schema=schema)
@@ -434,12 +513,17 @@ def test_unknown_objective_keys_are_ignored_and_listed(tmp_path, capsys):
     refuse(lambda: Objective.from_json({"gamma": 1.0}), "unknown field", "'gamma'")
 
 
-@pytest.mark.parametrize("raw, needles", [
-    (b'{"schema":"miles.value-pretrain.v1","objective":{"num_bins":3,"num_bins":5}}',
-     ["duplicate key 'num_bins'", "Python's json keeps the last value silently"]),
-    (b'{"schema":"miles.value-pretrain.v1","objective":{"x":NaN}}', ["NaN", "not JSON"]),
-    (b'{"schema":"miles.value-pretrain.v1","objective":{"x":1e999}}', ["1e999", "not finite", "inf"]),
-])
+@pytest.mark.parametrize(
+    "raw, needles",
+    [
+        (
+            b'{"schema":"miles.value-pretrain.v1","objective":{"num_bins":3,"num_bins":5}}',
+            ["duplicate key 'num_bins'", "Python's json keeps the last value silently"],
+        ),
+        (b'{"schema":"miles.value-pretrain.v1","objective":{"x":NaN}}', ["NaN", "not JSON"]),
+        (b'{"schema":"miles.value-pretrain.v1","objective":{"x":1e999}}', ["1e999", "not finite", "inf"]),
+    ],
+)
 def test_refusals_of_what_miles_would_misread_say_why(tmp_path, raw, needles):
     p = tmp_path / "m.json"
     p.write_bytes(raw)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from value_assets.core.intervals import bootstrap_ev_interval, decile_stats, ev_by_position, ev_of_sums, position_deciles
+from value_assets.core.intervals import (
+    bootstrap_ev_interval,
+    decile_stats,
+    ev_by_position,
+    ev_of_sums,
+    position_deciles,
+)
 from value_assets.core.stats import token_stats, trajectory_stats
 
 pytestmark = pytest.mark.unit
@@ -31,11 +37,11 @@ def test_point_estimate_is_the_ev_of_summed_statistics():
     # naive, as the rules define trajectory weighting: each row contributes its means over active
     # tokens of R, R^2, e and e^2; population variances of the summed statistics.
     act = [m.astype(bool) for r, v, m in rows]
-    mr = np.mean([r[a].mean() for (r, v, m), a in zip(rows, act)])
-    mr2 = np.mean([(r[a] ** 2).mean() for (r, v, m), a in zip(rows, act)])
-    me = np.mean([(r - v)[a].mean() for (r, v, m), a in zip(rows, act)])
-    me2 = np.mean([((r - v)[a] ** 2).mean() for (r, v, m), a in zip(rows, act)])
-    assert iv.estimate == pytest.approx(1 - (me2 - me ** 2) / (mr2 - mr ** 2), rel=1e-12)
+    mr = np.mean([r[a].mean() for (r, v, m), a in zip(rows, act, strict=True)])
+    mr2 = np.mean([(r[a] ** 2).mean() for (r, v, m), a in zip(rows, act, strict=True)])
+    me = np.mean([(r - v)[a].mean() for (r, v, m), a in zip(rows, act, strict=True)])
+    me2 = np.mean([((r - v)[a] ** 2).mean() for (r, v, m), a in zip(rows, act, strict=True)])
+    assert iv.estimate == pytest.approx(1 - (me2 - me**2) / (mr2 - mr**2), rel=1e-12)
     assert iv.low < iv.estimate < iv.high and iv.units == 200 and iv.undefined_resamples == 0
 
 
@@ -73,7 +79,7 @@ def test_position_deciles_and_ev_by_position():
     rows = _rows(300, 11)
     # A critic that improves along the response: error shrinks with position.
     improved = []
-    for r, v, m in rows:
+    for r, _v, m in rows:
         L = r.shape[0]
         frac = np.arange(L) / L
         improved.append((r, 0.5 + (r - 0.5) * frac, m))
@@ -85,7 +91,8 @@ def test_position_deciles_and_ev_by_position():
     for r, v, m in improved:
         d = position_deciles(r.shape[0])
         sel = (d == 4) & m.astype(bool)
-        rs.append(r[sel]); es.append((r - v)[sel])
+        rs.append(r[sel])
+        es.append((r - v)[sel])
     rs, es = np.concatenate(rs), np.concatenate(es)
     assert evs[4] == pytest.approx(1 - es.var() / rs.var(), rel=1e-10)
     # decile sums add up to the row's token statistics

@@ -11,7 +11,14 @@ import pytest
 from value_assets.cli import build_parser, main
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import (
-    DATA_ROOTS_ENV, PRETRAINED_LR, TINY_LR, EvaluateJob, TrainJob, data_roots_from_env, field_default, field_doc,
+    DATA_ROOTS_ENV,
+    PRETRAINED_LR,
+    TINY_LR,
+    EvaluateJob,
+    TrainJob,
+    data_roots_from_env,
+    field_default,
+    field_doc,
 )
 
 pytestmark = pytest.mark.unit
@@ -34,19 +41,59 @@ def test_every_field_is_documented_and_frozen(cls):
         make(cls).seed = 3
 
 
-@pytest.mark.parametrize("cls, settings", [
-    (TrainJob, dict(backbone="/ckpt/actor", global_batch_size=64, epochs=3, seed=-7, save_interval=10, gpus=8,
-                    tensor_parallel=2, pipeline_parallel=2, micro_batch_tokens=8192, lr=3e-4, warmup_steps=5,
-                    weight_decay=0.01, clip_grad=0.5, canary=True, stop_after=4, manifest_sha256=SHA,
-                    data_roots=(Path("/data"), "/more"), ray_address="ray://head:10001", timeout_s=60, freeze="attention",
-                    recompute="full", recompute_layers=3, resume_from=[SHA, "cd" * 32])),
-    (TrainJob, dict(resume_from=())),  # a lineage that recorded no save: nothing may be resumed
-    (TrainJob, {}),
-    (EvaluateJob, dict(split="train", num_batches=4, global_batch_size=2, seed=9, gpus=4, tensor_parallel=2,
-                       pipeline_parallel=2, micro_batch_tokens=100, data_roots=["/data"], ray_address="auto", timeout_s=1.5,
-                       gate_mode="interval")),
-    (EvaluateJob, {}),
-])
+@pytest.mark.parametrize(
+    "cls, settings",
+    [
+        (
+            TrainJob,
+            dict(
+                backbone="/ckpt/actor",
+                global_batch_size=64,
+                epochs=3,
+                seed=-7,
+                save_interval=10,
+                gpus=8,
+                tensor_parallel=2,
+                pipeline_parallel=2,
+                micro_batch_tokens=8192,
+                lr=3e-4,
+                warmup_steps=5,
+                weight_decay=0.01,
+                clip_grad=0.5,
+                canary=True,
+                stop_after=4,
+                manifest_sha256=SHA,
+                data_roots=(Path("/data"), "/more"),
+                ray_address="ray://head:10001",
+                timeout_s=60,
+                freeze="attention",
+                recompute="full",
+                recompute_layers=3,
+                resume_from=[SHA, "cd" * 32],
+            ),
+        ),
+        (TrainJob, dict(resume_from=())),  # a lineage that recorded no save: nothing may be resumed
+        (TrainJob, {}),
+        (
+            EvaluateJob,
+            dict(
+                split="train",
+                num_batches=4,
+                global_batch_size=2,
+                seed=9,
+                gpus=4,
+                tensor_parallel=2,
+                pipeline_parallel=2,
+                micro_batch_tokens=100,
+                data_roots=["/data"],
+                ray_address="auto",
+                timeout_s=1.5,
+                gate_mode="interval",
+            ),
+        ),
+        (EvaluateJob, {}),
+    ],
+)
 def test_json_round_trip(cls, settings):
     cfg = make(cls, **settings)
     doc = cfg.to_json()
@@ -59,51 +106,54 @@ def test_json_round_trip(cls, settings):
         assert doc["data_roots"] == [str(r) for r in cfg.data_roots] and isinstance(cfg.data_roots, tuple)
 
 
-@pytest.mark.parametrize("cls, name, value, needle", [
-    (TrainJob, "warmup_steps", -5, "must be an integer >= 0, got -5"),
-    (TrainJob, "save_interval", -1, "must be an integer >= 0, got -1"),
-    (TrainJob, "global_batch_size", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "epochs", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "epochs", True, "must be an integer, got True"),
-    (TrainJob, "epochs", 1.0, "must be an integer, got 1.0"),
-    (TrainJob, "gpus", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "tensor_parallel", -2, "must be an integer >= 1, got -2"),
-    (TrainJob, "pipeline_parallel", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "micro_batch_tokens", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "lr", 0.0, "must be a finite number > 0, got 0.0"),
-    (TrainJob, "lr", -1e-4, "must be a finite number > 0, got -0.0001"),
-    (TrainJob, "lr", math.inf, "must be a finite number, got inf"),
-    (TrainJob, "lr", math.nan, "must be a finite number, got nan"),
-    (TrainJob, "lr", "1e-4", "must be a finite number, got '1e-4'"),
-    (TrainJob, "weight_decay", -0.1, "must be a finite number >= 0, got -0.1"),
-    (TrainJob, "clip_grad", 0, "must be a finite number > 0, got 0.0"),
-    (TrainJob, "timeout_s", 0, "must be a finite number > 0, got 0.0"),
-    (TrainJob, "stop_after", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "canary", 1, "must be true or false, got 1"),
-    (TrainJob, "backbone", "", "got ''"),
-    (TrainJob, "manifest_sha256", SHA.upper(), f"got '{SHA.upper()}'"),
-    (TrainJob, "manifest_sha256", "abc", "got 'abc'"),
-    (TrainJob, "data_roots", [], "got []"),
-    (TrainJob, "data_roots", "/data", "got '/data'"),
-    (TrainJob, "resume_from", ["abc"], "got 'abc'"),
-    (TrainJob, "resume_from", SHA, "must be a list of contract sha256s"),
-    (TrainJob, "manifest", "", "got ''"),
-    (TrainJob, "output", None, "is required, got None"),
-    (TrainJob, "recompute_layers", 0, "must be an integer >= 1, got 0"),
-    (TrainJob, "recompute_layers", 2, "needs recompute 'full', got recompute 'none'"),
-    (TrainJob, "freeze", "embeddings", "must be one of ('none', 'attention', 'backbone'), got 'embeddings'"),
-    (EvaluateJob, "contract_sha256", "xyz", "got 'xyz'"),
-    (EvaluateJob, "split", "test", "must be 'heldout' or 'train', got 'test'"),
-    (EvaluateJob, "num_batches", 0, "must be an integer >= 1, got 0"),
-    (EvaluateJob, "global_batch_size", 1, "must be an integer >= 2, got 1"),
-    (EvaluateJob, "gpus", 0, "must be an integer >= 1, got 0"),
-    (EvaluateJob, "micro_batch_tokens", -1, "must be an integer >= 1, got -1"),
-    (EvaluateJob, "seed", "0", "must be an integer, got '0'"),
-    (EvaluateJob, "gate_mode", "strict", "must be one of 'miles', 'interval', got 'strict'"),
-    (EvaluateJob, "gate_min_ev", 1.0, "must be a number in [0, 1)"),
-    (EvaluateJob, "gate_min_ev", -0.01, "got -0.01"),
-    (EvaluateJob, "gate_min_ev", float("nan"), "got nan"),
-])
+@pytest.mark.parametrize(
+    "cls, name, value, needle",
+    [
+        (TrainJob, "warmup_steps", -5, "must be an integer >= 0, got -5"),
+        (TrainJob, "save_interval", -1, "must be an integer >= 0, got -1"),
+        (TrainJob, "global_batch_size", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "epochs", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "epochs", True, "must be an integer, got True"),
+        (TrainJob, "epochs", 1.0, "must be an integer, got 1.0"),
+        (TrainJob, "gpus", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "tensor_parallel", -2, "must be an integer >= 1, got -2"),
+        (TrainJob, "pipeline_parallel", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "micro_batch_tokens", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "lr", 0.0, "must be a finite number > 0, got 0.0"),
+        (TrainJob, "lr", -1e-4, "must be a finite number > 0, got -0.0001"),
+        (TrainJob, "lr", math.inf, "must be a finite number, got inf"),
+        (TrainJob, "lr", math.nan, "must be a finite number, got nan"),
+        (TrainJob, "lr", "1e-4", "must be a finite number, got '1e-4'"),
+        (TrainJob, "weight_decay", -0.1, "must be a finite number >= 0, got -0.1"),
+        (TrainJob, "clip_grad", 0, "must be a finite number > 0, got 0.0"),
+        (TrainJob, "timeout_s", 0, "must be a finite number > 0, got 0.0"),
+        (TrainJob, "stop_after", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "canary", 1, "must be true or false, got 1"),
+        (TrainJob, "backbone", "", "got ''"),
+        (TrainJob, "manifest_sha256", SHA.upper(), f"got '{SHA.upper()}'"),
+        (TrainJob, "manifest_sha256", "abc", "got 'abc'"),
+        (TrainJob, "data_roots", [], "got []"),
+        (TrainJob, "data_roots", "/data", "got '/data'"),
+        (TrainJob, "resume_from", ["abc"], "got 'abc'"),
+        (TrainJob, "resume_from", SHA, "must be a list of contract sha256s"),
+        (TrainJob, "manifest", "", "got ''"),
+        (TrainJob, "output", None, "is required, got None"),
+        (TrainJob, "recompute_layers", 0, "must be an integer >= 1, got 0"),
+        (TrainJob, "recompute_layers", 2, "needs recompute 'full', got recompute 'none'"),
+        (TrainJob, "freeze", "embeddings", "must be one of ('none', 'attention', 'backbone'), got 'embeddings'"),
+        (EvaluateJob, "contract_sha256", "xyz", "got 'xyz'"),
+        (EvaluateJob, "split", "test", "must be 'heldout' or 'train', got 'test'"),
+        (EvaluateJob, "num_batches", 0, "must be an integer >= 1, got 0"),
+        (EvaluateJob, "global_batch_size", 1, "must be an integer >= 2, got 1"),
+        (EvaluateJob, "gpus", 0, "must be an integer >= 1, got 0"),
+        (EvaluateJob, "micro_batch_tokens", -1, "must be an integer >= 1, got -1"),
+        (EvaluateJob, "seed", "0", "must be an integer, got '0'"),
+        (EvaluateJob, "gate_mode", "strict", "must be one of 'miles', 'interval', got 'strict'"),
+        (EvaluateJob, "gate_min_ev", 1.0, "must be a number in [0, 1)"),
+        (EvaluateJob, "gate_min_ev", -0.01, "got -0.01"),
+        (EvaluateJob, "gate_min_ev", float("nan"), "got nan"),
+    ],
+)
 def test_each_rule_names_the_field_and_the_value(cls, name, value, needle):
     with pytest.raises(InputError) as err:
         make(cls, **{name: value})
@@ -147,7 +197,6 @@ def test_data_roots_from_flags_and_environment(monkeypatch):
     assert data_roots_from_env([Path("/a")]) == ("/a", "/env")
 
 
-
 def _subparser(command: str):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -170,8 +219,21 @@ def test_cli_defaults_are_the_configs(command, cls, monkeypatch):
         else:
             assert action.default == f.default, action.dest
             assert field_doc(cls, action.dest) in action.help
-    argv = ["train", "m.json", "--output", "critic"] if command == "train" else \
-        ["evaluate", "--checkpoint", "critic", "--manifest", "m.json", "--contract-sha256", SHA, "--report", "ev.json"]
+    argv = (
+        ["train", "m.json", "--output", "critic"]
+        if command == "train"
+        else [
+            "evaluate",
+            "--checkpoint",
+            "critic",
+            "--manifest",
+            "m.json",
+            "--contract-sha256",
+            SHA,
+            "--report",
+            "ev.json",
+        ]
+    )
     args = build_parser().parse_args(argv)
     assert config_from_args(cls, args) == make(cls)
 
@@ -197,17 +259,25 @@ def test_cli_data_roots_reach_the_config(monkeypatch):
     from value_assets.gpu.cli import config_from_args
 
     monkeypatch.setenv(DATA_ROOTS_ENV, "/env")
-    args = build_parser().parse_args(["train", "m.json", "--output", "o", "--data-root", "/a", "--lr", "0.01", "--canary"])
+    args = build_parser().parse_args(
+        ["train", "m.json", "--output", "o", "--data-root", "/a", "--lr", "0.01", "--canary"]
+    )
     cfg = config_from_args(TrainJob, args)
     assert cfg.data_roots == ("/a", "/env") and cfg.lr == 0.01 and cfg.canary is True
     assert cfg.resume_from is None  # by hand: any save that verifies
-    args = build_parser().parse_args(["train", "m.json", "--output", "o", "--resume-from", SHA, "--resume-from", "cd" * 32])
+    args = build_parser().parse_args(
+        ["train", "m.json", "--output", "o", "--resume-from", SHA, "--resume-from", "cd" * 32]
+    )
     assert config_from_args(TrainJob, args).resume_from == (SHA, "cd" * 32)
-    args = build_parser().parse_args(["train", "m.json", "--output", "o", "--plan", "p/plan.json", "--plan-sha256", SHA])
+    args = build_parser().parse_args(
+        ["train", "m.json", "--output", "o", "--plan", "p/plan.json", "--plan-sha256", SHA]
+    )
     cfg = config_from_args(TrainJob, args)
     assert (cfg.plan, cfg.plan_sha256) == (Path("p/plan.json"), SHA)
     with pytest.raises(InputError, match="go together"):  # a plan is read only against the sha its lineage recorded
-        config_from_args(TrainJob, build_parser().parse_args(["train", "m.json", "--output", "o", "--plan", "p/plan.json"]))
+        config_from_args(
+            TrainJob, build_parser().parse_args(["train", "m.json", "--output", "o", "--plan", "p/plan.json"])
+        )
 
 
 def test_freeze_backbone_needs_one_pipeline_stage():
@@ -227,7 +297,9 @@ def test_cli_freeze_flag_reaches_the_config():
 def test_cli_recompute_layers_reach_the_memory_config():
     from value_assets.gpu.cli import config_from_args
 
-    args = build_parser().parse_args(["train", "m.json", "--output", "critic", "--recompute", "full", "--recompute-layers", "4"])
+    args = build_parser().parse_args(
+        ["train", "m.json", "--output", "critic", "--recompute", "full", "--recompute-layers", "4"]
+    )
     cfg = config_from_args(TrainJob, args)
     assert cfg == make(TrainJob, recompute="full", recompute_layers=4)
     assert (cfg.memory.recompute, cfg.memory.recompute_layers) == ("full", 4)
@@ -239,8 +311,13 @@ def test_cli_recompute_layers_reach_the_memory_config():
 def test_handoff_job_round_trip_and_rules():
     from value_assets.core.job_configs import HandoffJob
 
-    job = HandoffJob(checkpoint="c/iter_0000004", contract_sha256=SHA, out_dir="h", model_identity="value-assets:tiny@x",
-                     scalar_hf=True)
+    job = HandoffJob(
+        checkpoint="c/iter_0000004",
+        contract_sha256=SHA,
+        out_dir="h",
+        model_identity="value-assets:tiny@x",
+        scalar_hf=True,
+    )
     assert HandoffJob.from_json(json.loads(json.dumps(job.to_json()))) == job and job.layer_spec == "te"
     with pytest.raises(InputError) as err:
         HandoffJob.from_json({**job.to_json(), "layer_spec": "fused"})
@@ -281,8 +358,8 @@ def _parameters_with_defaults(path: Path, qualname: str) -> dict[str, object]:
         return {n.target.id: n.value for n in node.body if isinstance(n, ast.AnnAssign) and n.value is not None}
     a = node.args
     positional = a.posonlyargs + a.args
-    pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
-    pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+    pairs = list(zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True))
+    pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None]
     return {arg.arg: d for arg, d in pairs}
 
 
@@ -311,7 +388,6 @@ def test_job_settings_have_one_default_the_layers_below_take_them_from_the_job()
     assert seen == set(_NEUTRAL)  # the rule reads the real signatures
 
 
-
 def test_the_worker_spec_carries_the_job_and_cannot_state_the_impossible(tmp_path):
     """The workers get one spec from the job config (`core/worker_spec.py`): a training job's has
     its optimizer settings with the job's defaults, a forward-only job's has none, and freezing
@@ -322,12 +398,29 @@ def test_the_worker_spec_carries_the_job_and_cannot_state_the_impossible(tmp_pat
     from value_assets.core.worker_spec import OptimizerSettings, WorkerSpec
 
     bb, obj = BackboneConfig.tiny(), Objective()
-    train = TrainJob(manifest=tmp_path / "m.json", output=tmp_path / "o", gpus=4, tensor_parallel=2, freeze="attention",
-                     recompute="full").worker_spec(bb, obj)
+    train = TrainJob(
+        manifest=tmp_path / "m.json",
+        output=tmp_path / "o",
+        gpus=4,
+        tensor_parallel=2,
+        freeze="attention",
+        recompute="full",
+    ).worker_spec(bb, obj)
     assert train.optimizer == OptimizerSettings(lr=2e-3, weight_decay=0.0, clip_grad=1.0)  # the tiny backbone's lr
-    assert (train.layout, train.world_size, train.freeze, train.memory.recompute) == (Layout(tp=2, pp=1, dp=2), 4, "attention", "full")
-    evaluate = EvaluateJob(checkpoint=tmp_path, manifest=tmp_path / "m.json", contract_sha256="0" * 64, report=tmp_path / "r.json",
-                           gpus=2, seed=7).worker_spec(bb, obj)
+    assert (train.layout, train.world_size, train.freeze, train.memory.recompute) == (
+        Layout(tp=2, pp=1, dp=2),
+        4,
+        "attention",
+        "full",
+    )
+    evaluate = EvaluateJob(
+        checkpoint=tmp_path,
+        manifest=tmp_path / "m.json",
+        contract_sha256="0" * 64,
+        report=tmp_path / "r.json",
+        gpus=2,
+        seed=7,
+    ).worker_spec(bb, obj)
     assert (evaluate.optimizer, evaluate.train, evaluate.seed, evaluate.layout.dp) == (None, False, 7, 2)
     with pytest.raises(InputError, match="freeze"):
         WorkerSpec(backbone=bb, objective=obj, layout=Layout(), seed=0, freeze="backbone")

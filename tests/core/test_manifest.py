@@ -17,9 +17,11 @@ SHA = "0123456789abcdef" * 4
 
 
 def base(**over):
-    m = {"schema": "miles.value-pretrain.v1",
-         "train": {"path": "data/train.jsonl", "sha256": SHA, "num_samples": 4},
-         "objective": {}}
+    m = {
+        "schema": "miles.value-pretrain.v1",
+        "train": {"path": "data/train.jsonl", "sha256": SHA, "num_samples": 4},
+        "objective": {},
+    }
     m.update(over)
     return m
 
@@ -47,8 +49,13 @@ def test_minimal_manifest_defaults_and_does_not_read_datasets(tmp_path):
     assert m.train.sha256 == SHA and m.train.num_samples == 4
     assert m.sha256 == sha256_bytes(p.read_bytes())
     assert m.objective == Objective()
-    assert m.objective.canonical() == {"loss_type": "classification", "num_bins": 51, "reward_range": [0.0, 1.0],
-                                       "target_type": "hl_gauss", "hl_gauss_sigma_ratio": 0.75}
+    assert m.objective.canonical() == {
+        "loss_type": "classification",
+        "num_bins": 51,
+        "reward_range": [0.0, 1.0],
+        "target_type": "hl_gauss",
+        "hl_gauss_sigma_ratio": 0.75,
+    }
 
 
 def test_canonical_objective_uses_floats(tmp_path):
@@ -56,8 +63,10 @@ def test_canonical_objective_uses_floats(tmp_path):
     c = load_manifest(p).objective.canonical()
     assert c["reward_range"] == [-1.0, 2.0] and all(type(v) is float for v in c["reward_range"])
     assert type(c["hl_gauss_sigma_ratio"]) is float
-    assert json.dumps(c, sort_keys=True) == ('{"hl_gauss_sigma_ratio": 1.0, "loss_type": "classification", "num_bins": 3, '
-                                             '"reward_range": [-1.0, 2.0], "target_type": "hl_gauss"}')
+    assert json.dumps(c, sort_keys=True) == (
+        '{"hl_gauss_sigma_ratio": 1.0, "loss_type": "classification", "num_bins": 3, '
+        '"reward_range": [-1.0, 2.0], "target_type": "hl_gauss"}'
+    )
     # Spelling the defaults out gives the same canonical objective as leaving them out.
     p2 = write(tmp_path, base(objective=Objective().canonical()), name="m2.json")
     p3 = write(tmp_path, base(objective={}), name="m3.json")
@@ -66,7 +75,9 @@ def test_canonical_objective_uses_floats(tmp_path):
 
 def test_heldout_null_absent_and_present(tmp_path):
     assert load_manifest(write(tmp_path, base(heldout=None))).heldout is None
-    m = load_manifest(write(tmp_path, base(heldout={"path": "h.jsonl", "sha256": SHA, "num_samples": 2}), name="h.json"))
+    m = load_manifest(
+        write(tmp_path, base(heldout={"path": "h.jsonl", "sha256": SHA, "num_samples": 2}), name="h.json")
+    )
     assert m.heldout.path == tmp_path / "h.jsonl" and m.heldout.num_samples == 2
     assert [r.split for r in m.splits()] == ["train", "heldout"]
 
@@ -92,17 +103,20 @@ def test_provenance_kept(tmp_path):
     assert load_manifest(write(tmp_path, base(provenance=prov))).provenance == prov
 
 
-@pytest.mark.parametrize("raw, needle", [
-    (b'{"schema":"miles.value-pretrain.v1","schema":"miles.value-pretrain.v1"}', "duplicate key 'schema'"),
-    (b'{"a":1,"b":{"c":1,"c":2}}', "duplicate key 'c'"),
-    (b'{"x":NaN}', "NaN"),
-    (b'{"x":Infinity}', "Infinity"),
-    (b'{"x":-Infinity}', "-Infinity"),
-    (b'{"x":1e999}', "1e999"),
-    (b'{"x":', "invalid JSON"),
-    (b'[1,2]', "[1, 2]"),
-    (b'\xff\xfe{}', "UTF-8"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b'{"schema":"miles.value-pretrain.v1","schema":"miles.value-pretrain.v1"}', "duplicate key 'schema'"),
+        (b'{"a":1,"b":{"c":1,"c":2}}', "duplicate key 'c'"),
+        (b'{"x":NaN}', "NaN"),
+        (b'{"x":Infinity}', "Infinity"),
+        (b'{"x":-Infinity}', "-Infinity"),
+        (b'{"x":1e999}', "1e999"),
+        (b'{"x":', "invalid JSON"),
+        (b"[1,2]", "[1, 2]"),
+        (b"\xff\xfe{}", "UTF-8"),
+    ],
+)
 def test_strict_parse_errors_name_file_and_value(tmp_path, raw, needle):
     p = write(tmp_path, raw=raw)
     refuse(p, str(p), needle)
@@ -114,17 +128,20 @@ def test_nan_in_provenance_refused(tmp_path):
     refuse(p, str(p), "NaN")
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("num_samples", True, "True"),
-    ("num_samples", 0, "0"),
-    ("num_samples", 2.0, "2.0"),
-    ("num_samples", "3", "'3'"),
-    ("sha256", SHA.upper(), SHA.upper()),
-    ("sha256", SHA[:-1], SHA[:-1]),
-    ("sha256", None, "None"),
-    ("path", "", "''"),
-    ("path", 5, "5"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("num_samples", True, "True"),
+        ("num_samples", 0, "0"),
+        ("num_samples", 2.0, "2.0"),
+        ("num_samples", "3", "'3'"),
+        ("sha256", SHA.upper(), SHA.upper()),
+        ("sha256", SHA[:-1], SHA[:-1]),
+        ("sha256", None, "None"),
+        ("path", "", "''"),
+        ("path", 5, "5"),
+    ],
+)
 def test_bad_dataset_ref_fields(tmp_path, field, value, needle):
     train = {"path": "t.jsonl", "sha256": SHA, "num_samples": 3}
     train[field] = value
@@ -147,26 +164,31 @@ def test_train_required_and_objective_required_and_schema(tmp_path):
     m = base()
     del m["objective"]
     refuse(write(tmp_path, m, name="b.json"), "objective", "required")
-    refuse(write(tmp_path, base(schema="miles.value-pretrain.v2"), name="c.json"), "schema", "'miles.value-pretrain.v2'")
+    refuse(
+        write(tmp_path, base(schema="miles.value-pretrain.v2"), name="c.json"), "schema", "'miles.value-pretrain.v2'"
+    )
     refuse(write(tmp_path, base(objective=None), name="d.json"), "objective", "None")
     refuse(write(tmp_path, base(provenance=[1]), name="e.json"), "provenance", "[1]")
 
 
-@pytest.mark.parametrize("objective, field, needle", [
-    ({"loss_type": "huber"}, "loss_type", "'huber'"),
-    ({"num_bins": 1}, "num_bins", "1"),
-    ({"num_bins": True}, "num_bins", "True"),
-    ({"num_bins": 51.0}, "num_bins", "51.0"),
-    ({"reward_range": [1.0, 0.0]}, "reward_range", "(1.0, 0.0)"),
-    ({"reward_range": [0.5, 0.5]}, "reward_range", "0.5"),
-    ({"reward_range": [0.0]}, "reward_range", "0.0"),
-    ({"reward_range": [False, True]}, "reward_range", "False"),
-    ({"reward_range": "0,1"}, "reward_range", "'0,1'"),
-    ({"target_type": "gauss"}, "target_type", "'gauss'"),
-    ({"hl_gauss_sigma_ratio": 0}, "hl_gauss_sigma_ratio", "0"),
-    ({"hl_gauss_sigma_ratio": -0.5}, "hl_gauss_sigma_ratio", "-0.5"),
-    ({"hl_gauss_sigma_ratio": True}, "hl_gauss_sigma_ratio", "True"),
-])
+@pytest.mark.parametrize(
+    "objective, field, needle",
+    [
+        ({"loss_type": "huber"}, "loss_type", "'huber'"),
+        ({"num_bins": 1}, "num_bins", "1"),
+        ({"num_bins": True}, "num_bins", "True"),
+        ({"num_bins": 51.0}, "num_bins", "51.0"),
+        ({"reward_range": [1.0, 0.0]}, "reward_range", "(1.0, 0.0)"),
+        ({"reward_range": [0.5, 0.5]}, "reward_range", "0.5"),
+        ({"reward_range": [0.0]}, "reward_range", "0.0"),
+        ({"reward_range": [False, True]}, "reward_range", "False"),
+        ({"reward_range": "0,1"}, "reward_range", "'0,1'"),
+        ({"target_type": "gauss"}, "target_type", "'gauss'"),
+        ({"hl_gauss_sigma_ratio": 0}, "hl_gauss_sigma_ratio", "0"),
+        ({"hl_gauss_sigma_ratio": -0.5}, "hl_gauss_sigma_ratio", "-0.5"),
+        ({"hl_gauss_sigma_ratio": True}, "hl_gauss_sigma_ratio", "True"),
+    ],
+)
 def test_bad_objective_fields(tmp_path, objective, field, needle):
     p = write(tmp_path, base(objective=objective))
     msg = refuse(p, str(p), "objective", needle)
@@ -175,7 +197,11 @@ def test_bad_objective_fields(tmp_path, objective, field, needle):
 
 def test_mse_allows_one_bin_and_infinite_range_is_refused(tmp_path):
     assert load_manifest(write(tmp_path, base(objective={"loss_type": "mse", "num_bins": 1}))).objective.head_size == 1
-    p = write(tmp_path, raw=json.dumps(base(objective={"reward_range": [0, 7]})).replace("7", "Infinity").encode(), name="i.json")
+    p = write(
+        tmp_path,
+        raw=json.dumps(base(objective={"reward_range": [0, 7]})).replace("7", "Infinity").encode(),
+        name="i.json",
+    )
     refuse(p, str(p), "Infinity")
 
 
@@ -239,7 +265,9 @@ def _m(tmp_path, path, name="m.json"):
 
 def test_path_inside_root_accepted(tmp_path, roots):
     data, _, _ = roots
-    assert load_manifest(_m(tmp_path, data / "sub" / "t.jsonl"), data_roots=[data]).train.path == data / "sub" / "t.jsonl"
+    assert (
+        load_manifest(_m(tmp_path, data / "sub" / "t.jsonl"), data_roots=[data]).train.path == data / "sub" / "t.jsonl"
+    )
     # no roots configured: anything goes
     assert load_manifest(_m(tmp_path, "/elsewhere/t.jsonl", "n.json")).train.path == Path("/elsewhere/t.jsonl")
 
@@ -269,7 +297,12 @@ def test_symlink_escape_refused(tmp_path, roots):
     (outside / "t.jsonl").write_text("{}\n")
     os.symlink(outside / "t.jsonl", data / "link.jsonl")
     os.symlink(outside, data / "dirlink")
-    refuse(_m(tmp_path, data / "link.jsonl"), "outside the configured data roots", str(outside / "t.jsonl"), data_roots=[data])
+    refuse(
+        _m(tmp_path, data / "link.jsonl"),
+        "outside the configured data roots",
+        str(outside / "t.jsonl"),
+        data_roots=[data],
+    )
     refuse(_m(tmp_path, data / "dirlink" / "x.jsonl", "n.json"), "outside the configured data roots", data_roots=[data])
 
 
@@ -285,6 +318,8 @@ def test_symlinked_root_and_symlink_pointing_inside(tmp_path, roots):
 
 def test_heldout_checked_against_roots_too(tmp_path, roots):
     data, _, outside = roots
-    m = base(train={"path": str(data / "t.jsonl"), "sha256": SHA, "num_samples": 1},
-             heldout={"path": str(outside / "h.jsonl"), "sha256": SHA, "num_samples": 1})
+    m = base(
+        train={"path": str(data / "t.jsonl"), "sha256": SHA, "num_samples": 1},
+        heldout={"path": str(outside / "h.jsonl"), "sha256": SHA, "num_samples": 1},
+    )
     refuse(write(tmp_path, m), "heldout.path", data_roots=[data])

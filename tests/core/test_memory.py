@@ -8,8 +8,17 @@ import pytest
 
 from value_assets.core.errors import InputError
 from value_assets.core.memory import (
-    GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, activation_bytes, auto_micro_batch_tokens,
-    max_tokens, more_recompute, predict_peak, static_bytes,
+    GIB,
+    MEASURED,
+    QWEN2_5,
+    Layout,
+    MemoryConfig,
+    activation_bytes,
+    auto_micro_batch_tokens,
+    max_tokens,
+    more_recompute,
+    predict_peak,
+    static_bytes,
 )
 
 pytestmark = pytest.mark.unit
@@ -32,10 +41,12 @@ def test_memory_config_refuses_unknown_values_naming_the_flag():
 
 
 def test_recompute_layers_rules_name_the_field():
-    for kw, needle in ((dict(recompute_layers=2), "needs recompute 'full', got recompute 'none'"),
-                       (dict(recompute="selective", recompute_layers=2), "got recompute 'selective'"),
-                       (dict(recompute="full", recompute_layers=0), "must be an integer >= 1"),
-                       (dict(recompute="full", recompute_layers=True), "must be an integer >= 1")):
+    for kw, needle in (
+        (dict(recompute_layers=2), "needs recompute 'full', got recompute 'none'"),
+        (dict(recompute="selective", recompute_layers=2), "got recompute 'selective'"),
+        (dict(recompute="full", recompute_layers=0), "must be an integer >= 1"),
+        (dict(recompute="full", recompute_layers=True), "must be an integer >= 1"),
+    ):
         with pytest.raises(InputError) as err:
             MemoryConfig(**kw)
         assert err.value.where == "recompute_layers" and needle in err.value.message
@@ -46,8 +57,11 @@ def test_recompute_layers_rules_name_the_field():
     MemoryConfig(recompute="full").check_layers(num_layers=28, pipeline_parallel=28)
     assert MemoryConfig.from_json(m.to_json()) == m and m.to_json()["recompute_layers"] == 14
     # unset: the JSON (and so the contract's execution facts) is what it was before the setting
-    assert MemoryConfig(recompute="full").to_json() == {"recompute": "full", "distributed_optimizer": False,
-                                                        "sequence_parallel": False}
+    assert MemoryConfig(recompute="full").to_json() == {
+        "recompute": "full",
+        "distributed_optimizer": False,
+        "sequence_parallel": False,
+    }
     assert MemoryConfig.from_json({"recompute": "full", "distributed_optimizer": False}).recompute_layers is None
 
 
@@ -55,8 +69,10 @@ def test_recompute_layers_rules_name_the_field():
 def test_partial_recompute_lies_between_none_and_full(pp):
     lay, t = Layout(pp=pp), 32768
     per_stage = S15.backbone.num_layers // pp
-    act = {k: activation_bytes(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t)
-           for k in range(1, per_stage + 1)}
+    act = {
+        k: activation_bytes(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t)
+        for k in range(1, per_stage + 1)
+    }
     none = activation_bytes(S15, lay, MemoryConfig(), t)
     full = activation_bytes(S15, lay, MemoryConfig(recompute="full"), t)
     assert act[per_stage] == full  # every layer of the stage: plain full
@@ -67,21 +83,32 @@ def test_partial_recompute_lies_between_none_and_full(pp):
     assert act[1] - act[2] == pytest.approx((none - full) / (S15.backbone.num_layers - 1) * pp, rel=0.05)
     # the predicted peak follows, and the auto micro-batch grows with K
     peaks = [predict_peak(S15, lay, MemoryConfig(recompute="full", recompute_layers=k), t) for k in (1, 2)]
-    assert predict_peak(S15, lay, MemoryConfig(), t) > peaks[0] > peaks[1] > predict_peak(S15, lay, MemoryConfig(recompute="full"), t)
-    sizes = [auto_micro_batch_tokens(S15, lay, m, free_bytes=80 * GIB, longest_row=1024)
-             for m in (MemoryConfig(), MemoryConfig(recompute="full", recompute_layers=2), MemoryConfig(recompute="full"))]
+    assert (
+        predict_peak(S15, lay, MemoryConfig(), t)
+        > peaks[0]
+        > peaks[1]
+        > predict_peak(S15, lay, MemoryConfig(recompute="full"), t)
+    )
+    sizes = [
+        auto_micro_batch_tokens(S15, lay, m, free_bytes=80 * GIB, longest_row=1024)
+        for m in (MemoryConfig(), MemoryConfig(recompute="full", recompute_layers=2), MemoryConfig(recompute="full"))
+    ]
     assert sizes[0] < sizes[1] < sizes[2]
 
 
 def test_more_recompute_is_ordered_cheapest_first():
     names = [(m.recompute, m.recompute_layers) for m in more_recompute(S15, Layout(pp=4), MemoryConfig())]
     assert names == [("selective", None)] + [("full", k) for k in range(1, 7)] + [("full", None)]
-    assert [m.recompute_layers for m in more_recompute(S15, Layout(pp=4), MemoryConfig(recompute="full", recompute_layers=5))] == [6, None]
+    assert [
+        m.recompute_layers
+        for m in more_recompute(S15, Layout(pp=4), MemoryConfig(recompute="full", recompute_layers=5))
+    ] == [6, None]
     assert more_recompute(S15, Layout(), MemoryConfig(recompute="full")) == []
 
 
 def test_hints_name_the_least_recompute_layers_that_fit_before_full():
-    def hints(free_gib, memory=MemoryConfig()):
+    def hints(free_gib, memory=None):
+        memory = memory or MemoryConfig()
         with pytest.raises(InputError) as err:
             auto_micro_batch_tokens(S15, Layout(), memory, free_bytes=free_gib * GIB, longest_row=32767)
         situation, hints = str(err.value).split("it would fit with: ")
@@ -140,8 +167,12 @@ def test_tensor_and_pipeline_parallel_split_the_model():
 @pytest.mark.parametrize("point", MEASURED, ids=lambda p: f"{p['model']}-{p['mode']}")
 def test_measured_h200_peaks_within_15_percent(point):
     memory = MemoryConfig(recompute=point.get("recompute", "none"), recompute_layers=point.get("recompute_layers"))
-    pred = predict_peak(QWEN2_5[point["model"]], Layout(), memory, point["micro_batch_tokens"],
-                        train=point["mode"] == "train") / GIB
+    pred = (
+        predict_peak(
+            QWEN2_5[point["model"]], Layout(), memory, point["micro_batch_tokens"], train=point["mode"] == "train"
+        )
+        / GIB
+    )
     assert pred == pytest.approx(point["peak_gib"], rel=0.15)
     if point["mode"] == "train":  # on the safe side for --micro-batch-tokens auto
         assert pred >= point["peak_gib"]
@@ -157,8 +188,14 @@ def test_auto_picks_the_largest_fitting_micro_batch():
 
 def test_auto_refuses_a_row_that_cannot_fit_and_says_what_would():
     with pytest.raises(InputError) as e:
-        auto_micro_batch_tokens(S15, Layout(dp=2), MemoryConfig(), free_bytes=40 * GIB, longest_row=32768,
-                                longest_row_where="row 7 of train.parquet")
+        auto_micro_batch_tokens(
+            S15,
+            Layout(dp=2),
+            MemoryConfig(),
+            free_bytes=40 * GIB,
+            longest_row=32768,
+            longest_row_where="row 7 of train.parquet",
+        )
     msg = str(e.value)
     assert msg.startswith("micro_batch_tokens") and "row 7 of train.parquet" in msg and "32768" in msg
     assert "--recompute full" in msg and "GiB free" in msg

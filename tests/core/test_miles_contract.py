@@ -8,17 +8,24 @@ import json
 import pytest
 
 from value_assets.core.errors import InputError
-from value_assets.core.miles import (MILES_KEYS, build_miles_contract, check_miles_contract, miles_contract_bytes,
-                                     read_miles_contract)
+from value_assets.core.miles import (
+    MILES_KEYS,
+    build_miles_contract,
+    check_miles_contract,
+    miles_contract_bytes,
+    read_miles_contract,
+)
 from value_assets.core.objective import Objective
 
 pytestmark = pytest.mark.unit
 
 OURS = {  # the fields of a value-assets.training-contract.v1 that the Miles contract takes
-    "source_manifest_sha256": "a" * 64, "train_dataset_sha256": "b" * 64,
+    "source_manifest_sha256": "a" * 64,
+    "train_dataset_sha256": "b" * 64,
     "objective": Objective(num_bins=7, reward_range=(-1, 2)).canonical(),
     "batch_plan": {"seed": 3, "global_batch_size": 8, "drop_incomplete_batch": True, "algorithm": "x"},
-    "batch_plan_sha256": "c" * 64, "completed_steps": 5,
+    "batch_plan_sha256": "c" * 64,
+    "completed_steps": 5,
 }
 
 
@@ -40,18 +47,21 @@ def test_build_has_exactly_the_spec_keys_and_miles_bytes(tmp_path):
     assert got == c and sha == hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: c.update(extra=1), "unexpected \\['extra'\\]"),
-    (lambda c: c.pop("model_identity"), "missing \\['model_identity'\\]"),
-    (lambda c: c.update(schema="value-assets.training-contract.v1"), "schema"),
-    (lambda c: c.update(train_dataset_sha256="A" * 64), "lowercase SHA-256"),
-    (lambda c: c["batch_plan"].update(seed=True), "seed: must be an integer"),
-    (lambda c: c["batch_plan"].update(drop_incomplete_batch=1), "must be true"),
-    (lambda c: c["batch_plan"].update(algorithm="x"), "exactly the keys"),
-    (lambda c: c.update(completed_steps=0), "positive integer"),
-    (lambda c: c.update(model_identity=""), "non-empty string"),
-    (lambda c: c["objective"].update(reward_range=[0, 1]), "canonical objective"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.update(extra=1), "unexpected \\['extra'\\]"),
+        (lambda c: c.pop("model_identity"), "missing \\['model_identity'\\]"),
+        (lambda c: c.update(schema="value-assets.training-contract.v1"), "schema"),
+        (lambda c: c.update(train_dataset_sha256="A" * 64), "lowercase SHA-256"),
+        (lambda c: c["batch_plan"].update(seed=True), "seed: must be an integer"),
+        (lambda c: c["batch_plan"].update(drop_incomplete_batch=1), "must be true"),
+        (lambda c: c["batch_plan"].update(algorithm="x"), "exactly the keys"),
+        (lambda c: c.update(completed_steps=0), "positive integer"),
+        (lambda c: c.update(model_identity=""), "non-empty string"),
+        (lambda c: c["objective"].update(reward_range=[0, 1]), "canonical objective"),
+    ],
+)
 def test_miles_rules_refuse(change, message):
     c = build_miles_contract(OURS, "m")
     change(c)

@@ -1,15 +1,24 @@
-"""docs/rules.md#batch-plan batch plans, exact-coverage planner, topology, round-robin; docs/rules.md#evaluation mixed-label batches."""
+"""docs/rules.md#batch-plan batch plans, exact-coverage planner, topology, round-robin; docs/rules.md#evaluation
+mixed-label batches."""
 
 import random
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from value_assets.core.errors import InputError
-from value_assets.core.mixed import mixed_label_batches
-from value_assets.core.plan import assign_to_ranks, build_plan, check_topology, choose_exact_coverage, coverage, plan_from_json
 from value_assets.core.hashing import sha256_bytes
+from value_assets.core.mixed import mixed_label_batches
+from value_assets.core.plan import (
+    assign_to_ranks,
+    build_plan,
+    check_topology,
+    choose_exact_coverage,
+    coverage,
+    plan_from_json,
+)
 from value_assets.core.strict_json import canonical_bytes
 
 pytestmark = pytest.mark.unit
@@ -26,11 +35,11 @@ def test_plan_properties(n, g, epochs, seed):
     per = n // g
     assert plan.num_steps == per * epochs
     for e in range(epochs):
-        rows = [i for s in plan.steps[e * per:(e + 1) * per] for i in s]
+        rows = [i for s in plan.steps[e * per : (e + 1) * per] for i in s]
         assert len(rows) == len(set(rows)) == per * g  # each row at most once per epoch
         order = list(range(n))
         random.Random(seed + e).shuffle(order)
-        assert rows == order[:per * g]
+        assert rows == order[: per * g]
     assert all(len(s) == g for s in plan.steps)
     assert plan.coverage() == {"dropped": (n % g) * epochs, "repeated": 0}
     again = build_plan(n, g, epochs, seed)
@@ -51,11 +60,20 @@ def test_plan_artifact_sha_and_round_trip():
         plan_from_json(doc, "p")
 
 
-@pytest.mark.parametrize("args, name, needle", [
-    ((0, 1), "num_rows", "0"), ((5, 0), "global_batch_size", "0"), ((5, -2), "global_batch_size", "-2"),
-    ((5, True), "global_batch_size", "True"), ((5, 2.0), "global_batch_size", "2.0"), ((5, 2, 0), "epochs", "0"),
-    ((5, 2, 1, 1.5), "seed", "1.5"), ((5, 2, 1, True), "seed", "True"), ((3, 4), "global_batch_size", "4"),
-])
+@pytest.mark.parametrize(
+    "args, name, needle",
+    [
+        ((0, 1), "num_rows", "0"),
+        ((5, 0), "global_batch_size", "0"),
+        ((5, -2), "global_batch_size", "-2"),
+        ((5, True), "global_batch_size", "True"),
+        ((5, 2.0), "global_batch_size", "2.0"),
+        ((5, 2, 0), "epochs", "0"),
+        ((5, 2, 1, 1.5), "seed", "1.5"),
+        ((5, 2, 1, True), "seed", "True"),
+        ((3, 4), "global_batch_size", "4"),
+    ],
+)
 def test_plan_errors(args, name, needle):
     with pytest.raises(InputError) as ei:
         build_plan(*args)
@@ -100,7 +118,10 @@ def test_exact_coverage_examples_and_errors():
 
 def test_topology():
     assert check_topology(total_gpus=8, tensor_parallel=2, global_batch_size=8, micro_batch_size=2) == 4
-    assert check_topology(total_gpus=8, tensor_parallel=2, pipeline_parallel=2, global_batch_size=6, micro_batch_size=3) == 2
+    assert (
+        check_topology(total_gpus=8, tensor_parallel=2, pipeline_parallel=2, global_batch_size=6, micro_batch_size=3)
+        == 2
+    )
     with pytest.raises(InputError) as ei:
         check_topology(total_gpus=6, tensor_parallel=4, global_batch_size=8)
     assert ei.value.where == "gpus" and "6" in ei.value.message and "4" in ei.value.message
@@ -133,8 +154,12 @@ def test_round_robin_property(batch, dp):
 
 
 @settings(max_examples=200, deadline=None)
-@given(labels=st.lists(st.sampled_from([0.0, 1.0, 0.5, 0.25]), min_size=2, max_size=60), g=st.integers(2, 8),
-       b=st.integers(1, 8), seed=st.integers(0, 10**6))
+@given(
+    labels=st.lists(st.sampled_from([0.0, 1.0, 0.5, 0.25]), min_size=2, max_size=60),
+    g=st.integers(2, 8),
+    b=st.integers(1, 8),
+    seed=st.integers(0, 10**6),
+)
 def test_mixed_label_properties(labels, g, b, seed):
     counts = Counter(labels)
     try:

@@ -1,5 +1,5 @@
-"""The trust rules of docs/rules.md#evaluation and docs/rules.md#promotion as plain functions, on files, without Dagster: `decide_gate`,
-when a published report is reused, and every refusal of promotion."""
+"""The trust rules of docs/rules.md#evaluation and docs/rules.md#promotion as plain functions, on files, without
+Dagster: `decide_gate`, when a published report is reused, and every refusal of promotion."""
 
 import os
 
@@ -38,11 +38,28 @@ def ev_report(*, slope=0.5, split="heldout", contract_sha="c" * 64, manifest_sha
     rank_reports, active = [], []
     for rows in plan:
         returns = [np.full(3, labels[i]) for i in rows]
-        rank_reports.append([RankReport.from_rows(0, [(i, r, slope * r + (1 - slope) / 2, np.ones(3)) for i, r in zip(rows, returns)])])
+        rank_reports.append(
+            [
+                RankReport.from_rows(
+                    0, [(i, r, slope * r + (1 - slope) / 2, np.ones(3)) for i, r in zip(rows, returns, strict=True)]
+                )
+            ]
+        )
         active.append(3 * len(rows))
-    return build_report(manifest_sha256=manifest_sha, dataset_sha256="d" * 64, split=split, checkpoint="ckpt",
-                        contract_sha256=contract_sha, dp=1, seed=0, global_batch_size=g, batches=plan,
-                        rank_reports=rank_reports, active_targets=active, labels=labels)
+    return build_report(
+        manifest_sha256=manifest_sha,
+        dataset_sha256="d" * 64,
+        split=split,
+        checkpoint="ckpt",
+        contract_sha256=contract_sha,
+        dp=1,
+        seed=0,
+        global_batch_size=g,
+        batches=plan,
+        rank_reports=rank_reports,
+        active_targets=active,
+        labels=labels,
+    )
 
 
 # ---- decide_gate: the one gate, used by the builder, the ev_gate check and promotion
@@ -53,7 +70,9 @@ def test_builder_states_what_decide_gate_decides():
     assert good["passed"] is True and decide_gate(good).passed
     assert good["aggregates"]["token"]["ev"] == pytest.approx(0.75) and good["gate"]["token"]["passed"]
     assert bad["passed"] is False and not decide_gate(bad).passed
-    assert train["passed"] is False and train["gate"]["applies"] is False and "fit diagnostic" in train["gate"]["reason"]
+    assert (
+        train["passed"] is False and train["gate"]["applies"] is False and "fit diagnostic" in train["gate"]["reason"]
+    )
     assert good["gate"]["criteria"]["split"].startswith("heldout rows only")
 
 
@@ -84,8 +103,10 @@ def test_decide_gate_needs_a_strict_majority_of_positive_batches():
 def test_undefined_ev_fails_the_gate_with_the_reason_never_a_silent_value():
     """Covers what `SuffStats.ev_or_none` (removed) was tested for: an undefined EV is never a
     number or a None that a caller could mistake for a verdict; the gate fails and says why."""
-    empty = {"split": "heldout", "batches": [{"token": {"stats": SuffStats().to_json()},
-                                              "trajectory": {"stats": SuffStats().to_json()}}]}
+    empty = {
+        "split": "heldout",
+        "batches": [{"token": {"stats": SuffStats().to_json()}, "trajectory": {"stats": SuffStats().to_json()}}],
+    }
     decision = decide_gate(empty)
     assert not decision.passed and decision.weightings == {}
     assert all("n = 0" in f for f in decision.failures[:2])
@@ -101,8 +122,13 @@ def rec(sha, *, contract="c" * 64, path="r.json", evaluated=True):
 
 
 def test_lineage_sha_is_the_newest_evaluated_record_of_this_contract_and_path():
-    records = [rec("f" * 64, evaluated=False), rec("1" * 64, contract="e" * 64), rec("2" * 64, path="other.json"),
-               rec("3" * 64), rec("4" * 64)]
+    records = [
+        rec("f" * 64, evaluated=False),
+        rec("1" * 64, contract="e" * 64),
+        rec("2" * 64, path="other.json"),
+        rec("3" * 64),
+        rec("4" * 64),
+    ]
     assert lineage_report_sha(records, contract_sha256="c" * 64, report_path="r.json") == "3" * 64
     assert lineage_report_sha(records[:3], contract_sha256="c" * 64, report_path="r.json") is None
 
@@ -138,10 +164,20 @@ def published(tmp_path):
     save = critic / iter_dirname(plan.num_steps)
     save.mkdir(parents=True)
     (save / "common.pt").write_bytes(b"stand-in")
-    write_contract(critic, build_contract(
-        manifest_sha256=MANIFEST_SHA, train_sha256="b" * 64, objective=Objective().canonical(), plan=plan,
-        completed_steps=plan.num_steps, model={"backbone": "tiny"}, backbone_config={},
-        checkpoint=str(save), checkpoint_files=describe_folder(save)))
+    write_contract(
+        critic,
+        build_contract(
+            manifest_sha256=MANIFEST_SHA,
+            train_sha256="b" * 64,
+            objective=Objective().canonical(),
+            plan=plan,
+            completed_steps=plan.num_steps,
+            model={"backbone": "tiny"},
+            backbone_config={},
+            checkpoint=str(save),
+            checkpoint_files=describe_folder(save),
+        ),
+    )
     contract = resolve_latest_contract(critic)
     report = tmp_path / "reports" / f"ev-{contract.sha256[:12]}.json"
     sha = write_report(report, ev_report(contract_sha=contract.sha256))
@@ -163,10 +199,15 @@ def gate(sha, *, passed=True, partition=KEY, blocking=True):
 
 
 def promote(contract, report, recorded, gate_record="same", manifest_sha=MANIFEST_SHA, verify_checkpoint=None):
-    return verify_promotion(partition_key=KEY, manifest_sha256=manifest_sha, contract=contract, report_path=report,
-                            recorded_report_sha256=recorded,
-                            gate=gate(recorded) if gate_record == "same" else gate_record,
-                            verify_checkpoint=verify_checkpoint)
+    return verify_promotion(
+        partition_key=KEY,
+        manifest_sha256=manifest_sha,
+        contract=contract,
+        report_path=report,
+        recorded_report_sha256=recorded,
+        gate=gate(recorded) if gate_record == "same" else gate_record,
+        verify_checkpoint=verify_checkpoint,
+    )
 
 
 def test_passing_report_gives_the_record_the_rl_job_pins(published):
@@ -178,13 +219,17 @@ def test_passing_report_gives_the_record_the_rl_job_pins(published):
     assert record["manifest_sha256"] == MANIFEST_SHA
 
 
-@pytest.mark.parametrize("gate_record, message", [
-    (None, "ev_gate has no evaluation"),
-    (gate("x", passed=False), "latest ev_gate evaluation failed"),
-    (gate("x", partition="other-111111111111"), "another manifest's result never stands for this one"),
-    (gate("x", blocking=None), "not blocking"),
-    (gate("9" * 64), "ev_gate passed on report '9999"),
-], ids=["no-gate", "gate-failed", "other-partition", "not-blocking", "gate-on-other-sha"])
+@pytest.mark.parametrize(
+    "gate_record, message",
+    [
+        (None, "ev_gate has no evaluation"),
+        (gate("x", passed=False), "latest ev_gate evaluation failed"),
+        (gate("x", partition="other-111111111111"), "another manifest's result never stands for this one"),
+        (gate("x", blocking=None), "not blocking"),
+        (gate("9" * 64), "ev_gate passed on report '9999"),
+    ],
+    ids=["no-gate", "gate-failed", "other-partition", "not-blocking", "gate-on-other-sha"],
+)
 def test_promotion_needs_this_partitions_passed_gate_on_this_very_sha(published, gate_record, message):
     contract, report, sha = published
     if gate_record is not None and gate_record.report_sha256 == "x":
@@ -223,11 +268,15 @@ def test_gate_passed_on_x_but_the_file_now_holds_y_is_refused(published):
         promote(contract, report, sha)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"passed": False}, "did not pass"),
-    ({"contract_sha256": "c" * 64}, "not the one being promoted"),
-    ({"split": "train"}, "only heldout"),
-], ids=["failed-gate", "other-contract", "train-split"])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"passed": False}, "did not pass"),
+        ({"contract_sha256": "c" * 64}, "not the one being promoted"),
+        ({"split": "train"}, "only heldout"),
+    ],
+    ids=["failed-gate", "other-contract", "train-split"],
+)
 def test_recorded_and_gated_report_that_breaks_a_rule_is_refused(published, changes, message):
     contract, report, _ = published
     sha = write_report(report, ev_report(contract_sha=contract.sha256) | changes)
@@ -265,6 +314,7 @@ def test_checkpoint_verification_hook_is_called_and_its_refusal_refuses(publishe
 
     def refuse(step_dir, c):
         raise InputError(str(step_dir / "model.safetensors"), "sha256 differs from the contract's")
+
     with pytest.raises(PromotionRefused, match="checkpoint does not match its contract.*model.safetensors"):
         promote(contract, report, sha, verify_checkpoint=refuse)
 

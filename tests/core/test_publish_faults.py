@@ -89,7 +89,9 @@ def test_a_report_left_without_its_sidecar_is_completed_by_the_identical_retry_o
 def tiny_tmpfs(tmp_path):
     mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
     try:

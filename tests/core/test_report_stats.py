@@ -51,10 +51,22 @@ def report_of(batches, labels, *, dp=2, seed=0, mode="miles", tamper=None, min_e
             reps = [tamper(r) for r in reps]
         rank_reports.append(reps)
         active.append(int(sum(m.sum() for _, _, _, m in rows)))
-    return build_report(manifest_sha256="a" * 64, dataset_sha256="b" * 64, split="heldout", checkpoint="c",
-                        contract_sha256="c" * 64, dp=dp, seed=seed, global_batch_size=len(batches[0]),
-                        batches=[[i for i, *_ in rows] for rows in batches], rank_reports=rank_reports,
-                        active_targets=active, labels=labels, gate_mode=mode, gate_min_ev=min_ev)
+    return build_report(
+        manifest_sha256="a" * 64,
+        dataset_sha256="b" * 64,
+        split="heldout",
+        checkpoint="c",
+        contract_sha256="c" * 64,
+        dp=dp,
+        seed=seed,
+        global_batch_size=len(batches[0]),
+        batches=[[i for i, *_ in rows] for rows in batches],
+        rank_reports=rank_reports,
+        active_targets=active,
+        labels=labels,
+        gate_mode=mode,
+        gate_min_ev=min_ev,
+    )
 
 
 def naive_ev(r, e):
@@ -86,7 +98,7 @@ def naive_intervals(rows, seed, resamples=2000, level=0.95):
     Each row's active tokens and per-row means are taken out once; a resample concatenates them."""
     rng = np.random.default_rng(seed)
     active = [(r[m.astype(bool)], (r - v)[m.astype(bool)]) for _, r, v, m in rows]
-    per_row = np.array([[x.mean(), (x ** 2).mean(), e.mean(), (e ** 2).mean()] for x, e in active])
+    per_row = np.array([[x.mean(), (x**2).mean(), e.mean(), (e**2).mean()] for x, e in active])
     tok, traj = [], []
     for _ in range(resamples):
         idx = rng.integers(0, len(rows), size=len(rows))
@@ -110,7 +122,9 @@ def test_rank_report_from_rows_matches_per_row_loops_and_round_trips():
     rows = synthetic_rows(0, 0.2)[0][0]
     rep = RankReport.from_rows(1, rows)
     assert rep.row_indices == [i for i, *_ in rows]
-    for (i, r, v, m), tok, traj, dec, value in zip(rows, rep.row_token, rep.row_trajectory, rep.row_deciles, rep.row_values):
+    for (_i, r, v, m), tok, traj, dec, value in zip(
+        rows, rep.row_token, rep.row_trajectory, rep.row_deciles, rep.row_values, strict=True
+    ):
         t, j = token_stats(r, v, m), trajectory_stats(r, v, m)
         assert tok == [t.n, t.sum_r, t.sum_r2, t.sum_e, t.sum_e2] and traj[0] == 1.0
         assert traj == pytest.approx([1.0, j.sum_r, j.sum_r2, j.sum_e, j.sum_e2], rel=REL)
@@ -119,16 +133,34 @@ def test_rank_report_from_rows_matches_per_row_loops_and_round_trips():
     assert RankReport.from_json(rep.to_json()) == rep
 
 
-@pytest.mark.parametrize("tamper, needle", [
-    (lambda r: replace(r, row_token=None), "per-row statistics are missing"),
-    (lambda r: replace(r, row_deciles=r.row_deciles[1:]), "shapes"),
-    (lambda r: replace(r, row_token=[[t[0], t[1] + 0.5, *t[2:]] for t in r.row_token]), "do not sum to the row's token"),
-    (lambda r: replace(r, row_token=[t[:4] + [t[4] * 0.5] for t in r.row_token],
-                       row_deciles=[[d[:4] + [d[4] * 0.5] for d in rd] for rd in r.row_deciles]), "do not sum to the rank's token totals"),
-    (lambda r: replace(r, row_trajectory=[[2.0, *t[1:]] for t in r.row_trajectory]), "trajectory-weighted n is not 1"),
-    (lambda r: replace(r, row_trajectory=[t[:3] + [t[3] + 1.0, t[4]] for t in r.row_trajectory]), "trajectory totals"),
-    (lambda r: replace(r, row_token=[[math.nan] * 5 for _ in r.row_token]), "do not sum"),
-])
+@pytest.mark.parametrize(
+    "tamper, needle",
+    [
+        (lambda r: replace(r, row_token=None), "per-row statistics are missing"),
+        (lambda r: replace(r, row_deciles=r.row_deciles[1:]), "shapes"),
+        (
+            lambda r: replace(r, row_token=[[t[0], t[1] + 0.5, *t[2:]] for t in r.row_token]),
+            "do not sum to the row's token",
+        ),
+        (
+            lambda r: replace(
+                r,
+                row_token=[t[:4] + [t[4] * 0.5] for t in r.row_token],
+                row_deciles=[[d[:4] + [d[4] * 0.5] for d in rd] for rd in r.row_deciles],
+            ),
+            "do not sum to the rank's token totals",
+        ),
+        (
+            lambda r: replace(r, row_trajectory=[[2.0, *t[1:]] for t in r.row_trajectory]),
+            "trajectory-weighted n is not 1",
+        ),
+        (
+            lambda r: replace(r, row_trajectory=[t[:3] + [t[3] + 1.0, t[4]] for t in r.row_trajectory]),
+            "trajectory totals",
+        ),
+        (lambda r: replace(r, row_token=[[math.nan] * 5 for _ in r.row_token]), "do not sum"),
+    ],
+)
 def test_a_rank_report_whose_rows_do_not_add_up_is_refused(tamper, needle):
     batches, labels = synthetic_rows(1, 0.2)
     report_of(batches, labels)  # untampered: accepted
@@ -146,7 +178,7 @@ def test_position_table_matches_a_token_loop_and_sums_to_the_aggregate():
     per = naive_position([row for rows in batches for row in rows])
     deciles = report["position"]["deciles"]
     assert [d["decile"] for d in deciles] == list(range(10)) and report["position"]["weighting"] == "token"
-    for d, (r, e) in zip(deciles, per):
+    for d, (r, e) in zip(deciles, per, strict=True):
         assert d["n"] == len(r)
         assert d["ev"] == pytest.approx(naive_ev(r, e), rel=1e-9)
     table = np.array([[d["stats"][k] for k in ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")] for d in deciles])
@@ -156,8 +188,10 @@ def test_position_table_matches_a_token_loop_and_sums_to_the_aggregate():
 
 def test_undefined_decile_ev_is_none_never_zero():
     # One row per label, responses of 3 tokens: deciles 0, 3 and 6 only; decile 6 has equal returns.
-    rows = [(0, np.array([0.0, 0.0, 0.0]), np.array([0.1, 0.2, 0.3]), np.array([1, 1, 0])),
-            (1, np.array([1.0, 1.0, 1.0]), np.array([0.9, 0.8, 0.7]), np.array([1, 1, 1]))]
+    rows = [
+        (0, np.array([0.0, 0.0, 0.0]), np.array([0.1, 0.2, 0.3]), np.array([1, 1, 0])),
+        (1, np.array([1.0, 1.0, 1.0]), np.array([0.9, 0.8, 0.7]), np.array([1, 1, 1])),
+    ]
     report = report_of([rows], [0.0, 1.0], dp=1)
     evs = [d["ev"] for d in report["position"]["deciles"]]
     assert evs[0] is not None and evs[3] is not None
@@ -258,7 +292,9 @@ def test_a_minimum_ev_raises_the_bar_in_both_modes_and_is_read_from_the_report()
     lowered = {k: v for k, v in strict.items() if k != "passed"} | {"gate": {"mode": "interval", "min_ev": 0.0}}
     assert decide_gate(lowered).passed
     for bad in (1.5, -0.1, True, "0.1", float("inf")):
-        failures = decide_gate({k: v for k, v in base.items() if k != "passed"} | {"gate": {"mode": "miles", "min_ev": bad}}).failures
+        failures = decide_gate(
+            {k: v for k, v in base.items() if k != "passed"} | {"gate": {"mode": "miles", "min_ev": bad}}
+        ).failures
         assert any("gate.min_ev" in f and "[0, 1)" in f for f in failures), bad
     with pytest.raises(InputError, match="gate_min_ev"):
         report_of(batches, labels, min_ev=1.0)
@@ -301,8 +337,14 @@ def test_position_and_intervals_on_real_smollm2_rollouts(tmp_path):
     from value_assets.gpu.convert.tokenizer import HFTokenizer
 
     pytest.importorskip("transformers")
-    res = import_rollouts([DATA / "real_rollouts" / "rollouts.sample.jsonl"], HFTokenizer(DATA / "smollm2_tokenizer"),
-                          tmp_path / "ds", fields=replace(PRESETS["generic"], sample_id="id"), heldout_fraction=0.25, seed=0)
+    res = import_rollouts(
+        [DATA / "real_rollouts" / "rollouts.sample.jsonl"],
+        HFTokenizer(DATA / "smollm2_tokenizer"),
+        tmp_path / "ds",
+        fields=replace(PRESETS["generic"], sample_id="id"),
+        heldout_fraction=0.25,
+        seed=0,
+    )
     manifest = load_manifest(res.manifest)
     train = validate_dataset(manifest.train, manifest.objective)
     held = validate_dataset(manifest.heldout, manifest.objective)
@@ -313,7 +355,7 @@ def test_position_and_intervals_on_real_smollm2_rollouts(tmp_path):
     batches = []
     for planned in plan:
         rows = []
-        for i, row in zip(planned, held.rows(planned)):
+        for i, row in zip(planned, held.rows(planned), strict=True):
             L = row.returns.shape[0]
             frac = (np.arange(L) + 1) / L
             v = np.clip(prior + (row.returns - prior) * frac * 0.8 + rng.normal(0, 0.1, L), 0, 1)
@@ -322,7 +364,7 @@ def test_position_and_intervals_on_real_smollm2_rollouts(tmp_path):
     report = report_of(batches, held.labels.tolist(), seed=0)
     flat = [row for rows in batches for row in rows]
     assert len(flat) == g * 4 and min(len(r) for _, r, _, _ in flat) < 10 < max(len(r) for _, r, _, _ in flat)
-    for d, (r, e) in zip(report["position"]["deciles"], naive_position(flat)):
+    for d, (r, e) in zip(report["position"]["deciles"], naive_position(flat), strict=True):
         assert d["n"] == len(r)
         want = naive_ev(r, e)
         assert (d["ev"] is None) == (want is None) and (want is None or d["ev"] == pytest.approx(want, rel=1e-9))

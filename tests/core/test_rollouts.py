@@ -41,8 +41,11 @@ def write_jsonl(path: Path, records) -> Path:
 
 
 def records(prompts=12, samples=4, reward=lambda p, s: float((p + s) % 2)):
-    return [{"prompt": f"question {p}", "response": f"answer {p}.{s}", "reward": reward(p, s)}
-            for p in range(prompts) for s in range(samples)]
+    return [
+        {"prompt": f"question {p}", "response": f"answer {p}.{s}", "reward": reward(p, s)}
+        for p in range(prompts)
+        for s in range(samples)
+    ]
 
 
 def rows_of(path: Path):
@@ -54,7 +57,10 @@ def test_split_is_by_prompt_and_every_row_lands_once(tmp_path):
     res = import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25, seed=3)
     train, held = rows_of(tmp_path / "out/train.jsonl"), rows_of(tmp_path / "out/heldout.jsonl")
     assert len(train) + len(held) == 48 and res.heldout_groups == 3 and res.train_groups == 9
-    prompt_of = lambda row: bytes(t - 2 for t in row["tokens"][1:len(row["tokens"]) - row["response_length"]]).decode()  # noqa: E731
+
+    def prompt_of(row):
+        return bytes(t - 2 for t in row["tokens"][1 : len(row["tokens"]) - row["response_length"]]).decode()
+
     assert not {prompt_of(r) for r in train} & {prompt_of(r) for r in held}
     # Every sample of a held-out prompt is held out.
     assert len(held) == 4 * 3
@@ -68,8 +74,10 @@ def test_split_is_by_prompt_and_every_row_lands_once(tmp_path):
 
 
 def test_rows_carry_the_reward_on_every_response_token(tmp_path):
-    src = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "p1", "response": "abc", "reward": 1.0},
-                                             {"prompt": "p2", "response": "de", "reward": 0.0}])
+    src = write_jsonl(
+        tmp_path / "r.jsonl",
+        [{"prompt": "p1", "response": "abc", "reward": 1.0}, {"prompt": "p2", "response": "de", "reward": 0.0}],
+    )
     import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.0)
     rows = rows_of(tmp_path / "out/train.jsonl")
     assert rows[0]["tokens"] == [1, ord("p") + 2, ord("1") + 2, ord("a") + 2, ord("b") + 2, ord("c") + 2, 3]
@@ -92,15 +100,22 @@ def test_split_depends_on_seed_and_keys_not_on_file_order():
 def test_group_field_overrides_the_prompt_text(tmp_path):
     recs = [{"prompt": f"variant {i}", "response": "x", "reward": i % 2, "qid": i // 4} for i in range(16)]
     src = write_jsonl(tmp_path / "r.jsonl", recs)
-    res = import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=Fields(prompt="prompt", response="response", reward="reward", group="qid"),
-                          heldout_fraction=0.25)
+    res = import_rollouts(
+        [src],
+        CharTokenizer(),
+        tmp_path / "out",
+        fields=Fields(prompt="prompt", response="response", reward="reward", group="qid"),
+        heldout_fraction=0.25,
+    )
     assert res.heldout_groups == 1 and res.heldout_rows == 4
 
 
 def test_chat_messages_and_presets(tmp_path):
     recs = [{"input": [{"role": "user", "content": f"q{i}"}], "output": "a", "score": 1.0 * (i % 2)} for i in range(8)]
     src = write_jsonl(tmp_path / "v.jsonl", recs)
-    res = import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=PRESETS["verl"], preset="verl", heldout_fraction=0.25)
+    res = import_rollouts(
+        [src], CharTokenizer(), tmp_path / "out", fields=PRESETS["verl"], preset="verl", heldout_fraction=0.25
+    )
     assert res.train_rows + res.heldout_rows == 8
     prov = json.loads(res.manifest.read_text())["provenance"]
     assert prov["preset"] == "verl" and prov["tokenizer"]["chat_template_applied"] is True
@@ -110,7 +125,11 @@ def test_reward_range_auto_given_and_refused(tmp_path):
     src = write_jsonl(tmp_path / "r.jsonl", records(reward=lambda p, s: 2.0 * ((p + s) % 2) - 1.0))
     with pytest.raises(InputError) as exc:
         import_rollouts([src], CharTokenizer(), tmp_path / "o1", fields=GENERIC)
-    assert f"{src}:1:" in str(exc.value) and "reward -1.0 is outside" in str(exc.value) and "--reward-range auto" in str(exc.value)
+    assert (
+        f"{src}:1:" in str(exc.value)
+        and "reward -1.0 is outside" in str(exc.value)
+        and "--reward-range auto" in str(exc.value)
+    )
     assert not (tmp_path / "o1").exists()
     res = import_rollouts([src], CharTokenizer(), tmp_path / "o2", fields=GENERIC, reward_range="auto")
     assert res.reward_range == (-1.0, 1.0) and res.reward_range_source == "auto"
@@ -122,16 +141,19 @@ def test_reward_range_auto_given_and_refused(tmp_path):
         import_rollouts([const], CharTokenizer(), tmp_path / "o4", fields=GENERIC, reward_range="auto")
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"prompt": "p", "response": "r"}, "missing field 'reward'"),
-    ({"prompt": "p", "response": "r", "reward": True}, "must be a finite number, got True"),
-    ({"prompt": "p", "response": "r", "reward": "1"}, "must be a finite number, got '1'"),
-    ({"prompt": "p", "response": "", "reward": 1.0}, "response tokenizes to no tokens"),
-    ({"prompt": 5, "response": "r", "reward": 1.0}, "prompt text or a non-empty list of chat messages"),
-    ({"prompt": [{"role": "user"}], "response": "r", "reward": 1.0}, "must be a chat message"),
-    ({"prompt": "p", "response": {"text": "r"}, "reward": 1.0}, "must be a response text"),
-    ([1, 2], "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt": "p", "response": "r"}, "missing field 'reward'"),
+        ({"prompt": "p", "response": "r", "reward": True}, "must be a finite number, got True"),
+        ({"prompt": "p", "response": "r", "reward": "1"}, "must be a finite number, got '1'"),
+        ({"prompt": "p", "response": "", "reward": 1.0}, "response tokenizes to no tokens"),
+        ({"prompt": 5, "response": "r", "reward": 1.0}, "prompt text or a non-empty list of chat messages"),
+        ({"prompt": [{"role": "user"}], "response": "r", "reward": 1.0}, "must be a chat message"),
+        ({"prompt": "p", "response": {"text": "r"}, "reward": 1.0}, "must be a response text"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
 def test_bad_records_are_located_and_nothing_is_written(tmp_path, bad, message):
     good = records(prompts=3, samples=1)
     src = write_jsonl(tmp_path / "r.jsonl", good[:2] + [bad] + good[2:])
@@ -146,9 +168,16 @@ def test_invalid_json_line_and_duplicate_ids_are_located(tmp_path):
     src.write_text('{"prompt": "p", "response": "r", "reward": 1}\n{"prompt": "p", "prompt": "q"}\n')
     with pytest.raises(InputError, match=r"r.jsonl:2: invalid JSON: duplicate key 'prompt'"):
         import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=GENERIC)
-    src.write_text("".join(json.dumps({"id": "same", "prompt": f"p{i}", "response": "r", "reward": 1}) + "\n" for i in range(2)))
+    src.write_text(
+        "".join(json.dumps({"id": "same", "prompt": f"p{i}", "response": "r", "reward": 1}) + "\n" for i in range(2))
+    )
     with pytest.raises(InputError, match=r"r.jsonl:2: sample id 'same' repeats .*r.jsonl:1"):
-        import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=Fields(prompt="prompt", response="response", reward="reward", sample_id="id"))
+        import_rollouts(
+            [src],
+            CharTokenizer(),
+            tmp_path / "out",
+            fields=Fields(prompt="prompt", response="response", reward="reward", sample_id="id"),
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -158,7 +187,9 @@ def test_parquet_input_and_non_empty_output_is_refused(tmp_path):
 
     recs = records(prompts=4, samples=2)
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "r.parquet")
-    res = import_rollouts([tmp_path / "r.parquet"], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25)
+    res = import_rollouts(
+        [tmp_path / "r.parquet"], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25
+    )
     assert res.train_rows + res.heldout_rows == 8
     assert rows_of(tmp_path / "out/train.jsonl")[0]["sample_id"].startswith("r:r")
     bad = [dict(r) for r in recs]
@@ -172,5 +203,7 @@ def test_parquet_input_and_non_empty_output_is_refused(tmp_path):
 
 def test_mse_objective_keeps_rewards_outside_the_range(tmp_path):
     src = write_jsonl(tmp_path / "r.jsonl", records(reward=lambda p, s: float(p)))
-    res = import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=GENERIC, loss_type="mse", heldout_fraction=0.25)
+    res = import_rollouts(
+        [src], CharTokenizer(), tmp_path / "out", fields=GENERIC, loss_type="mse", heldout_fraction=0.25
+    )
     assert load_manifest(res.manifest).objective.loss_type == "mse"

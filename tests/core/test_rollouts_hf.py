@@ -22,11 +22,32 @@ def _write(path: Path, recs) -> Path:
 def test_chat_rollouts_are_rendered_with_the_template_and_end_with_eos(tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    recs = [{"prompt": [{"role": "user", "content": f"Calculate {i} + 2."}], "response": str(i + 2 if i % 3 else i), "reward": float(i % 3 != 0)}
-            for i in range(30)]
+    recs = [
+        {
+            "prompt": [{"role": "user", "content": f"Calculate {i} + 2."}],
+            "response": str(i + 2 if i % 3 else i),
+            "reward": float(i % 3 != 0),
+        }
+        for i in range(30)
+    ]
     src = _write(tmp_path / "rollouts.jsonl", recs)
-    assert main([
-        "import-rollouts", str(src), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds"), "--heldout-fraction", "0.2", "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                "import-rollouts",
+                str(src),
+                "--tokenizer",
+                str(TOKENIZER),
+                "--out",
+                str(tmp_path / "ds"),
+                "--heldout-fraction",
+                "0.2",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["train_rows"] + out["heldout_rows"] == 30 and out["heldout_prompts"] == 6
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
@@ -51,6 +72,21 @@ def test_bad_row_exits_2_with_location_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{src}:2: reward 7.0 is outside" in err
     assert not (tmp_path / "ds").exists()
-    assert main(["import-rollouts", str(src), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds"),
-                 "--reward-range", "auto", "--heldout-fraction", "0"]) == 0
+    assert (
+        main(
+            [
+                "import-rollouts",
+                str(src),
+                "--tokenizer",
+                str(TOKENIZER),
+                "--out",
+                str(tmp_path / "ds"),
+                "--reward-range",
+                "auto",
+                "--heldout-fraction",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert "reward range taken from the data: [0.5, 7.0]" in capsys.readouterr().err

@@ -5,12 +5,21 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from value_assets.core.errors import InputError
 from value_assets.core.report import build_report
-from value_assets.core.stats import (RankReport, SuffStats, WeightingGate, auroc, check_rank_reports, gate_weighting,
-                                     token_stats, trajectory_stats)
+from value_assets.core.stats import (
+    RankReport,
+    SuffStats,
+    WeightingGate,
+    auroc,
+    check_rank_reports,
+    gate_weighting,
+    token_stats,
+    trajectory_stats,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +40,7 @@ def token_rows(draw, min_rows=2, max_rows=12):
 
 
 def close(a: SuffStats, b: SuffStats):
-    for x, y in zip(a.to_json().values(), b.to_json().values()):
+    for x, y in zip(a.to_json().values(), b.to_json().values(), strict=True):
         assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9), (a, b)
 
 
@@ -75,15 +84,20 @@ def test_trajectory_ev_matches_naive_loop(rows):
     for r, v, m in rows:
         act = [i for i in range(len(m)) if m[i] == 1]
         rbar.append(sum(r[i] for i in act) / len(act))
-        ebar.append((sum(r[i] - v[i] for i in act) / len(act), sum((r[i] - v[i]) ** 2 for i in act) / len(act),
-                     sum(r[i] ** 2 for i in act) / len(act)))
+        ebar.append(
+            (
+                sum(r[i] - v[i] for i in act) / len(act),
+                sum((r[i] - v[i]) ** 2 for i in act) / len(act),
+                sum(r[i] ** 2 for i in act) / len(act),
+            )
+        )
     n = len(rows)
     s = SuffStats.merge(trajectory_stats(*x) for x in rows)
     assert s.n == n
     mean_r = sum(rbar) / n
-    var_r = sum(e[2] for e in ebar) / n - mean_r ** 2
+    var_r = sum(e[2] for e in ebar) / n - mean_r**2
     mean_e = sum(e[0] for e in ebar) / n
-    var_e = sum(e[1] for e in ebar) / n - mean_e ** 2
+    var_e = sum(e[1] for e in ebar) / n - mean_e**2
     assume(var_r > 1e-3)
     assert math.isclose(s.ev(), 1 - var_e / var_r, rel_tol=1e-7, abs_tol=1e-9)
 
@@ -177,7 +191,11 @@ def test_rank_report_multiset_counts_duplicates():
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.lists(st.tuples(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.sampled_from([0.0, 1.0])), min_size=2, max_size=40))
+@given(
+    data=st.lists(
+        st.tuples(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.sampled_from([0.0, 1.0])), min_size=2, max_size=40
+    )
+)
 def test_auroc_matches_sklearn_with_ties(data):
     from sklearn.metrics import roc_auc_score
 
@@ -199,10 +217,19 @@ def test_auroc_positive_is_larger_label():
 # --- gate ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ev, pos, batches, passed", [
-    (0.1, 2, 3, True), (0.1, 1, 2, False), (0.1, 2, 4, False), (0.0, 3, 3, False), (-0.1, 3, 3, False),
-    (1e-12, 1, 1, True), (0.5, 0, 1, False), (0.5, 3, 5, True),
-])
+@pytest.mark.parametrize(
+    "ev, pos, batches, passed",
+    [
+        (0.1, 2, 3, True),
+        (0.1, 1, 2, False),
+        (0.1, 2, 4, False),
+        (0.0, 3, 3, False),
+        (-0.1, 3, 3, False),
+        (1e-12, 1, 1, True),
+        (0.5, 0, 1, False),
+        (0.5, 3, 5, True),
+    ],
+)
 def test_gate_truth_table(ev, pos, batches, passed):
     assert WeightingGate(ev=ev, positive_batches=pos, batches=batches).passed is passed
 
@@ -227,19 +254,35 @@ def _report(token_batches, traj_batches, split="heldout"):
     spec, its trajectory statistics token j of the trajectory spec (so the two weightings can
     differ), all in decile 0."""
     batches, rank_reports, active = [], [], []
-    for k, (tok, traj) in enumerate(zip(token_batches, traj_batches)):
+    for k, (tok, traj) in enumerate(zip(token_batches, traj_batches, strict=True)):
         rows = list(range(4 * k, 4 * k + 4))
         batches.append(rows)
-        row_tok = [[1.0, r, r * r, r - v, (r - v) ** 2] for r, v in zip(*tok)]
-        row_traj = [[1.0, r, r * r, r - v, (r - v) ** 2] for r, v in zip(*traj)]
+        row_tok = [[1.0, r, r * r, r - v, (r - v) ** 2] for r, v in zip(*tok, strict=True)]
+        row_traj = [[1.0, r, r * r, r - v, (r - v) ** 2] for r, v in zip(*traj, strict=True)]
         row_dec = [[t] + [[0.0] * 5] * 9 for t in row_tok]
-        rank_reports.append([RankReport(0, rows, _batch_stats(*tok), _batch_stats(*traj), [0.2, 0.8, 0.2, 0.8],
-                                        row_tok, row_traj, row_dec)])
+        rank_reports.append(
+            [
+                RankReport(
+                    0, rows, _batch_stats(*tok), _batch_stats(*traj), [0.2, 0.8, 0.2, 0.8], row_tok, row_traj, row_dec
+                )
+            ]
+        )
         active.append(4)
     labels = [0.0, 1.0] * (2 * len(token_batches))
-    return build_report(manifest_sha256="a" * 64, dataset_sha256="b" * 64, split=split, checkpoint="/c", contract_sha256="c" * 64,
-                        dp=1, seed=0, global_batch_size=4, batches=batches, rank_reports=rank_reports, active_targets=active,
-                        labels=labels)
+    return build_report(
+        manifest_sha256="a" * 64,
+        dataset_sha256="b" * 64,
+        split=split,
+        checkpoint="/c",
+        contract_sha256="c" * 64,
+        dp=1,
+        seed=0,
+        global_batch_size=4,
+        batches=batches,
+        rank_reports=rank_reports,
+        active_targets=active,
+        labels=labels,
+    )
 
 
 GOOD_RV = ([0.0, 1.0, 0.0, 1.0], [0.1, 0.9, 0.2, 0.8])
@@ -248,12 +291,15 @@ GOOD = _batch_stats(*GOOD_RV)
 BAD = _batch_stats(*BAD_RV)
 
 
-@pytest.mark.parametrize("tok, traj, passed", [
-    ([GOOD_RV, GOOD_RV, BAD_RV], [GOOD_RV, GOOD_RV, GOOD_RV], True),
-    ([GOOD_RV, BAD_RV, BAD_RV], [GOOD_RV, GOOD_RV, GOOD_RV], False),   # token weighting fails the majority rule
-    ([GOOD_RV, GOOD_RV, GOOD_RV], [BAD_RV, BAD_RV, GOOD_RV], False),   # trajectory weighting fails
-    ([GOOD_RV, BAD_RV], [GOOD_RV, GOOD_RV], False),                    # 1 * 2 > 2 is false
-])
+@pytest.mark.parametrize(
+    "tok, traj, passed",
+    [
+        ([GOOD_RV, GOOD_RV, BAD_RV], [GOOD_RV, GOOD_RV, GOOD_RV], True),
+        ([GOOD_RV, BAD_RV, BAD_RV], [GOOD_RV, GOOD_RV, GOOD_RV], False),  # token weighting fails the majority rule
+        ([GOOD_RV, GOOD_RV, GOOD_RV], [BAD_RV, BAD_RV, GOOD_RV], False),  # trajectory weighting fails
+        ([GOOD_RV, BAD_RV], [GOOD_RV, GOOD_RV], False),  # 1 * 2 > 2 is false
+    ],
+)
 def test_report_gate_needs_both_weightings(tok, traj, passed):
     rep = _report(tok, traj)
     assert rep["passed"] is passed and rep["gate"]["passed"] is passed
@@ -270,9 +316,20 @@ def test_report_train_split_never_passes():
 
 def test_report_refuses_bad_rank_reports_and_undefined_ev():
     with pytest.raises(InputError, match="evaluation batch 0"):
-        build_report(manifest_sha256="a" * 64, dataset_sha256="b" * 64, split="heldout", checkpoint="/c", contract_sha256="c" * 64,
-                     dp=1, seed=0, global_batch_size=2, batches=[[0, 1]], rank_reports=[[RankReport(0, [0, 1], GOOD, GOOD)]],
-                     active_targets=[5], labels=[0.0, 1.0])
+        build_report(
+            manifest_sha256="a" * 64,
+            dataset_sha256="b" * 64,
+            split="heldout",
+            checkpoint="/c",
+            contract_sha256="c" * 64,
+            dp=1,
+            seed=0,
+            global_batch_size=2,
+            batches=[[0, 1]],
+            rank_reports=[[RankReport(0, [0, 1], GOOD, GOOD)]],
+            active_targets=[5],
+            labels=[0.0, 1.0],
+        )
     flat = ([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])
     with pytest.raises(InputError, match="Var"):
         _report([flat], [GOOD_RV])

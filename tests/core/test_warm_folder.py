@@ -41,7 +41,9 @@ def test_missing_folders_are_created_for_this_user_alone(tmp_path, monkeypatch):
     assert stat.S_IMODE(os.stat(custom).st_mode) == 0o700
 
 
-@pytest.mark.parametrize("how", ["writable by others", "parent writable by others", "owned by another user", "a symlink"])
+@pytest.mark.parametrize(
+    "how", ["writable by others", "parent writable by others", "owned by another user", "a symlink"]
+)
 def test_a_planted_folder_is_refused_before_its_cluster_is_joined(tmp_path, monkeypatch, how):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     folder = default_folder(tmp_path / "instance")
@@ -64,8 +66,12 @@ def test_a_planted_folder_is_refused_before_its_cluster_is_joined(tmp_path, monk
         planted(folder)
     with pytest.raises(InputError) as err:
         join(folder)
-    needle = {"writable by others": "writable by others", "parent writable by others": "writable by others",
-              "owned by another user": "not by this user", "a symlink": "not a folder"}[how]
+    needle = {
+        "writable by others": "writable by others",
+        "parent writable by others": "writable by others",
+        "owned by another user": "not by this user",
+        "a symlink": "not a folder",
+    }[how]
     assert needle in err.value.message and err.value.where in (str(folder), str(folder.parent))
     with pytest.raises(InputError):
         stop_warm_cluster(folder)  # nor is the pid it names signalled

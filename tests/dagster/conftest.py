@@ -26,25 +26,47 @@ def write_dataset(path: Path, rows: int, seed: int = 0) -> Path:
         label = float((i + seed) % 2)
         response_length = 2 + i % 3
         tokens = [1 + (i * 7 + j) % 50 for j in range(3 + response_length)]
-        lines.append(json.dumps({"sample_id": f"s{seed}-{i}", "tokens": tokens, "response_length": response_length,
-                                 "returns": [label] * response_length, "loss_mask": [1] * response_length}))
+        lines.append(
+            json.dumps(
+                {
+                    "sample_id": f"s{seed}-{i}",
+                    "tokens": tokens,
+                    "response_length": response_length,
+                    "returns": [label] * response_length,
+                    "loss_mask": [1] * response_length,
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def write_manifest(folder: Path, name: str, *, rows: int = 32, heldout_rows: int | None = 32,
-                   standin: dict | None = None, data_dir: Path | None = None, objective: dict | None = None) -> Path:
+def write_manifest(
+    folder: Path,
+    name: str,
+    *,
+    rows: int = 32,
+    heldout_rows: int | None = 32,
+    standin: dict | None = None,
+    data_dir: Path | None = None,
+    objective: dict | None = None,
+) -> Path:
     """A manifest with datasets in `data_dir` (default: beside it, referenced by relative paths)."""
     data_dir = data_dir or folder / "data" / name
     train = write_dataset(data_dir / "train.jsonl", rows, seed=0)
-    manifest = {"schema": "miles.value-pretrain.v1",
-                "train": {"path": os.path.relpath(train, folder), "sha256": sha256_file(train), "num_samples": rows},
-                "objective": objective or {"loss_type": "classification", "num_bins": 11},
-                "provenance": {"producer": "tests", "standin": standin or {}}}
+    manifest = {
+        "schema": "miles.value-pretrain.v1",
+        "train": {"path": os.path.relpath(train, folder), "sha256": sha256_file(train), "num_samples": rows},
+        "objective": objective or {"loss_type": "classification", "num_bins": 11},
+        "provenance": {"producer": "tests", "standin": standin or {}},
+    }
     if heldout_rows:
         held = write_dataset(data_dir / "heldout.jsonl", heldout_rows, seed=1)
-        manifest["heldout"] = {"path": os.path.relpath(held, folder), "sha256": sha256_file(held),
-                               "num_samples": heldout_rows}
+        manifest["heldout"] = {
+            "path": os.path.relpath(held, folder),
+            "sha256": sha256_file(held),
+            "num_samples": heldout_rows,
+        }
     path = folder / f"{name}.json"
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(manifest, indent=1))

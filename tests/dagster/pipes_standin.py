@@ -2,7 +2,8 @@
 
 A real subprocess speaking real Dagster Pipes. It writes what the GPU job writes, with the core's
 own builders (contracts and the `latest` pointer, a write-once EV report with two PNG plots, a
-canary receipt, fake-but-well-formed hand-off bundles whose Miles contract is core's), without any model, and reports materializations with realistic metadata. Behaviour knobs come from the manifest's
+canary receipt, fake-but-well-formed hand-off bundles whose Miles contract is core's), without any model, and reports
+materializations with realistic metadata. Behaviour knobs come from the manifest's
 `provenance.standin` (kept, not interpreted, by the product): `ev` (float, the EV it reports for
 both weightings), `silent` (report nothing, exit 0), `exit_code` (fail after writing nothing),
 `enospc_once` (a marker path: the first evaluation that finds no marker creates it and gets
@@ -38,9 +39,14 @@ from value_assets.core.strict_json import canonical_bytes
 def png_1x1(rgb=(200, 30, 30)) -> bytes:
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
     raw = b"\x00" + bytes(rgb)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 def knobs(manifest_path: str) -> dict:
@@ -58,17 +64,24 @@ def train(pipes, config, canary: bool):
         return
     manifest = load_manifest(a.manifest, pinned_sha256=a.manifest_sha256, data_roots=a.data_roots)
     # like the real job: the published plan when the asset passes one (read against its sha)
-    plan = (load_published_plan(a.plan, a.plan_sha256) if a.plan is not None
-            else build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed))
+    plan = (
+        load_published_plan(a.plan, a.plan_sha256)
+        if a.plan is not None
+        else build_plan(manifest.train.num_samples, a.global_batch_size, a.epochs, a.seed)
+    )
     out = a.output
     if canary:
         train = validate_dataset(manifest.train, manifest.objective)
         ids = [row.sample_id for row in train.rows(plan.batch(1))]
-        receipt = build_receipt(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256, plan=plan,
-                                first_batch_sample_ids=ids)
+        receipt = build_receipt(
+            manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256, plan=plan, first_batch_sample_ids=ids
+        )
         sha = publish_once(out / "canary_receipt.json", canonical_bytes(receipt))
-        pipes.report_asset_materialization(asset_key="canary_receipt", data_version=sha,
-                                           metadata={"receipt_sha256": sha, "executed_steps": 1, "final_loss": 1.9})
+        pipes.report_asset_materialization(
+            asset_key="canary_receipt",
+            data_version=sha,
+            metadata={"receipt_sha256": sha, "executed_steps": 1, "final_loss": 1.9},
+        )
         return
     steps = plan.num_steps
     save = out / iter_dirname(steps)
@@ -83,20 +96,42 @@ def train(pipes, config, canary: bool):
     # What the real job writes beside the checkpoints, and its plot (the job renders it with matplotlib).
     (out / "tensorboard").mkdir(parents=True, exist_ok=True)
     curve_sha = publish_once(out / "training_curve.png", png_1x1((30, 30, 200)))
-    contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=manifest.train.sha256,
-                              objective=manifest.objective.canonical(), plan=plan, completed_steps=steps,
-                              model={"backbone": a.backbone, "manifest": str(a.manifest)}, backbone_config={"name": "stand-in"},
-                              checkpoint=str(save), checkpoint_files=describe_folder(save))
+    contract = build_contract(
+        manifest_sha256=manifest.sha256,
+        train_sha256=manifest.train.sha256,
+        objective=manifest.objective.canonical(),
+        plan=plan,
+        completed_steps=steps,
+        model={"backbone": a.backbone, "manifest": str(a.manifest)},
+        backbone_config={"name": "stand-in"},
+        checkpoint=str(save),
+        checkpoint_files=describe_folder(save),
+    )
     sha = write_contract(out, contract)
     pipes.report_asset_materialization(
-        asset_key="critic_checkpoint", data_version=sha,
-        metadata={"steps": steps, "final_loss": losses[-1], "final_ev": 1.0 - losses[-1], "contract_sha256": sha,
-                  "tokens_per_s": 1234.5, "standin_config": {"raw_value": config, "type": "json"},
-                  "loss_summary": {"raw_value": {"logged_steps": steps, "first_loss": losses[0], "min_loss": min(losses)}, "type": "json"},
-                  "plots": {"raw_value": {"training_curve": {"file": "training_curve.png", "sha256": curve_sha}}, "type": "json"},
-                  "tensorboard": {"raw_value": str(out / "tensorboard"), "type": "path"}})
-    pipes.report_asset_materialization(asset_key="training_contract", data_version=sha,
-                                       metadata={"contract_sha256": sha, "completed_steps": steps})
+        asset_key="critic_checkpoint",
+        data_version=sha,
+        metadata={
+            "steps": steps,
+            "final_loss": losses[-1],
+            "final_ev": 1.0 - losses[-1],
+            "contract_sha256": sha,
+            "tokens_per_s": 1234.5,
+            "standin_config": {"raw_value": config, "type": "json"},
+            "loss_summary": {
+                "raw_value": {"logged_steps": steps, "first_loss": losses[0], "min_loss": min(losses)},
+                "type": "json",
+            },
+            "plots": {
+                "raw_value": {"training_curve": {"file": "training_curve.png", "sha256": curve_sha}},
+                "type": "json",
+            },
+            "tensorboard": {"raw_value": str(out / "tensorboard"), "type": "path"},
+        },
+    )
+    pipes.report_asset_materialization(
+        asset_key="training_contract", data_version=sha, metadata={"contract_sha256": sha, "completed_steps": steps}
+    )
     # A check no step declares: the launcher must drop it, not crash.
     pipes.report_asset_check(check_name="standin_undeclared", passed=True, asset_key="training_contract")
 
@@ -126,13 +161,34 @@ def evaluate(pipes, config):
     batches = mixed_label_batches(list(data.labels), g, a.num_batches, a.seed)
     rank_reports, active = [], []
     for batch in batches:
-        rank_reports.append([RankReport.from_rows(0, [(i, row.returns, slope * row.returns + (1.0 - slope) / 2, row.loss_mask)
-                                                      for i, row in zip(batch, data.rows(batch))])])
+        rank_reports.append(
+            [
+                RankReport.from_rows(
+                    0,
+                    [
+                        (i, row.returns, slope * row.returns + (1.0 - slope) / 2, row.loss_mask)
+                        for i, row in zip(batch, data.rows(batch), strict=True)
+                    ],
+                )
+            ]
+        )
         active.append(int(sum(data.active_targets[i] for i in batch)))
-    report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=data.sha256, split=a.split,
-                          checkpoint=str(a.checkpoint), contract_sha256=a.contract_sha256, dp=1, seed=a.seed,
-                          global_batch_size=g, batches=batches, rank_reports=rank_reports,
-                          active_targets=active, labels=list(data.labels), gate_mode=a.gate_mode, gate_min_ev=a.gate_min_ev)
+    report = build_report(
+        manifest_sha256=manifest.sha256,
+        dataset_sha256=data.sha256,
+        split=a.split,
+        checkpoint=str(a.checkpoint),
+        contract_sha256=a.contract_sha256,
+        dp=1,
+        seed=a.seed,
+        global_batch_size=g,
+        batches=batches,
+        rank_reports=rank_reports,
+        active_targets=active,
+        labels=list(data.labels),
+        gate_mode=a.gate_mode,
+        gate_min_ev=a.gate_min_ev,
+    )
     report_path = a.report
     # Like the GPU job: plots published first, then the report naming them {name: {file, sha256}}.
     report["plots"] = {}
@@ -141,15 +197,22 @@ def evaluate(pipes, config):
         report["plots"][name] = {"file": plot.name, "sha256": publish_once(plot, png_1x1())}
     sha = publish_once(report_path, canonical_bytes(report))
     pipes.report_asset_materialization(
-        asset_key="ev_report", data_version=sha,
-        metadata={"report_sha256": sha, "token_ev": report["aggregates"]["token"]["ev"], "passed": report["passed"]})
+        asset_key="ev_report",
+        data_version=sha,
+        metadata={"report_sha256": sha, "token_ev": report["aggregates"]["token"]["ev"], "passed": report["passed"]},
+    )
 
 
 def handoff(pipes, config):
     """Bundles without weights: the Miles layout (tracker, iter folder, contract built by core from
     the promoted contract) and, for mse, an `hf/` folder. Knob `handoff_exit_code`: fail instead."""
     from value_assets.core.contract import load_contract
-    from value_assets.core.miles import MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract, miles_iter_dirname
+    from value_assets.core.miles import (
+        MILES_CONTRACT_NAME,
+        MILES_TRACKER_NAME,
+        build_miles_contract,
+        miles_iter_dirname,
+    )
 
     a = HandoffJob.from_json(config)
     contract, _ = load_contract(a.checkpoint, a.contract_sha256)
@@ -168,7 +231,9 @@ def handoff(pipes, config):
         (a.out_dir / "hf").mkdir()
         (a.out_dir / "hf" / "config.json").write_text('{"num_labels": 1}\n')
         (a.out_dir / "hf" / "model.safetensors").write_bytes(b"stand-in hf weights")
-    pipes.report_asset_materialization(asset_key="promoted_critic", data_version=sha, metadata={"miles_contract_sha256": sha})
+    pipes.report_asset_materialization(
+        asset_key="promoted_critic", data_version=sha, metadata={"miles_contract_sha256": sha}
+    )
 
 
 def load_manifest_path(contract) -> str:
@@ -179,7 +244,9 @@ def load_manifest_path(contract) -> str:
 def main():
     with open_dagster_pipes() as pipes:
         extras = pipes.extras
-        pipes.log.info(f"stand-in task {extras['task']} for partition {extras.get('partition_key')} (pid {os.getpid()})")
+        pipes.log.info(
+            f"stand-in task {extras['task']} for partition {extras.get('partition_key')} (pid {os.getpid()})"
+        )
         if extras["task"] == "evaluate":
             evaluate(pipes, extras["config"])
         elif extras["task"] == "handoff":

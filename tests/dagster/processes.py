@@ -32,7 +32,8 @@ def terminate_then_kill(procs: list, grace_s: float, kill_wait_s: float) -> list
 
 
 def processes_naming(*needles: str) -> list:
-    """Processes whose command line names one of `needles` (e.g. a Ray temp folder, a GCS address), and all their descendants."""
+    """Processes whose command line names one of `needles` (e.g. a Ray temp folder, a GCS address), and all their
+    descendants."""
     import psutil
 
     found = {}

@@ -16,8 +16,12 @@ DG = Path(sys.executable).with_name("dg")
 
 
 def dg(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DAGSTER_DISABLE_TELEMETRY": "1", "VALUE_ASSETS_DEPLOYMENT": "local",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "VALUE_ASSETS_DEPLOYMENT": "local",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     return subprocess.run([str(DG), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -39,7 +43,9 @@ def test_dg_list_defs_names_the_graph():
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)
     repo = defs.get_repository_def()
-    assert {a["asset_key"] for a in listed["assets"]} == {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
+    assert {a["asset_key"] for a in listed["assets"]} == {
+        k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()
+    }
     assert {j["name"] for j in listed["jobs"]} == {"full", "evaluate", "canary"}
     assert [s["name"] for s in listed["sensors"]] == ["manifest_sensor"]
     assert {r["name"] for r in listed["resources"]} == {"artifacts", "inbox", "launcher"}

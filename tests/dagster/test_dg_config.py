@@ -9,8 +9,8 @@ import pytest
 from value_assets.assets.common import given
 from value_assets.assets.critic import EvaluateRunConfig, TrainRunConfig, train_job
 from value_assets.assets.data import PlanConfig, plan_settings
-from value_assets.core.errors import InputError
 from value_assets.core import vocabulary as v
+from value_assets.core.errors import InputError
 from value_assets.core.job_configs import EvaluateJob, TrainJob, field_default, field_doc
 from value_assets.core.plan import build_plan
 from value_assets.lineage import PublishedPlan
@@ -20,7 +20,9 @@ pytestmark = pytest.mark.unit
 SHA = "cd" * 32
 
 
-@pytest.mark.parametrize("run_config, job", [(TrainRunConfig, TrainJob), (EvaluateRunConfig, EvaluateJob), (PlanConfig, TrainJob)])
+@pytest.mark.parametrize(
+    "run_config, job", [(TrainRunConfig, TrainJob), (EvaluateRunConfig, EvaluateJob), (PlanConfig, TrainJob)]
+)
 def test_run_config_fields_are_job_fields_unset_by_default(run_config, job):
     for name, f in run_config.model_fields.items():
         assert f.default is None, name  # None: the job config's default applies
@@ -36,10 +38,26 @@ def test_empty_run_config_gives_the_job_defaults_and_the_published_plan():
     g, epochs, seed = plan_settings(PlanConfig())
     assert (g, epochs, seed) == tuple(field_default(TrainJob, n) for n in ("global_batch_size", "epochs", "seed"))
     job = train_job(TrainRunConfig(), manifest, Path("/out"), PUBLISHED, build_plan(64, g, epochs, seed))
-    assert job == TrainJob(manifest="/m.json", output="/out", manifest_sha256=SHA, plan="/a/plan.json", plan_sha256="ef" * 32)
-    set_ = train_job(TrainRunConfig(lr=3e-4, gpus=2), manifest, Path("/out"), PUBLISHED, build_plan(8, 4, 2, 17), [Path("/data")],
-                     canary=True)
-    assert (set_.lr, set_.gpus, set_.global_batch_size, set_.epochs, set_.seed, set_.canary) == (3e-4, 2, 4, 2, 17, True)
+    assert job == TrainJob(
+        manifest="/m.json", output="/out", manifest_sha256=SHA, plan="/a/plan.json", plan_sha256="ef" * 32
+    )
+    set_ = train_job(
+        TrainRunConfig(lr=3e-4, gpus=2),
+        manifest,
+        Path("/out"),
+        PUBLISHED,
+        build_plan(8, 4, 2, 17),
+        [Path("/data")],
+        canary=True,
+    )
+    assert (set_.lr, set_.gpus, set_.global_batch_size, set_.epochs, set_.seed, set_.canary) == (
+        3e-4,
+        2,
+        4,
+        2,
+        17,
+        True,
+    )
     assert (set_.data_roots, set_.plan, set_.plan_sha256) == (("/data",), PUBLISHED.path, PUBLISHED.sha256)
     with pytest.raises(InputError, match="go together") as err:
         TrainJob(manifest="/m.json", output="/out", plan="/a/plan.json")
@@ -52,7 +70,13 @@ def test_run_config_values_are_checked_by_the_job_config():
         train_job(TrainRunConfig(warmup_steps=-5), manifest, Path("/out"), PUBLISHED, build_plan(4, 4, 1, 0))
     assert err.value.where == "warmup_steps"
     with pytest.raises(InputError) as err:
-        EvaluateJob(checkpoint="c", manifest="m", contract_sha256=SHA, report="r", **given(EvaluateRunConfig(global_batch_size=1)))
+        EvaluateJob(
+            checkpoint="c",
+            manifest="m",
+            contract_sha256=SHA,
+            report="r",
+            **given(EvaluateRunConfig(global_batch_size=1)),
+        )
     assert err.value.where == "global_batch_size"
 
 
@@ -87,16 +111,22 @@ class _Recorder(GpuJobLauncher):
 
 def test_launch_sends_the_config_as_json_and_refuses_a_mismatch():
     logs, sent = [], []
-    context = SimpleNamespace(log=SimpleNamespace(info=logs.append, warning=logs.append), sent=sent,
-                              selected_asset_keys=set())
+    context = SimpleNamespace(
+        log=SimpleNamespace(info=logs.append, warning=logs.append), sent=sent, selected_asset_keys=set()
+    )
     train = TrainJob(manifest="m.json", output="o", gpus=2)
     _Recorder().launch(context, v.TRAIN, train, {"partition_key": "p"})
     assert sent == [{"partition_key": "p", "task": "train", "config": train.to_json()}]
     assert '"gpus": 2' in logs[0]
-    for task, cfg in ((v.CANARY, train), (v.EVALUATE, train), (v.TRAIN, TrainJob(manifest="m", output="o", canary=True))):
+    for task, cfg in (
+        (v.CANARY, train),
+        (v.EVALUATE, train),
+        (v.TRAIN, TrainJob(manifest="m", output="o", canary=True)),
+    ):
         with pytest.raises(InputError, match=task.name):
             _Recorder().launch(context, task, cfg)
     assert len(sent) == 1
+
     # a launcher that does not say how it runs a job cannot be configured, rather than failing at launch
     class Unfinished(GpuJobLauncher):
         pass
@@ -124,6 +154,7 @@ def test_ray_submission_waits_for_a_starting_clusters_job_agent_and_no_longer():
             if len(calls) <= times:
                 raise RuntimeError(message)
             return "submitted"
+
         return submit, calls
 
     submit, calls = refusing(2)

@@ -45,14 +45,23 @@ def graph_summary(defs: Definitions) -> dict:
         job = defs.resolve_job_def(name)
         jobs[name] = {
             "assets": sorted(k.to_user_string() for k in job.asset_layer.selected_asset_keys),
-            "checks": sorted(f"{spec.asset_key.to_user_string()}:{spec.name}" for data in job.asset_layer.data
-                             for spec in data.assets_def.node_check_specs_by_output_name.values()),
+            "checks": sorted(
+                f"{spec.asset_key.to_user_string()}:{spec.name}"
+                for data in job.asset_layer.data
+                for spec in data.assets_def.node_check_specs_by_output_name.values()
+            ),
             "tags": dict(sorted(job.tags.items())),
         }
     pools = {a.op.name: a.op.pool for a in ALL_ASSETS if a.op.pool}
     sensors = {s.name: s.job_name for s in defs.sensors}
-    return {"assets": assets, "checks": checks, "jobs": jobs, "pools": pools, "sensors": sensors,
-            "resources": sorted(defs.resources)}
+    return {
+        "assets": assets,
+        "checks": checks,
+        "jobs": jobs,
+        "pools": pools,
+        "sensors": sensors,
+        "resources": sorted(defs.resources),
+    }
 
 
 def test_graph_matches_snapshot(test_defs):
@@ -62,8 +71,9 @@ def test_graph_matches_snapshot(test_defs):
     assert summary == json.loads(SNAPSHOT.read_text())
 
 
-@pytest.mark.parametrize("deployment,launcher", [("local", SubprocessLauncher), ("ray", RayJobLauncher),
-                                                 ("kubernetes", K8sPodLauncher)])
+@pytest.mark.parametrize(
+    "deployment,launcher", [("local", SubprocessLauncher), ("ray", RayJobLauncher), ("kubernetes", K8sPodLauncher)]
+)
 def test_each_deployment_loads(deployment, launcher, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
     monkeypatch.setenv("VALUE_ASSETS_GPU_IMAGE", "registry.example/value-assets-gpu:test")
@@ -86,4 +96,3 @@ def test_module_level_defs_load():
 
     Definitions.validate_loadable(defs)
     assert set(defs.resolve_asset_graph().get_all_asset_keys())
-

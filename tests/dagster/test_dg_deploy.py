@@ -23,9 +23,13 @@ def pod_for(launcher, config, task="train"):
 
 
 def test_k8s_pod_has_image_command_gpus_env_and_mounts():
-    launcher = K8sPodLauncher(image=GPU_IMAGE, gpus=1, env={"VALUE_ASSETS_ARTIFACTS": "/artifacts"},
-                              pvc_mounts={"value-assets-artifacts": "/artifacts", "value-assets-data": "/data"},
-                              node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"})
+    launcher = K8sPodLauncher(
+        image=GPU_IMAGE,
+        gpus=1,
+        env={"VALUE_ASSETS_ARTIFACTS": "/artifacts"},
+        pvc_mounts={"value-assets-artifacts": "/artifacts", "value-assets-data": "/data"},
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+    )
     pod, container = pod_for(launcher, TrainJob(manifest="m.json", output="/artifacts/p/critic", gpus=8))
     assert container.image == GPU_IMAGE
     assert container.command == ["python", "-m", PIPES_MODULE]

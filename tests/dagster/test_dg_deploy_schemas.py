@@ -7,7 +7,7 @@ settings a schema cannot see: what the chart template drops, what KubeRay ignore
 import copy
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ def load_all(path: Path):
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-@lru_cache(maxsize=None)
+@cache
 def registry():
     from referencing import Registry, Resource
 
@@ -50,6 +50,7 @@ def errors(validator, instance) -> list[str]:
 
 
 # ---------------------------------------------------------------- Helm values / Dagster chart
+
 
 def chart_validator():
     from jsonschema import Draft7Validator
@@ -106,6 +107,7 @@ def test_postgres_scheme_names_the_driver_the_image_installs():
 
 # ---------------------------------------------------------------- KubeRay
 
+
 def strict(schema):
     """The CRD schema as the API server applies it. Unknown fields refused, as `kubectl apply
     --validate=strict` does (else they are pruned silently): every object schema with properties,
@@ -115,8 +117,11 @@ def strict(schema):
 
     def walk(node):
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             if "required" in node:
                 props = node.get("properties", {})
@@ -190,6 +195,7 @@ def test_replica_bounds_only_with_in_tree_autoscaling():
 
 # ---------------------------------------------------------------- core Kubernetes objects
 
+
 def test_pvcs_are_valid():
     validator = k8s_validator("persistentvolumeclaim-v1")
     docs = load_all(ROOT / "deploy/pvc.yaml")
@@ -207,17 +213,26 @@ def rendered_pods():
 
     (deployment,) = helm_values()["dagster-user-deployments"]["deployments"]
     env = {e["name"]: e["value"] for e in deployment["env"]}
-    launcher = K8sPodLauncher(image=env["VALUE_ASSETS_GPU_IMAGE"], namespace=env["VALUE_ASSETS_K8S_NAMESPACE"],
-                              pvc_mounts=_pvcs(env["VALUE_ASSETS_K8S_PVCS"]),
-                              env={"VALUE_ASSETS_ARTIFACTS": env["VALUE_ASSETS_ARTIFACTS"]},
-                              node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"})
+    launcher = K8sPodLauncher(
+        image=env["VALUE_ASSETS_GPU_IMAGE"],
+        namespace=env["VALUE_ASSETS_K8S_NAMESPACE"],
+        pvc_mounts=_pvcs(env["VALUE_ASSETS_K8S_PVCS"]),
+        env={"VALUE_ASSETS_ARTIFACTS": env["VALUE_ASSETS_ARTIFACTS"]},
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+    )
     bootstrap = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
     from value_assets.core.job_configs import EvaluateJob, TrainJob
 
-    configs = {"train": TrainJob(manifest="/data/m.json", output="/artifacts/p/critic", gpus=8),
-               "evaluate": EvaluateJob(checkpoint="/artifacts/p/critic", manifest="/data/m.json", contract_sha256="0" * 64,
-                                       report="/artifacts/p/reports/ev.json"),
-               "canary": TrainJob(manifest="/data/m.json", output="/artifacts/p/canary", canary=True)}
+    configs = {
+        "train": TrainJob(manifest="/data/m.json", output="/artifacts/p/critic", gpus=8),
+        "evaluate": EvaluateJob(
+            checkpoint="/artifacts/p/critic",
+            manifest="/data/m.json",
+            contract_sha256="0" * 64,
+            report="/artifacts/p/reports/ev.json",
+        ),
+        "canary": TrainJob(manifest="/data/m.json", output="/artifacts/p/canary", canary=True),
+    }
     for task, config in configs.items():
         pod = launcher.render_pod(f"dagster-run-abc-{task}", task, config.to_json(), bootstrap)
         body = ApiClient().sanitize_for_serialization(pod)
@@ -241,6 +256,7 @@ def test_pod_schema_catches_what_it_should():
 
 
 # ---------------------------------------------------------------- images
+
 
 def test_base_images_are_pinned_by_version():
     froms = re.findall(r"^FROM\s+(\S+)", (ROOT / "deploy/Dockerfile").read_text(), flags=re.M)

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from value_assets.lineage import Lineage
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress, report_every
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import loads
 from value_assets.core.warm_folder import pid_alive, read_live
+from value_assets.lineage import Lineage
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROWS, STEPS = 1024, 32  # G = 32 (TrainJob's default)
@@ -38,7 +38,9 @@ def real_resources(tmp_path, manifests_dir, monkeypatch):
 
     # The launcher's own warm cluster (the default), in a folder of this test's; no Ray given.
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    launcher = SubprocessLauncher(command=[sys.executable, "-m", "value_assets.gpu.pipes_job"], warm_dir=str(tmp_path / "warm"))
+    launcher = SubprocessLauncher(
+        command=[sys.executable, "-m", "value_assets.gpu.pipes_job"], warm_dir=str(tmp_path / "warm")
+    )
     yield {
         "artifacts": ArtifactStore(root=str(tmp_path / "artifacts")),
         "inbox": ManifestInbox(folder=str(manifests_dir)),
@@ -47,8 +49,9 @@ def real_resources(tmp_path, manifests_dir, monkeypatch):
     launcher.stop_warm_cluster()
 
 
-def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_control(instance, real_resources, manifests_dir,
-                                                                                 register, tmp_path, capfd):
+def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_control(
+    instance, real_resources, manifests_dir, register, tmp_path, capfd
+):
     from value_assets.definitions import make_definitions
 
     defs = make_definitions(real_resources)
@@ -58,12 +61,17 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     artifacts = Path(real_resources["artifacts"].root)
 
     run_config = {"ops": {"ev_report": {"config": {"gate_mode": "interval"}}}}
-    bad_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=bad_key, raise_on_error=False,
-                                                              run_config=run_config)
-    good_run = defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=good_key, raise_on_error=False,
-                                                               run_config=run_config)
+    bad_run = defs.resolve_job_def("full").execute_in_process(
+        instance=instance, partition_key=bad_key, raise_on_error=False, run_config=run_config
+    )
+    good_run = defs.resolve_job_def("full").execute_in_process(
+        instance=instance, partition_key=good_key, raise_on_error=False, run_config=run_config
+    )
 
-    gate = {r: {e.check_name: e.passed for e in run.get_asset_check_evaluations()} for r, run in (("good", good_run), ("bad", bad_run))}
+    gate = {
+        r: {e.check_name: e.passed for e in run.get_asset_check_evaluations()}
+        for r, run in (("good", good_run), ("bad", bad_run))
+    }
     assert good_run.success, [e.message for e in good_run.all_events if e.is_failure]
     assert gate["good"] == {"dataset_integrity": True, "contract_integrity": True, "ev_gate": True}
     assert not bad_run.success and gate["bad"]["ev_gate"] is False
@@ -75,17 +83,35 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
 
     reports = {}
     for key, manifest in ((good_key, good), (bad_key, bad)):
-        meta = {name: Lineage(instance, key).metadata(name) for name in
-                ("value_manifest", "train_dataset", "heldout_dataset", "batch_plan", "critic_checkpoint", "training_contract", "ev_report")}
+        meta = {
+            name: Lineage(instance, key).metadata(name)
+            for name in (
+                "value_manifest",
+                "train_dataset",
+                "heldout_dataset",
+                "batch_plan",
+                "critic_checkpoint",
+                "training_contract",
+                "ev_report",
+            )
+        }
         # every sha recorded is the sha of the file it names
         assert meta["value_manifest"]["manifest_sha256"] == sha256_file(manifest)
         m = json.loads(Path(manifest).read_text())
-        assert meta["train_dataset"]["dataset_sha256"] == sha256_file(Path(manifest).parent / m["train"]["path"]) == m["train"]["sha256"]
+        assert (
+            meta["train_dataset"]["dataset_sha256"]
+            == sha256_file(Path(manifest).parent / m["train"]["path"])
+            == m["train"]["sha256"]
+        )
         assert meta["heldout_dataset"]["dataset_sha256"] == sha256_file(Path(manifest).parent / m["heldout"]["path"])
         assert meta["batch_plan"]["plan_sha256"] == sha256_file(artifacts / key / "plan" / "plan.json")
         contract_sha = meta["training_contract"]["contract_sha256"]
         step = loads((artifacts / key / "critic" / "latest").read_bytes(), "latest")["iteration"]
-        assert contract_sha == meta["critic_checkpoint"]["contract_sha256"] == sha256_file(artifacts / key / "critic" / step / "value_pretrain_contract.json")
+        assert (
+            contract_sha
+            == meta["critic_checkpoint"]["contract_sha256"]
+            == sha256_file(artifacts / key / "critic" / step / "value_pretrain_contract.json")
+        )
         assert meta["critic_checkpoint"]["steps"] == meta["batch_plan"]["steps"] == STEPS
         report_path = artifacts / key / "reports" / f"ev-{contract_sha[:12]}.json"
         assert meta["ev_report"]["report_sha256"] == sha256_file(report_path)
@@ -142,8 +168,11 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
 
     def train_again():
         return defs.get_implicit_global_asset_job_def().execute_in_process(
-            instance=instance, partition_key=good_key, raise_on_error=False,
-            asset_selection=[AssetKey("critic_checkpoint"), AssetKey("training_contract")])
+            instance=instance,
+            partition_key=good_key,
+            raise_on_error=False,
+            asset_selection=[AssetKey("critic_checkpoint"), AssetKey("training_contract")],
+        )
 
     again = train_again()
     assert again.success, [e.message for e in again.all_events if e.is_failure]
@@ -164,11 +193,17 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     # One warm Ray cluster served every GPU step of both runs, and the second and later Ray jobs
     # took the first one's worker processes (no Ray start, no torch/megatron import).
     messages = [e.user_message for run in (bad_run, good_run) for e in instance.all_logs(run.run_id)]
-    joined = {m.split("warm Ray cluster ", 1)[1].split(" ", 1)[0] for m in messages if "joins the warm Ray cluster" in m}
+    joined = {
+        m.split("warm Ray cluster ", 1)[1].split(" ", 1)[0] for m in messages if "joins the warm Ray cluster" in m
+    }
     assert len(joined) == 1, joined
     ups = [m for m in messages if m.startswith("workers up:")]
     assert len(ups) == 4 and "pool warm (new)" in ups[0] and all("pool warm (reused)" in m for m in ups[1:]), ups
-    pids = {json.dumps(json.loads(m[len("placement "):])["ranks"], sort_keys=True) for m in messages if m.startswith("placement ")}
+    pids = {
+        json.dumps(json.loads(m[len("placement ") :])["ranks"], sort_keys=True)
+        for m in messages
+        if m.startswith("placement ")
+    }
     assert len(pids) == 1  # the same ranks, nodes and worker processes in all four Ray jobs
     launcher = real_resources["launcher"]
     warm = read_live(launcher.warm_folder())

@@ -10,10 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
-from dagster import (DagsterInstance, Definitions, asset, define_asset_job, execute_job,
-                     reconstructable)
+from dagster import DagsterInstance, Definitions, asset, define_asset_job, execute_job, reconstructable
 
-from value_assets.definitions import STEP_EXECUTOR, _forkserver_unless_told, make_definitions, resources_by_deployment_name
+from value_assets.definitions import (
+    STEP_EXECUTOR,
+    _forkserver_unless_told,
+    make_definitions,
+    resources_by_deployment_name,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -38,17 +42,20 @@ def parent_of_another_step() -> None:
 
 
 def probe_job():
-    return Definitions(assets=[parent_of_a_step, parent_of_another_step],
-                       jobs=[define_asset_job("probe")], executor=STEP_EXECUTOR).resolve_job_def("probe")
+    return Definitions(
+        assets=[parent_of_a_step, parent_of_another_step], jobs=[define_asset_job("probe")], executor=STEP_EXECUTOR
+    ).resolve_job_def("probe")
 
 
 def test_the_default_start_method_is_forkserver_and_explicit_settings_are_kept():
     forkserver = {"forkserver": {"preload_modules": ["value_assets.definitions"]}}
     assert _forkserver_unless_told({"multiprocess": {}}) == {"multiprocess": {"start_method": forkserver}}
     assert _forkserver_unless_told({"multiprocess": {"max_concurrent": 2}}) == {
-        "multiprocess": {"max_concurrent": 2, "start_method": forkserver}}
+        "multiprocess": {"max_concurrent": 2, "start_method": forkserver}
+    }
     assert _forkserver_unless_told({"multiprocess": {"start_method": {"spawn": {}}}}) == {
-        "multiprocess": {"start_method": {"spawn": {}}}}
+        "multiprocess": {"start_method": {"spawn": {}}}
+    }
     assert _forkserver_unless_told({"in_process": {}}) == {"in_process": {}}
     job = make_definitions(resources_by_deployment_name()["local"]).resolve_job_def("full")
     assert job.executor_def is STEP_EXECUTOR
@@ -61,11 +68,18 @@ def test_the_forkserver_preloads_the_code_location():
     from dagster._core.definitions.executor_definition import multiprocess_executor
     from dagster._core.executor.init import InitExecutorContext
 
-    config = process_config(multiprocess_executor.config_schema.config_type, _forkserver_unless_told({"multiprocess": {}})["multiprocess"])
+    config = process_config(
+        multiprocess_executor.config_schema.config_type, _forkserver_unless_told({"multiprocess": {}})["multiprocess"]
+    )
     assert config.success, config.errors
-    executor = multiprocess_executor.executor_creation_fn(InitExecutorContext(
-        job=reconstructable(probe_job), executor_def=multiprocess_executor, executor_config=config.value,
-        instance=DagsterInstance.ephemeral()))
+    executor = multiprocess_executor.executor_creation_fn(
+        InitExecutorContext(
+            job=reconstructable(probe_job),
+            executor_def=multiprocess_executor,
+            executor_config=config.value,
+            instance=DagsterInstance.ephemeral(),
+        )
+    )
     assert executor._start_method == "forkserver"
     assert executor._explicit_forkserver_preload == ["value_assets.definitions"]
 

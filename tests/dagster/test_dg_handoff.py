@@ -9,24 +9,28 @@ from pathlib import Path
 import pytest
 from dagster import AssetKey
 
-from value_assets.lineage import Lineage
 from value_assets.core.handoff import describe_bundle, verify_handoff
 from value_assets.core.hashing import sha256_file
 from value_assets.core.miles import read_miles_contract
 from value_assets.core.strict_json import canonical_bytes
+from value_assets.lineage import Lineage
 
 pytestmark = pytest.mark.integration
 
 
 def run(defs, instance, key, assets=None):
     if assets is None:
-        return defs.resolve_job_def("full").execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+        return defs.resolve_job_def("full").execute_in_process(
+            instance=instance, partition_key=key, raise_on_error=False
+        )
     return defs.get_implicit_global_asset_job_def().execute_in_process(
-        instance=instance, partition_key=key, asset_selection=[AssetKey(a) for a in assets], raise_on_error=False)
+        instance=instance, partition_key=key, asset_selection=[AssetKey(a) for a in assets], raise_on_error=False
+    )
 
 
-def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_defs, test_resources, manifests_dir,
-                                                                 tmp_path, write_manifest, register):
+def test_promotion_records_the_bundles_and_shows_the_rl_settings(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     path = write_manifest(manifests_dir, "mse", standin={"ev": 0.3}, objective={"loss_type": "mse"})
     (key,) = register(instance, test_resources, path)
     result = run(test_defs, instance, key)
@@ -47,10 +51,17 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
     assert meta["miles_contract_sha256"] == sha and meta["miles_files_sha256"] == handoff["miles"]["files_sha256"]
     record_path = artifacts / "registry" / f"{key}.json"
     assert meta["registry_record_sha256"] == sha256_file(record_path) == Lineage(instance, key).promoted_record_sha()
-    assert f"value-assets handoff {record_path} --record-sha256 {sha256_file(record_path)}" in str(meta["handoff_command"])
+    assert f"value-assets handoff {record_path} --record-sha256 {sha256_file(record_path)}" in str(
+        meta["handoff_command"]
+    )
     assert str(meta["miles_bundle"]) == str(miles_dir) and str(meta["verl_critic_model_path"]) == str(hf_dir)
-    assert meta["rl_settings"]["miles_args"][:5] == ["--critic-load", str(miles_dir),
-                                                     "--critic-value-pretrain-contract-sha256", sha, "--no-load-optim"]
+    assert meta["rl_settings"]["miles_args"][:5] == [
+        "--critic-load",
+        str(miles_dir),
+        "--critic-value-pretrain-contract-sha256",
+        sha,
+        "--no-load-optim",
+    ]
     assert f"--critic-load {miles_dir}" in str(meta["miles_args"]) and meta["handoff_reused"] is False
 
     # Re-promotion of the same contract: nothing exported again, same record content and version.
@@ -61,15 +72,18 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(instance, test_
     assert Lineage(instance, key).metadata("promoted_critic")["handoff_reused"] is True
     assert {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")} == before
     second = json.loads((artifacts / "registry" / f"{key}.json").read_text())
-    assert {k: v for k, v in second.items() if k != "promoted_at"} == {k: v for k, v in record.items() if k != "promoted_at"}
+    assert {k: v for k, v in second.items() if k != "promoted_at"} == {
+        k: v for k, v in record.items() if k != "promoted_at"
+    }
     second_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
     assert second_version["dagster/data_version"] == first_version["dagster/data_version"]
     # the record was written again (promoted_at, to the second): the pin is the newest promotion's
     assert Lineage(instance, key).promoted_record_sha() == sha256_file(record_path)
 
 
-def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(instance, test_defs, test_resources, manifests_dir,
-                                                                           tmp_path, write_manifest, register):
+def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     """Re-promotion reuses the previous bundles when they still match the previous record. That
     record is read from the artifacts folder, so it counts only if it is the one the last promotion
     wrote (its pin in the instance): a record rewritten to match swapped weights would otherwise be
@@ -96,8 +110,9 @@ def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(inst
     verify_handoff(json.loads(record_path.read_text()), "record")
 
 
-def test_handoff_cli_pins_the_record_through_the_dagster_instance(tmp_path, test_defs, test_resources, manifests_dir,
-                                                                write_manifest, register, monkeypatch, capsys):
+def test_handoff_cli_pins_the_record_through_the_dagster_instance(
+    tmp_path, test_defs, test_resources, manifests_dir, write_manifest, register, monkeypatch, capsys
+):
     """`value-assets handoff --instance` in another process's place: it reads the promotion from the
     instance on disk at $DAGSTER_HOME, so a record rewritten in the artifacts folder (with bundles to
     match) or a record of a partition that was never promoted is refused."""
@@ -131,8 +146,9 @@ def test_handoff_cli_pins_the_record_through_the_dagster_instance(tmp_path, test
     assert "has no promoted_critic materialization" in capsys.readouterr().err
 
 
-def test_classification_critic_has_no_hf_bundle(instance, test_defs, test_resources, manifests_dir, tmp_path,
-                                                write_manifest, register):
+def test_classification_critic_has_no_hf_bundle(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     path = write_manifest(manifests_dir, "cls", standin={"ev": 0.3})
     (key,) = register(instance, test_resources, path)
     assert run(test_defs, instance, key).success
@@ -141,8 +157,9 @@ def test_classification_critic_has_no_hf_bundle(instance, test_defs, test_resour
     assert "--value-num-bins" in Lineage(instance, key).metadata("promoted_critic")["rl_settings"]["miles_args"]
 
 
-def test_a_failed_export_writes_no_record(instance, test_defs, test_resources, manifests_dir, tmp_path,
-                                         write_manifest, register):
+def test_a_failed_export_writes_no_record(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     path = write_manifest(manifests_dir, "broken", standin={"ev": 0.3, "handoff_exit_code": 3})
     (key,) = register(instance, test_resources, path)
     result = run(test_defs, instance, key)

@@ -9,34 +9,48 @@ import json
 import pytest
 from dagster import AssetKey
 
-from value_assets.lineage import Lineage
 from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.core.progress import parse_progress, report_every
+from value_assets.lineage import Lineage
 
 pytestmark = pytest.mark.integration
 
 
 def run(defs, job, instance, key, config=None):
-    return defs.resolve_job_def(job).execute_in_process(instance=instance, partition_key=key, raise_on_error=False,
-                                                   run_config=config or {})
+    return defs.resolve_job_def(job).execute_in_process(
+        instance=instance, partition_key=key, raise_on_error=False, run_config=config or {}
+    )
 
 
 def gate(result):
     return {e.asset_key.to_user_string(): e for e in result.get_asset_check_evaluations() if e.check_name == "ev_gate"}
 
 
-def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_resources, manifests_dir, tmp_path,
-                                                      write_manifest, register):
+def test_full_job_trains_evaluates_gates_and_promotes(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     path = write_manifest(manifests_dir, "good", standin={"ev": 0.3})
     (key,) = register(instance, test_resources, path)
     result = run(test_defs, "full", instance, key)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
-    assert materialized == {"value_manifest", "train_dataset", "heldout_dataset", "batch_plan",
-                            "critic_checkpoint", "training_contract", "ev_report", "promoted_critic"}
+    assert materialized == {
+        "value_manifest",
+        "train_dataset",
+        "heldout_dataset",
+        "batch_plan",
+        "critic_checkpoint",
+        "training_contract",
+        "ev_report",
+        "promoted_critic",
+    }
     checks = {(e.asset_key.to_user_string(), e.check_name): e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {("train_dataset", "dataset_integrity"): True, ("heldout_dataset", "dataset_integrity"): True,
-                      ("training_contract", "contract_integrity"): True, ("ev_report", "ev_gate"): True}
+    assert checks == {
+        ("train_dataset", "dataset_integrity"): True,
+        ("heldout_dataset", "dataset_integrity"): True,
+        ("training_contract", "contract_integrity"): True,
+        ("ev_report", "ev_gate"): True,
+    }
 
     ckpt = Lineage(instance, key).metadata("critic_checkpoint")
     plan_steps = Lineage(instance, key).metadata("batch_plan")["steps"]
@@ -47,7 +61,11 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     contract_sha = ckpt["contract_sha256"]
     report = Lineage(instance, key).metadata("ev_report")
     assert report["token_ev"] == pytest.approx(0.3) and report["trajectory_ev"] == pytest.approx(0.3)
-    assert report["token_positive_batches"] == report["token_batches"] == 8 and report["auroc"] > 0.5 and report["trajectory_r2"] is not None
+    assert (
+        report["token_positive_batches"] == report["token_batches"] == 8
+        and report["auroc"] > 0.5
+        and report["trajectory_r2"] is not None
+    )
     assert report["plot_calibration"].startswith("![calibration](data:image/png;base64,")
     assert report["plot_ev_by_position"].startswith("![ev_by_position](data:image/png;base64,")
     assert report["gate_mode"] == "miles" and report["token_ev_low"] == pytest.approx(0.3)
@@ -59,19 +77,26 @@ def test_full_job_trains_evaluates_gates_and_promotes(instance, test_defs, test_
     assert record["manifest_sha256"] == Lineage(instance, key).metadata("value_manifest")["manifest_sha256"]
 
     # Data versions are the artifacts' shas.
-    versions = {k: instance.get_latest_data_version_record(AssetKey(k), partition_key=key)
-                for k in ("batch_plan", "training_contract", "ev_report")} if hasattr(
-        instance, "get_latest_data_version_record") else {}
+    versions = (
+        {
+            k: instance.get_latest_data_version_record(AssetKey(k), partition_key=key)
+            for k in ("batch_plan", "training_contract", "ev_report")
+        }
+        if hasattr(instance, "get_latest_data_version_record")
+        else {}
+    )
     for name, rec in versions.items():
         assert rec is not None, name
 
 
-def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(instance, test_defs, test_resources,
-                                                                        manifests_dir, write_manifest, register):
+def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register
+):
     path = write_manifest(manifests_dir, "long", standin={"ev": 0.3})
     (key,) = register(instance, test_resources, path)
-    result = run(test_defs, "full", instance, key,
-                 {"ops": {"batch_plan": {"config": {"global_batch_size": 1, "epochs": 3}}}})
+    result = run(
+        test_defs, "full", instance, key, {"ops": {"batch_plan": {"config": {"global_batch_size": 1, "epochs": 3}}}}
+    )
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     plan_steps = Lineage(instance, key).metadata("batch_plan")["steps"]
     every = report_every(plan_steps)
@@ -87,12 +112,15 @@ def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(instance,
     # The run carries what it launched: backbone, GPUs, launcher.
     tags = instance.get_run_by_id(result.run_id).tags
     assert {k: tags.get(k) for k in ("value_assets/backbone", "value_assets/gpus", "value_assets/launcher")} == {
-        "value_assets/backbone": field_default(TrainJob, "backbone"), "value_assets/gpus": "1",
-        "value_assets/launcher": "subprocess"}
+        "value_assets/backbone": field_default(TrainJob, "backbone"),
+        "value_assets/gpus": "1",
+        "value_assets/launcher": "subprocess",
+    }
 
 
-def test_two_manifests_are_isolated(instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest,
-                                    register):
+def test_two_manifests_are_isolated(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     good = write_manifest(manifests_dir, "good", standin={"ev": 0.3})
     bad = write_manifest(manifests_dir, "bad", standin={"ev": -0.2})
     good_key, bad_key = register(instance, test_resources, good, bad)
@@ -111,15 +139,17 @@ def test_two_manifests_are_isolated(instance, test_defs, test_resources, manifes
     # Forcing promotion of the failed manifest alone (no gate in the run) is still refused,
     # and the other manifest's pass does not stand in for it.
     forced = test_defs.get_implicit_global_asset_job_def().execute_in_process(
-        instance=instance, partition_key=bad_key, asset_selection=[AssetKey("promoted_critic")], raise_on_error=False)
+        instance=instance, partition_key=bad_key, asset_selection=[AssetKey("promoted_critic")], raise_on_error=False
+    )
     assert not forced.success
     failure = next(e for e in forced.all_events if e.event_type_value == "STEP_FAILURE")
     assert "latest ev_gate evaluation failed" in str(failure.event_specific_data.user_failure_data)
     assert not (tmp_path / "artifacts" / "registry" / f"{bad_key}.json").exists()
 
 
-def test_job_that_reports_nothing_fails_the_step(instance, test_defs, test_resources, manifests_dir, write_manifest,
-                                                 register):
+def test_job_that_reports_nothing_fails_the_step(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "quiet", standin={"silent": True}))
     result = run(test_defs, "full", instance, key)
     assert not result.success
@@ -128,8 +158,9 @@ def test_job_that_reports_nothing_fails_the_step(instance, test_defs, test_resou
     assert "without reporting a materialization" in str(failure.event_specific_data.user_failure_data.description)
 
 
-def test_job_that_exits_nonzero_fails_the_step(instance, test_defs, test_resources, manifests_dir, write_manifest,
-                                               register):
+def test_job_that_exits_nonzero_fails_the_step(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "crash", standin={"exit_code": 3}))
     result = run(test_defs, "full", instance, key)
     assert not result.success
@@ -137,8 +168,9 @@ def test_job_that_exits_nonzero_fails_the_step(instance, test_defs, test_resourc
     assert Lineage(instance, key).metadata("training_contract") is None
 
 
-def test_manifest_without_heldout_trains_but_is_never_promoted(instance, test_defs, test_resources, manifests_dir,
-                                                               tmp_path, write_manifest, register):
+def test_manifest_without_heldout_trains_but_is_never_promoted(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "noheld", heldout_rows=None))
     result = run(test_defs, "full", instance, key)
     assert not result.success
@@ -146,8 +178,9 @@ def test_manifest_without_heldout_trains_but_is_never_promoted(instance, test_de
     assert not (tmp_path / "artifacts" / "registry" / f"{key}.json").exists()
 
 
-def test_canary_runs_one_step_and_is_not_promotable(instance, test_defs, test_resources, manifests_dir, tmp_path,
-                                                    write_manifest, register):
+def test_canary_runs_one_step_and_is_not_promotable(
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "canary"))
     result = run(test_defs, "canary", instance, key)
     assert result.success
@@ -157,8 +190,9 @@ def test_canary_runs_one_step_and_is_not_promotable(instance, test_defs, test_re
     assert not (tmp_path / "artifacts" / "registry").exists()
 
 
-def test_evaluation_job_reuses_the_published_report(instance, test_defs, test_resources, manifests_dir,
-                                                    write_manifest, register):
+def test_evaluation_job_reuses_the_published_report(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "again", standin={"ev": 0.5}))
     assert run(test_defs, "full", instance, key).success
     first = Lineage(instance, key).metadata("ev_report")
@@ -170,9 +204,13 @@ def test_evaluation_job_reuses_the_published_report(instance, test_defs, test_re
 
 def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifests_dir, write_manifest, register):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32))
-    config = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
-                      "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}},
-                      "ev_report": {"config": {"gate_mode": "interval", "gate_min_ev": 0.001}}}}
+    config = {
+        "ops": {
+            "batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
+            "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}},
+            "ev_report": {"config": {"gate_mode": "interval", "gate_min_ev": 0.001}},
+        }
+    }
     result = run(test_defs, "full", instance, key, config)
     assert result.success
     # The stricter gate mode reached the evaluation, and ev_gate decided in it.
@@ -186,11 +224,16 @@ def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifes
     assert (job.global_batch_size, job.epochs, job.seed, job.save_interval, job.lr) == (4, 2, 17, 2, 3e-4)
     assert job.manifest_sha256 == Lineage(instance, key).metadata("value_manifest")["manifest_sha256"]
     defaults = TrainJob(manifest="m", output="o")
-    assert (job.gpus, job.warmup_steps, job.micro_batch_tokens) == (defaults.gpus, defaults.warmup_steps, defaults.micro_batch_tokens)
+    assert (job.gpus, job.warmup_steps, job.micro_batch_tokens) == (
+        defaults.gpus,
+        defaults.warmup_steps,
+        defaults.micro_batch_tokens,
+    )
 
 
-def test_invalid_run_config_fails_before_launch(instance, test_defs, test_resources, manifests_dir, write_manifest,
-                                                register, tmp_path):
+def test_invalid_run_config_fails_before_launch(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register, tmp_path
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "badcfg"))
     config = {"ops": {"critic_training": {"config": {"warmup_steps": -5}}}}
     result = run(test_defs, "full", instance, key, config)
@@ -202,7 +245,8 @@ def test_invalid_run_config_fails_before_launch(instance, test_defs, test_resour
 
 @pytest.mark.parametrize("tamper", ["steps", "steps-and-sidecar"])
 def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_launch(
-        instance, test_defs, test_resources, manifests_dir, write_manifest, register, tmp_path, tamper):
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register, tmp_path, tamper
+):
     """The published plan is the training input: the job gets its path and the sha batch_plan
     recorded, and trains on exactly it (the contract names that sha). A plan file changed after
     publication (even with a matching sidecar) is refused by critic_training before anything is
@@ -212,9 +256,16 @@ def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_
 
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "planned", rows=16, heldout_rows=32))
     plan_only = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "seed": 3}}}}
-    assert test_defs.resolve_job_def("full").execute_in_process(
-        instance=instance, partition_key=key, run_config=plan_only, asset_selection=[AssetKey("batch_plan"), AssetKey("value_manifest"),
-                                                                                     AssetKey("train_dataset")]).success
+    assert (
+        test_defs.resolve_job_def("full")
+        .execute_in_process(
+            instance=instance,
+            partition_key=key,
+            run_config=plan_only,
+            asset_selection=[AssetKey("batch_plan"), AssetKey("value_manifest"), AssetKey("train_dataset")],
+        )
+        .success
+    )
     published = Lineage(instance, key).plan()
     plan = json.loads(published.path.read_bytes())
     plan["steps"][0], plan["steps"][1] = plan["steps"][1], plan["steps"][0]  # same rows, another order
@@ -223,8 +274,11 @@ def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_
     if tamper == "steps-and-sidecar":
         sha_sidecar(published.path).write_text(sha256_bytes(forged) + "\n")
     result = test_defs.resolve_job_def("full").execute_in_process(
-        instance=instance, partition_key=key, raise_on_error=False,
-        asset_selection=[AssetKey("critic_checkpoint"), AssetKey("training_contract")])
+        instance=instance,
+        partition_key=key,
+        raise_on_error=False,
+        asset_selection=[AssetKey("critic_checkpoint"), AssetKey("training_contract")],
+    )
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure and e.step_key == "critic_training")
     message = str(failure.event_specific_data.error)
@@ -232,8 +286,9 @@ def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_
     assert not (tmp_path / "artifacts" / key / "critic").exists()  # nothing launched, nothing written
 
 
-def test_the_contract_names_the_published_plan_the_job_was_given(instance, test_defs, test_resources, manifests_dir,
-                                                                 write_manifest, register):
+def test_the_contract_names_the_published_plan_the_job_was_given(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register
+):
     (key,) = register(instance, test_resources, write_manifest(manifests_dir, "bound", rows=16, heldout_rows=32))
     assert run(test_defs, "full", instance, key, {"ops": {"batch_plan": {"config": {"global_batch_size": 8}}}}).success
     lineage = Lineage(instance, key)

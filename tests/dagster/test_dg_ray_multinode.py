@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import shutil
 from pathlib import Path
 
 import pytest
@@ -38,11 +38,13 @@ STANDIN = Path(__file__).resolve().with_name("pipes_standin.py")
 HEAD_IP, SECOND_IP = "127.0.0.3", "127.0.0.2"  # the second node sorts first: rank 0 is not on the head
 ROWS, G, STEPS = 16, 8, 2
 
+
 def test_rank_order_groups_nodes_by_address():
     nodes = ["n-b", "n-a", "n-b", "n-c", "n-a"]
     addresses = {"n-a": "127.0.0.10", "n-b": "127.0.0.2", "n-c": "127.0.0.2"}
     # 127.0.0.2 before 127.0.0.10 (numeric); n-b before n-c on the same address; bundle order inside a node
     assert rank_order(nodes, addresses) == [0, 2, 3, 1, 4]
+
 
 pytestmark = pytest.mark.integration
 
@@ -64,24 +66,59 @@ class TwoNodeRay:
         self.root = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: Ray's socket paths are capped
         self.gcs = f"{HEAD_IP}:{free_port(HEAD_IP)}"
         self.dashboard = f"http://127.0.0.1:{free_port()}"
-        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                    "PYTHONPATH": str(ROOT)}
+        self.env = {
+            **os.environ,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "disabled",
+            "PYTHONPATH": str(ROOT),
+        }
 
     def _ray_start(self, args: list[str], env: dict[str, str]) -> None:
-        out = subprocess.run([str(RAY), "start", "--num-cpus", "2", "--disable-usage-stats",
-                              "--dashboard-agent-listen-port", str(free_port()), *args],
-                             env=env, capture_output=True, text=True, timeout=180)
+        out = subprocess.run(
+            [
+                str(RAY),
+                "start",
+                "--num-cpus",
+                "2",
+                "--disable-usage-stats",
+                "--dashboard-agent-listen-port",
+                str(free_port()),
+                *args,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         if out.returncode:
-            raise RuntimeError(f"ray start {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            raise RuntimeError(
+                f"ray start {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+            )
 
     def start(self) -> None:
         port = self.dashboard.rsplit(":", 1)[1]
-        self._ray_start(["--head", "--node-ip-address", HEAD_IP, "--port", self.gcs.rsplit(":", 1)[1],
-                         "--ray-client-server-port", str(free_port(HEAD_IP)),
-                         "--temp-dir", f"{self.root}/head", "--include-dashboard", "true", "--dashboard-port", port],
-                        self.env)
-        self._ray_start(["--address", self.gcs, "--node-ip-address", SECOND_IP, "--temp-dir", f"{self.root}/second"],
-                        {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
+        self._ray_start(
+            [
+                "--head",
+                "--node-ip-address",
+                HEAD_IP,
+                "--port",
+                self.gcs.rsplit(":", 1)[1],
+                "--ray-client-server-port",
+                str(free_port(HEAD_IP)),
+                "--temp-dir",
+                f"{self.root}/head",
+                "--include-dashboard",
+                "true",
+                "--dashboard-port",
+                port,
+            ],
+            self.env,
+        )
+        self._ray_start(
+            ["--address", self.gcs, "--node-ip-address", SECOND_IP, "--temp-dir", f"{self.root}/second"],
+            {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
+        )
         deadline = time.monotonic() + 120
         while len(self.nodes()) < 2:
             if time.monotonic() > deadline:
@@ -108,60 +145,96 @@ def _placement(instance, run_id: str) -> dict:
     for record in instance.all_logs(run_id):
         message = record.user_message or ""
         if message.startswith("placement {"):
-            return json.loads(message[len("placement "):])
+            return json.loads(message[len("placement ") :])
     raise AssertionError("the GPU job logged no placement")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(ray_cluster, instance, test_resources, manifests_dir,
-                                                                          register, write_manifest, tmp_path):
+def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(
+    ray_cluster, instance, test_resources, manifests_dir, register, write_manifest, tmp_path
+):
     from dagster import materialize
 
     from value_assets.assets import batch_plan, critic_training, train_dataset, value_manifest
-    from value_assets.lineage import Lineage
     from value_assets.definitions import make_definitions
     from value_assets.gpu.drivers.train import train
+    from value_assets.lineage import Lineage
     from value_assets.resources import RayJobLauncher
 
     manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0)
 
     # One node: the same settings, PACK, on this test process's Ray (the session's `ray_cluster`, whose
     # worker pool later job tests reuse), before the two-node cluster starts.
-    one_node_losses = train(TrainJob(manifest=manifest, output=tmp_path / "one_node", global_batch_size=G, epochs=1, seed=0,
-                                     gpus=2, placement_strategy="PACK", timeout_s=300), log=lambda _m: None).losses
+    one_node_losses = train(
+        TrainJob(
+            manifest=manifest,
+            output=tmp_path / "one_node",
+            global_batch_size=G,
+            epochs=1,
+            seed=0,
+            gpus=2,
+            placement_strategy="PACK",
+            timeout_s=300,
+        ),
+        log=lambda _m: None,
+    ).losses
     assert len(one_node_losses) == STEPS
     cluster = TwoNodeRay()
     try:
         cluster.start()
         nodes = cluster.nodes()
         assert sorted(nodes.values()) == [SECOND_IP, HEAD_IP], nodes
-        launcher = RayJobLauncher(address=cluster.dashboard, python=sys.executable, env={
-            "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
-            poll_interval_s=0.1, entrypoint_num_cpus=0, timeout_s=360)
+        launcher = RayJobLauncher(
+            address=cluster.dashboard,
+            python=sys.executable,
+            env={"PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+            poll_interval_s=0.1,
+            entrypoint_num_cpus=0,
+            timeout_s=360,
+        )
         resources = {**test_resources, "launcher": launcher}
         (key,) = register(instance, resources, manifest)
         result = materialize(
-            [value_manifest, train_dataset, batch_plan, critic_training], instance=instance, resources=resources,
-            partition_key=key, raise_on_error=False,
-            run_config={"ops": {"batch_plan": {"config": {"global_batch_size": G, "epochs": 1, "seed": 0}},
-                                "critic_training": {"config": {"gpus": 2, "placement_strategy": "SPREAD"}}}})
+            [value_manifest, train_dataset, batch_plan, critic_training],
+            instance=instance,
+            resources=resources,
+            partition_key=key,
+            raise_on_error=False,
+            run_config={
+                "ops": {
+                    "batch_plan": {"config": {"global_batch_size": G, "epochs": 1, "seed": 0}},
+                    "critic_training": {"config": {"gpus": 2, "placement_strategy": "SPREAD"}},
+                }
+            },
+        )
         assert result.success, [e.message for e in result.all_events if e.is_failure]
         placement = _placement(instance, result.run_id)
 
         # The whole graph (training, evaluation, gate, promotion) through the same launcher, the
         # stand-in as the GPU command: every step's Pipes messages come back through Ray's job logs.
-        standin = RayJobLauncher(address=cluster.dashboard, command=[sys.executable, str(STANDIN)], env={
-            "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
-            poll_interval_s=0.1, entrypoint_num_cpus=0)
+        standin = RayJobLauncher(
+            address=cluster.dashboard,
+            command=[sys.executable, str(STANDIN)],
+            env={"PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+            poll_interval_s=0.1,
+            entrypoint_num_cpus=0,
+        )
         (full_key,) = register(instance, test_resources, write_manifest(manifests_dir, "onray", standin={"ev": 0.5}))
-        full = make_definitions({**test_resources, "launcher": standin}).resolve_job_def("full").execute_in_process(
-            instance=instance, partition_key=full_key, raise_on_error=False)
+        full = (
+            make_definitions({**test_resources, "launcher": standin})
+            .resolve_job_def("full")
+            .execute_in_process(instance=instance, partition_key=full_key, raise_on_error=False)
+        )
         assert full.success, [e.message for e in full.all_events if e.is_failure]
     finally:
         left = cluster.stop()
     assert not left, f"processes that outlived SIGKILL: {left}"
-    assert Lineage(instance, full_key).metadata("critic_checkpoint")["steps"] == Lineage(instance, full_key).metadata("batch_plan")["steps"] >= 1
+    assert (
+        Lineage(instance, full_key).metadata("critic_checkpoint")["steps"]
+        == Lineage(instance, full_key).metadata("batch_plan")["steps"]
+        >= 1
+    )
     assert Lineage(instance, full_key).metadata("ev_report")["token_ev"] == pytest.approx(0.5)
 
     ranks = placement["ranks"]
@@ -173,8 +246,11 @@ def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(ray_clu
     host, port = placement["rendezvous"].rsplit(":", 1)
     assert host == ranks[0]["node_address"] == SECOND_IP and int(port) > 0
 
-    (meta,) = [m.metadata for m in result.asset_materializations_for_node("critic_training")
-               if m.asset_key.to_user_string() == "critic_checkpoint"]
+    (meta,) = [
+        m.metadata
+        for m in result.asset_materializations_for_node("critic_training")
+        if m.asset_key.to_user_string() == "critic_checkpoint"
+    ]
     assert meta["steps"].value == STEPS
     # The job's own per-step log (full precision), named in the materialization's metadata.
     records = [json.loads(line) for line in Path(meta["metrics_log"].value).read_text().splitlines() if line.strip()]

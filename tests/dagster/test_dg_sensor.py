@@ -12,7 +12,9 @@ from value_assets.sensors import parse_cursor
 pytestmark = pytest.mark.integration
 
 
-def test_new_manifest_adds_partition_registers_and_requests_full_run(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+def test_new_manifest_adds_partition_registers_and_requests_full_run(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
     path = write_manifest(manifests_dir, "alpha")
     result = tick(instance, test_resources)
     assert isinstance(result, SensorResult)
@@ -36,7 +38,9 @@ def test_unchanged_folder_starts_nothing(tick, write_manifest, instance, test_re
     assert second.cursor == first.cursor
 
 
-def test_restart_with_stored_cursor_starts_nothing_but_sees_new_files(tick, write_manifest, instance, test_resources, manifests_dir):
+def test_restart_with_stored_cursor_starts_nothing_but_sees_new_files(
+    tick, write_manifest, instance, test_resources, manifests_dir
+):
     write_manifest(manifests_dir, "alpha")
     stored = tick(instance, test_resources).cursor
     # A restarted daemon builds a fresh context from the stored cursor string.
@@ -45,7 +49,9 @@ def test_restart_with_stored_cursor_starts_nothing_but_sees_new_files(tick, writ
     assert [r.partition_key.split("-")[0] for r in result.run_requests] == ["beta"]
 
 
-def test_changed_manifest_is_a_new_partition_and_the_old_lineage_stays(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+def test_changed_manifest_is_a_new_partition_and_the_old_lineage_stays(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
     path = write_manifest(manifests_dir, "alpha")
     first = tick(instance, test_resources)
     old_key = first.run_requests[0].partition_key
@@ -60,7 +66,9 @@ def test_changed_manifest_is_a_new_partition_and_the_old_lineage_stays(tick, wri
     assert old_snapshot["objective"]["num_bins"] == 11  # the old lineage keeps its bytes
 
 
-def test_invalid_manifest_starts_nothing_and_says_why(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+def test_invalid_manifest_starts_nothing_and_says_why(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
     (manifests_dir / "broken.json").write_text('{"schema": "miles.value-pretrain.v1", "train": 3}')
     result = tick(instance, test_resources)
     assert not result.run_requests
@@ -75,7 +83,9 @@ def test_invalid_manifest_starts_nothing_and_says_why(tick, write_manifest, inst
     assert [r.partition_key.split("-")[0] for r in fixed.run_requests] == ["broken"]
 
 
-def test_same_content_after_a_lost_cursor_reuses_the_run_key(tick, write_manifest, instance, test_resources, manifests_dir):
+def test_same_content_after_a_lost_cursor_reuses_the_run_key(
+    tick, write_manifest, instance, test_resources, manifests_dir
+):
     write_manifest(manifests_dir, "alpha")
     first = tick(instance, test_resources)
     again = tick(instance, test_resources, cursor=None)
@@ -89,8 +99,9 @@ def test_missing_folder_is_a_skip(tick, write_manifest, instance, test_resources
     assert "does not exist" in result.skip_message
 
 
-def test_manifest_outside_the_data_roots_is_invalid(tick, write_manifest, instance, test_resources, manifests_dir,
-                                                    tmp_path):
+def test_manifest_outside_the_data_roots_is_invalid(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
     from value_assets.resources import ManifestInbox
 
     write_manifest(manifests_dir, "outside", data_dir=tmp_path / "elsewhere")
@@ -106,14 +117,20 @@ def test_manifest_outside_the_data_roots_is_invalid(tick, write_manifest, instan
 POISON = {
     "int5000.json": b'{"schema": "miles.value-pretrain.v1", "n": ' + b"1" * 5000 + b"}",
     "deep.json": b'{"schema": "miles.value-pretrain.v1", "x": ' + b"[" * 100_000 + b"}",
-    "nul.json": json.dumps({"schema": "miles.value-pretrain.v1",
-                            "train": {"path": "a\u0000b.jsonl", "sha256": "a" * 64, "num_samples": 1}, "objective": {}}).encode(),
+    "nul.json": json.dumps(
+        {
+            "schema": "miles.value-pretrain.v1",
+            "train": {"path": "a\u0000b.jsonl", "sha256": "a" * 64, "num_samples": 1},
+            "objective": {},
+        }
+    ).encode(),
     "surrogate.json": b'{"schema": "miles.value-pretrain.v1", "x": "\\ud800"}',
 }
 
 
-def test_poisoned_manifests_are_skipped_alone_and_the_valid_one_beside_them_registers(tick, write_manifest, instance, manifests_dir,
-                                                                                      test_resources, tmp_path, capfd):
+def test_poisoned_manifests_are_skipped_alone_and_the_valid_one_beside_them_registers(
+    tick, write_manifest, instance, manifests_dir, test_resources, tmp_path, capfd
+):
     from value_assets.resources import ManifestInbox
 
     for name, data in POISON.items():
@@ -127,8 +144,12 @@ def test_poisoned_manifests_are_skipped_alone_and_the_valid_one_beside_them_regi
     assert request.partition_key.startswith("alpha-")
     assert instance.get_dynamic_partitions("manifests") == [request.partition_key]
     logged = capfd.readouterr().err  # the sensor log (context.log) of a test context goes to stderr
-    for name, needle in (("int5000.json", "5000 digits"), ("deep.json", "nested too deeply"), ("nul.json", "NUL"),
-                         ("surrogate.json", "lone surrogate")):
+    for name, needle in (
+        ("int5000.json", "5000 digits"),
+        ("deep.json", "nested too deeply"),
+        ("nul.json", "NUL"),
+        ("surrogate.json", "lone surrogate"),
+    ):
         assert name in logged and needle in logged, (name, needle)
     assert len(logged) < 20_000, "a huge offending value must not flood the log"
     # Judged once: the next tick neither re-reports them nor fails.
@@ -137,7 +158,9 @@ def test_poisoned_manifests_are_skipped_alone_and_the_valid_one_beside_them_regi
     assert set(parse_cursor(result.cursor)) == {str(manifests_dir / n) for n in [*POISON, "alpha.json"]}
 
 
-def test_symlinked_manifest_is_judged_by_its_target_folder(tick, write_manifest, instance, test_resources, manifests_dir, tmp_path):
+def test_symlinked_manifest_is_judged_by_its_target_folder(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
     # The target's datasets sit beside the target, under the only data root; beside the link there
     # is nothing. Relative paths resolve against the file whose bytes are read (the target), in the
     # sensor as in the assets that load the registered manifest later.

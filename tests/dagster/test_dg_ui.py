@@ -32,12 +32,13 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import yaml
 
-from .ui_harness import CHROMIUM, TERMINAL_RUN_STATUSES, DagsterDev, free_port, screenshot
+from tests.dagster.ui_harness import CHROMIUM, TERMINAL_RUN_STATUSES, DagsterDev, free_port, screenshot
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -45,8 +46,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 GATE = Path(__file__).resolve().with_name("pipes_gate.py")
 # Where to keep a copy of the screenshot (CI artifact, manual look); unset: only the pytest tmp.
 SCREENSHOT_COPY_ENV = "VALUE_ASSETS_UI_SCREENSHOT"
-FULL_ASSETS = {"value_manifest", "train_dataset", "heldout_dataset", "batch_plan", "critic_checkpoint",
-               "training_contract", "ev_report", "promoted_critic"}
+FULL_ASSETS = {
+    "value_manifest",
+    "train_dataset",
+    "heldout_dataset",
+    "batch_plan",
+    "critic_checkpoint",
+    "training_contract",
+    "ev_report",
+    "promoted_critic",
+}
 # The steps in the `gpu` pool: the full job's three GPU jobs (train, evaluate, hand-off export) and the canary's.
 GPU_STEPS = {"full": ("critic_training", "ev_report", "promoted_critic"), "canary": ("canary_receipt",)}
 
@@ -83,8 +92,11 @@ def write_instance(home: Path, postgres_url: str) -> dict:
     plus Postgres storage and a run queue polled every second."""
     config = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
     config["storage"] = {"postgres": {"postgres_url": postgres_url}}
-    config["run_coordinator"] = {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
-                                 "config": {"dequeue_interval_seconds": 1}}
+    config["run_coordinator"] = {
+        "module": "dagster.core.run_coordinator",
+        "class": "QueuedRunCoordinator",
+        "config": {"dequeue_interval_seconds": 1},
+    }
     home.mkdir()
     (home / "dagster.yaml").write_text(yaml.safe_dump(config))
     return config
@@ -169,8 +181,12 @@ query ($assetKey: AssetKeyInput!, $checkName: String!, $partition: String) {
 }"""
 
 # (asset, check) pairs the full job evaluates for a manifest with a heldout split.
-FULL_JOB_CHECKS = [("train_dataset", "dataset_integrity"), ("heldout_dataset", "dataset_integrity"),
-                   ("training_contract", "contract_integrity"), ("ev_report", "ev_gate")]
+FULL_JOB_CHECKS = [
+    ("train_dataset", "dataset_integrity"),
+    ("heldout_dataset", "dataset_integrity"),
+    ("training_contract", "contract_integrity"),
+    ("ev_report", "ev_gate"),
+]
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
@@ -190,8 +206,11 @@ def run_status(dev: DagsterDev, run_id: str) -> dict:
 
 
 def wait_run(dev: DagsterDev, run_id: str, timeout_s: float) -> dict:
-    run = wait_for(lambda: (r := run_status(dev, run_id))["status"] in TERMINAL_RUN_STATUSES and r,
-                   timeout_s, f"run {run_id} to finish")
+    run = wait_for(
+        lambda: (r := run_status(dev, run_id))["status"] in TERMINAL_RUN_STATUSES and r,
+        timeout_s,
+        f"run {run_id} to finish",
+    )
     if run["status"] != "SUCCESS":
         events = dev.graphql(RUN_ERRORS, {"runId": run_id})["runOrError"]["eventConnection"]["events"]
         errors = [f"{e.get('stepKey')}: {e['message']}" for e in events if e.get("level") in ("ERROR", "CRITICAL")]
@@ -203,8 +222,9 @@ def check_results(dev: DagsterDev, partition: str, run_id: str) -> dict[tuple[st
     """The evaluation of each full-job check in `run_id` for `partition`, read over GraphQL."""
     found = {}
     for asset, check in FULL_JOB_CHECKS:
-        executions = dev.graphql(CHECK_EXECUTIONS, {"assetKey": {"path": [asset]}, "checkName": check,
-                                                    "partition": partition})["assetCheckExecutions"]
+        executions = dev.graphql(
+            CHECK_EXECUTIONS, {"assetKey": {"path": [asset]}, "checkName": check, "partition": partition}
+        )["assetCheckExecutions"]
         mine = [e for e in executions if e["runId"] == run_id]
         assert mine, f"{asset}/{check}: no execution in run {run_id} for {partition}: {executions}"
         found[(asset, check)] = mine[0]
@@ -216,8 +236,9 @@ def asset_graph_url(base: str, repository: str, location: str) -> str:
 
     `expanded` takes group ids; the UI uses `global@global:<group>`, or `<repo>@<location>:<group>`
     behind a feature flag: both are given, an unknown id is ignored."""
-    ids = [f"{prefix}:{group}" for group in ("data", "critic")
-           for prefix in ("global@global", f"{repository}@{location}")]
+    ids = [
+        f"{prefix}:{group}" for group in ("data", "critic") for prefix in ("global@global", f"{repository}@{location}")
+    ]
     return f"{base}/asset-groups?" + urllib.parse.urlencode({"expanded": ",".join(ids)})
 
 
@@ -234,8 +255,11 @@ def gpu_spans(instance, run_id: str, steps) -> list[tuple[float, float]]:
 
     spans = []
     for step in steps:
-        times = {e.dagster_event.event_type: e.timestamp for e in instance.all_logs(
-            run_id, of_type={DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS}) if e.step_key == step}
+        times = {
+            e.dagster_event.event_type: e.timestamp
+            for e in instance.all_logs(run_id, of_type={DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS})
+            if e.step_key == step
+        }
         spans.append((times[DagsterEventType.STEP_START], times[DagsterEventType.STEP_SUCCESS]))
     return spans
 
@@ -244,9 +268,9 @@ def gpu_spans(instance, run_id: str, steps) -> list[tuple[float, float]]:
 def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screenshot(tmp_path, postgres_url):
     from dagster import DagsterEventType, DagsterInstance
 
-    from value_assets.lineage import Lineage
     from value_assets.core.demo_data import make_demo_data
     from value_assets.core.hashing import sha256_file
+    from value_assets.lineage import Lineage
     from value_assets.partitions import partition_key_for
 
     home, manifests, artifacts, gate = (tmp_path / n for n in ("dagster_home", "manifests", "artifacts", "gate"))
@@ -258,14 +282,20 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
     partition = partition_key_for(manifest, sha256_file(manifest))
 
     env = {k: v for k, v in os.environ.items() if k not in ("VALUE_ASSETS_GPU_COMMAND", "VALUE_ASSETS_DATA_ROOTS")}
-    env.update({
-        "DAGSTER_HOME": str(home), "VALUE_ASSETS_DEPLOYMENT": "local",
-        "VALUE_ASSETS_MANIFESTS": str(manifests), "VALUE_ASSETS_ARTIFACTS": str(artifacts),
-        "VALUE_ASSETS_GPU_COMMAND": shlex.join([sys.executable, str(GATE), str(gate)]),
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-        "DAGSTER_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "DAGSTER_HOME": str(home),
+            "VALUE_ASSETS_DEPLOYMENT": "local",
+            "VALUE_ASSETS_MANIFESTS": str(manifests),
+            "VALUE_ASSETS_ARTIFACTS": str(artifacts),
+            "VALUE_ASSETS_GPU_COMMAND": shlex.join([sys.executable, str(GATE), str(gate)]),
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "disabled",
+            "DAGSTER_DISABLE_TELEMETRY": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     t0 = time.monotonic()
     instance = DagsterInstance.from_config(str(home))
     dev = DagsterDev(REPO_ROOT, free_port(), env, tmp_path / "dagster_dev.log")
@@ -313,11 +343,16 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
 
         # A run launched over GraphQL: the canary (one training step) for the registered partition,
         # on the in-process executor (no step processes). Its GPU step waits on the pool.
-        launched = dev.graphql(LAUNCH_RUN, {"params": {
-            "selector": {**selector, "jobName": "canary"},
-            "runConfigData": {"execution": {"config": {"in_process": {}}}},
-            "executionMetadata": {"tags": [partition_tag]},
-        }})["launchRun"]
+        launched = dev.graphql(
+            LAUNCH_RUN,
+            {
+                "params": {
+                    "selector": {**selector, "jobName": "canary"},
+                    "runConfigData": {"execution": {"config": {"in_process": {}}}},
+                    "executionMetadata": {"tags": [partition_tag]},
+                }
+            },
+        )["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         canary_id = launched["run"]["runId"]
 
@@ -326,7 +361,9 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
             return canary_id in info.pending_run_ids and info
 
         info = wait_for(canary_waits, 180, "the canary's GPU step to wait on the gpu pool")
-        assert info.slot_count == 1 and {s.step_key for s in info.pending_steps if s.run_id == canary_id} == {"canary_receipt"}
+        assert info.slot_count == 1 and {s.step_key for s in info.pending_steps if s.run_id == canary_id} == {
+            "canary_receipt"
+        }
         time.sleep(3)  # it keeps waiting: still one stand-in started, the same holder
         assert len(list(gate.glob("started-*"))) == 1
         assert instance.event_log_storage.get_concurrency_info("gpu").active_run_ids == {full["runId"]}
@@ -338,8 +375,10 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
         assert {t["key"]: t["value"] for t in canary["tags"]}["dagster/partition"] == partition
         # Four GPU steps in all (the full run's train, evaluate and hand-off export, the canary), one at a time.
         assert len(list(gate.glob("started-*"))) == 4
-        spans = sorted(gpu_spans(instance, full["runId"], GPU_STEPS["full"]) + gpu_spans(instance, canary_id, GPU_STEPS["canary"]))
-        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
+        spans = sorted(
+            gpu_spans(instance, full["runId"], GPU_STEPS["full"]) + gpu_spans(instance, canary_id, GPU_STEPS["canary"])
+        )
+        assert all(end <= next_start for (_, end), (next_start, _) in pairwise(spans)), spans
         assert not instance.event_log_storage.get_concurrency_info("gpu").claimed_slots
 
         # Checks of the full run, read back over GraphQL for this partition.
@@ -347,9 +386,11 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
         for (asset, check), execution in results.items():
             assert execution["status"] == "SUCCEEDED" and execution["evaluation"]["success"], (asset, check, execution)
             assert execution["partition"] == partition
-        gate_metadata = {m["label"]: m.get("floatValue", m.get("intValue")) for m in
-                         results[("ev_report", "ev_gate")]["evaluation"]["metadataEntries"]
-                         if "floatValue" in m or "intValue" in m}
+        gate_metadata = {
+            m["label"]: m.get("floatValue", m.get("intValue"))
+            for m in results[("ev_report", "ev_gate")]["evaluation"]["metadataEntries"]
+            if "floatValue" in m or "intValue" in m
+        }
         assert gate_metadata["token_ev"] > 0 and gate_metadata["trajectory_ev"] > 0, gate_metadata
 
         # Every record in Postgres: the full lineage materialized for the partition, promoted.
@@ -366,14 +407,18 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
 
         # The asset lineage graph, rendered headless.
         png = tmp_path / "graph.png"
-        shot = screenshot(asset_graph_url(dev.url, repo["name"], repo["location"]["name"]), png, tmp_path / "chromium-profile")
+        shot = screenshot(
+            asset_graph_url(dev.url, repo["name"], repo["location"]["name"]), png, tmp_path / "chromium-profile"
+        )
         assert shot.returncode == 0 and png.is_file(), shot.stdout[-2000:]
         if os.environ.get(SCREENSHOT_COPY_ENV):
             shutil.copy(png, os.environ[SCREENSHOT_COPY_ENV])
         assert png.stat().st_size > 30_000, png.stat().st_size
         assert colours(png) > 200, "the screenshot is (nearly) blank"
-        print(f"\nui e2e: partition {partition}, full {full['runId']}, canary {canary_id}, gate {gate_metadata}, "
-              f"{time.monotonic() - t0:.0f}s")
+        print(
+            f"\nui e2e: partition {partition}, full {full['runId']}, canary {canary_id}, gate {gate_metadata}, "
+            f"{time.monotonic() - t0:.0f}s"
+        )
     finally:
         try:
             left = dev.stop(timeout_s=30)

@@ -14,7 +14,13 @@ pytestmark = pytest.mark.integration
 def test_workspace_validates_with_the_dagster_cli(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "All code locations passed validation" in out.stdout + out.stderr

@@ -17,8 +17,16 @@ from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
 # docs/operations.md: these flags render the Dagster UI headless in this container.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TERMINAL_RUN_STATUSES = {"SUCCESS", "FAILURE", "CANCELED"}
 
 
@@ -41,7 +49,7 @@ def _proc_stat(pid: int) -> tuple[int, int, int] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[1]), int(fields[2]), int(fields[19])
@@ -92,8 +100,13 @@ class DagsterDev:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [dagster_cli(), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
-            cwd=repo_root, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_reset_signals)
+            cwd=repo_root,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_reset_signals,
+        )
         self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
         self.seen: dict[int, int] = family(self.pgid)
 
@@ -156,12 +169,20 @@ def dagster_cli() -> str:
     return str(Path(sys.executable).parent / "dagster")
 
 
-def screenshot(url: str, out: Path, profile: Path, timeout_s: float = 120, size=(1600, 1000),
-               virtual_time_ms: int = 15000) -> subprocess.CompletedProcess:
+def screenshot(
+    url: str, out: Path, profile: Path, timeout_s: float = 120, size=(1600, 1000), virtual_time_ms: int = 15000
+) -> subprocess.CompletedProcess:
     """Headless Chromium screenshot of `url` into `out`; Chromium runs in its own process group,
     which is killed by id when it overruns."""
-    cmd = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
-           f"--virtual-time-budget={virtual_time_ms}", f"--screenshot={out}", url]
+    cmd = [
+        CHROMIUM,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        f"--window-size={size[0]},{size[1]}",
+        f"--virtual-time-budget={virtual_time_ms}",
+        f"--screenshot={out}",
+        url,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout_s)

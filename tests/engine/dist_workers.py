@@ -20,7 +20,8 @@ def make_rows(n: int, seed: int = 0) -> list[Row]:
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        L = int(rng.integers(6, 24)); r = int(rng.integers(1, L - 1))
+        L = int(rng.integers(6, 24))
+        r = int(rng.integers(1, L - 1))
         ret = np.full(r, float(rng.integers(0, 2)))
         rows.append(Row(row_id=i, tokens=rng.integers(0, 49152, L), response_length=r, returns=ret))
     return rows
@@ -94,7 +95,7 @@ def _train(rows, steps, start, ddp, opt, rows_per_step):
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     history = []
     for step in range(start, steps):
-        batch = rows[step * rows_per_step:(step + 1) * rows_per_step]
+        batch = rows[step * rows_per_step : (step + 1) * rows_per_step]
         mine = batch[dpr::dp]  # round-robin by position
         history.append(optimizer_step(ddp, opt, pack_rows(mine, micro_batch_tokens=30), rows_per_step, OBJ))
     return history
@@ -132,8 +133,10 @@ def train_resume(rank, world, tp, rows_per_step, steps, save_at, ckpt, out_file)
     resumed = _train(rows, steps, start, ddp2, opt2, rows_per_step)
     params2 = {n: p.detach().clone() for n, p in model2.named_parameters()}
     if rank == 0:
-        torch.save({"full": full, "resumed": resumed, "start": start,
-                    "full_params": full_params, "resumed_params": params2}, out_file)
+        torch.save(
+            {"full": full, "resumed": resumed, "start": start, "full_params": full_params, "resumed_params": params2},
+            out_file,
+        )
 
 
 def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_file):
@@ -143,8 +146,8 @@ def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_fil
     weights are compared with that state through `stage_state`."""
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.runtime.checkpoint import save_critic
     from value_assets.gpu.model.critic import init_layout_invariant, stage_state
+    from value_assets.gpu.runtime.checkpoint import save_critic
     from value_assets.gpu.runtime.step import evaluate_rows, wrap_for_training
 
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -176,7 +179,9 @@ def load_params(rank, world, tp, ckpt, out_file):
     model = build_critic(BACKBONE, OBJ, tp=tp)
     load_model_weights(ckpt, model)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, out_file)
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, out_file
+        )
 
 
 def train_frozen(rank, world, tp, freeze, distributed_optimizer, rows_per_step, steps, out_file):
@@ -186,9 +191,19 @@ def train_frozen(rank, world, tp, freeze, distributed_optimizer, rows_per_step, 
     model = build_critic(BACKBONE, OBJ, tp=tp)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     frozen = frozen_parameter_names(model, freeze)
-    ddp, opt = wrap_for_training(model, lr=1e-2, weight_decay=0.0, clip_grad=1.0, freeze=freeze, distributed_optimizer=distributed_optimizer)
+    ddp, opt = wrap_for_training(
+        model, lr=1e-2, weight_decay=0.0, clip_grad=1.0, freeze=freeze, distributed_optimizer=distributed_optimizer
+    )
     history = _train(make_rows(rows_per_step * steps, seed=1), steps, 0, ddp, opt, rows_per_step)
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"before": before, "after": after, "frozen": frozen, "history": history,
-                    "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()}}, out_file)
+        torch.save(
+            {
+                "before": before,
+                "after": after,
+                "frozen": frozen,
+                "history": history,
+                "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+            },
+            out_file,
+        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .dist_workers import BACKBONE, OBJ, _reinit, make_rows, probe
+from tests.engine.dist_workers import BACKBONE, OBJ, _reinit, make_rows, probe
 from value_assets.core.memory import MemoryConfig
 from value_assets.gpu.model.critic import build_critic, init_layout_invariant
 from value_assets.gpu.model.packing import pack_rows
@@ -32,7 +32,9 @@ def _build(tp: int, memory: MemoryConfig, train: bool = True):
     init_layout_invariant(model, seed=7)
     if not train:
         return model, None, None
-    ddp, opt = wrap_for_training(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer)
+    ddp, opt = wrap_for_training(
+        model, lr=1e-3, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer
+    )
     return model, ddp, opt
 
 
@@ -45,7 +47,7 @@ def _train(ddp, opt, steps=STEPS, start=0):
     rows = make_rows(ROWS_PER_STEP * steps, seed=1)
     history = []
     for step in range(start, steps):
-        mine = rows[step * ROWS_PER_STEP:(step + 1) * ROWS_PER_STEP][dpr::dp]
+        mine = rows[step * ROWS_PER_STEP : (step + 1) * ROWS_PER_STEP][dpr::dp]
         # 29 tokens: packed micro-batches of odd lengths, so sequence parallelism must pad
         history.append(optimizer_step(ddp, opt, pack_rows(mine, micro_batch_tokens=29), ROWS_PER_STEP, OBJ))
     return history
@@ -92,10 +94,13 @@ def dp_features(rank, world, tp, ckpt, out_file):
     from value_assets.gpu.runtime.checkpoint import load_critic, load_model_weights, save_critic
 
     res = {}
-    for name, mem in (("plain", MemoryConfig()), ("selective", MemoryConfig(recompute="selective")),
-                      ("full", MemoryConfig(recompute="full")),
-                      ("full_first1", MemoryConfig(recompute="full", recompute_layers=1)),
-                      ("distopt", MemoryConfig(distributed_optimizer=True))):
+    for name, mem in (
+        ("plain", MemoryConfig()),
+        ("selective", MemoryConfig(recompute="selective")),
+        ("full", MemoryConfig(recompute="full")),
+        ("full_first1", MemoryConfig(recompute="full", recompute_layers=1)),
+        ("distopt", MemoryConfig(distributed_optimizer=True)),
+    ):
         model, ddp, opt = _build(tp, mem)
         with _CountCheckpoints() as counted:
             hist = _train(ddp, opt, steps=STEPS - 1 if name == "distopt" else STEPS)
@@ -128,13 +133,20 @@ def tp_features(rank, world, tp, ckpt, out_file):
     from value_assets.gpu.runtime.checkpoint import load_model_weights, save_critic
 
     res = {}
-    for name, mem in (("tp2", MemoryConfig()), ("sp", MemoryConfig(sequence_parallel=True)),
-                      ("sp_full", MemoryConfig(sequence_parallel=True, recompute="full"))):
+    for name, mem in (
+        ("tp2", MemoryConfig()),
+        ("sp", MemoryConfig(sequence_parallel=True)),
+        ("sp_full", MemoryConfig(sequence_parallel=True, recompute="full")),
+    ):
         model, ddp, opt = _build(tp, mem)
         hist = _train(ddp, opt)
-        res[name] = {"history": hist, "values": _values(ddp), "probe": probe(model),
-                     "sequence_parallel": model.config.sequence_parallel,
-                     "recompute": model.config.recompute_granularity}
+        res[name] = {
+            "history": hist,
+            "values": _values(ddp),
+            "probe": probe(model),
+            "sequence_parallel": model.config.sequence_parallel,
+            "recompute": model.config.recompute_granularity,
+        }
         if name == "sp":
             res["saved_probe"] = probe(model)
             save_critic(ckpt, ddp, opt, iteration=STEPS)

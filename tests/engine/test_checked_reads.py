@@ -32,7 +32,7 @@ def test_kept_spans_are_the_files_bytes_at_those_places(tmp_path, small_chunks):
     path.write_bytes(data)
     spans = [(0, 0), (0, 1), (5, 9), (6, 30), (500, 7), (993, 7), (0, 1000), (14, 14)]
     kept = read_checked(path, (len(data), hashlib.sha256(data).hexdigest()), spans)
-    assert kept == {(off, n): data[off:off + n] for off, n in spans}  # the naive reference: slicing
+    assert kept == {(off, n): data[off : off + n] for off, n in spans}  # the naive reference: slicing
     assert read_checked(path, None)[(0, -1)] == data
 
 
@@ -42,11 +42,16 @@ def test_a_file_that_differs_from_its_pin_is_refused(tmp_path, small_chunks, cha
 
     data = bytes(range(256)) * 4
     pin = (len(data), hashlib.sha256(data).hexdigest())
-    changed = {"a flipped byte": data[:100] + bytes([data[100] ^ 1]) + data[101:], "one byte more": data + b"\0",
-               "one byte less": data[:-1]}[change]
+    changed = {
+        "a flipped byte": data[:100] + bytes([data[100] ^ 1]) + data[101:],
+        "one byte more": data + b"\0",
+        "one byte less": data[:-1],
+    }[change]
     path = tmp_path / "common.pt"
     path.write_bytes(changed)
-    with pytest.raises(InputError, match=r"common\.pt: read (sha256 [0-9a-f]{64}|\d+ bytes), the contract binds .*the file changed"):
+    with pytest.raises(
+        InputError, match=r"common\.pt: read (sha256 [0-9a-f]{64}|\d+ bytes), the contract binds .*the file changed"
+    ):
         read_checked(path, pin, [(0, 10)])
 
 

@@ -33,19 +33,34 @@ def fresh_gpu_process():
     import sys
     from pathlib import Path
 
-    modules = ["value_assets.gpu.cli", "value_assets.gpu.workers.worker", "value_assets.gpu.runtime.step",
-               "value_assets.gpu.model.critic", "value_assets.gpu.runtime.checkpoint", "value_assets.gpu.convert.bootstrap"]
-    code = "; ".join([
-        *(f"import {m}" for m in modules), "import sys, warnings", "warnings.warn('ours stays')",
-        "import megatron.core.jit as j", "print('torch._dynamo' in sys.modules, j.jit_fuser.__qualname__)",
-        f"print({MARK!r}, file=sys.stderr, flush=True)",
-        "from value_assets.gpu.runtime.compat import apply_cpu_compat", "assert apply_cpu_compat()",
-        "import megatron.core.dist_checkpointing.strategies.filesystem_async as fa",
-        "q = fa._get_write_results_queue(); q.put({'rank': 0})",
-        "print(type(q._manager._process).__name__, q.get(timeout=10), fa._get_write_results_queue() is q)"])
+    modules = [
+        "value_assets.gpu.cli",
+        "value_assets.gpu.workers.worker",
+        "value_assets.gpu.runtime.step",
+        "value_assets.gpu.model.critic",
+        "value_assets.gpu.runtime.checkpoint",
+        "value_assets.gpu.convert.bootstrap",
+    ]
+    code = "; ".join(
+        [
+            *(f"import {m}" for m in modules),
+            "import sys, warnings",
+            "warnings.warn('ours stays')",
+            "import megatron.core.jit as j",
+            "print('torch._dynamo' in sys.modules, j.jit_fuser.__qualname__)",
+            f"print({MARK!r}, file=sys.stderr, flush=True)",
+            "from value_assets.gpu.runtime.compat import apply_cpu_compat",
+            "assert apply_cpu_compat()",
+            "import megatron.core.dist_checkpointing.strategies.filesystem_async as fa",
+            "q = fa._get_write_results_queue(); q.put({'rank': 0})",
+            "print(type(q._manager._process).__name__, q.get(timeout=10), fa._get_write_results_queue() is q)",
+        ]
+    )
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -56,8 +71,9 @@ def test_importing_the_job_prints_no_megatron_warning(fresh_gpu_process):
     imports = fresh_gpu_process.stderr.split(MARK, 1)[0]
     assert [line for line in imports.splitlines() if "Warning" in line] == ["<string>:1: UserWarning: ours stays"]
     # megatron's jit_fuser (torch.compile) is deferred to first call: nothing imported dynamo.
-    assert fresh_gpu_process.stdout.splitlines()[0].split() == ["False", "_compile_on_first_call.<locals>.jit_fuser"], \
+    assert fresh_gpu_process.stdout.splitlines()[0].split() == ["False", "_compile_on_first_call.<locals>.jit_fuser"], (
         fresh_gpu_process.stdout
+    )
 
 
 def test_a_deferred_jit_fuser_compiles_once_at_the_first_call():
@@ -85,6 +101,7 @@ def test_a_jit_fuser_whose_compiler_fails_runs_the_function_as_written_and_says_
     def broken_compiler(fn):
         def compiled(*a, **k):
             raise RuntimeError("no triton here\nsecond line")
+
         return compiled
 
     calls = []
@@ -96,7 +113,9 @@ def test_a_jit_fuser_whose_compiler_fails_runs_the_function_as_written_and_says_
         return 2 * x
 
     fused = _compile_on_first_call(broken_compiler)(gate)
-    with pytest.warns(RuntimeWarning, match=r"gate runs uncompiled: torch.compile failed here \(RuntimeError: no triton here\)"):
+    with pytest.warns(
+        RuntimeWarning, match=r"gate runs uncompiled: torch.compile failed here \(RuntimeError: no triton here\)"
+    ):
         assert fused(3) == 6
     assert fused(4) == 8 and calls == [3, 4]  # uncompiled from then on, no second compile attempt
     # The function's own error is not taken for a compiler failure: it raises.
@@ -106,4 +125,6 @@ def test_a_jit_fuser_whose_compiler_fails_runs_the_function_as_written_and_says_
 
 def test_on_cpu_the_checkpoint_writers_results_queue_is_served_by_a_forked_manager(fresh_gpu_process):
     """megatron spawns that manager (a fresh interpreter importing torch); on CPU it is forked."""
-    assert fresh_gpu_process.stdout.splitlines()[1].split() == ["ForkProcess", "{'rank':", "0}", "True"], fresh_gpu_process.stdout
+    assert fresh_gpu_process.stdout.splitlines()[1].split() == ["ForkProcess", "{'rank':", "0}", "True"], (
+        fresh_gpu_process.stdout
+    )

@@ -13,10 +13,9 @@ import datetime
 import pytest
 import torch
 
+from tests.engine import dist_workers as W
+from tests.ranks import run_ranks
 from value_assets.gpu.runtime.parallel import free_port
-
-from ..ranks import run_ranks
-from . import dist_workers as W
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -51,12 +50,16 @@ def two_ranks(tmp_path_factory, one_stage):
     root = tmp_path_factory.mktemp("two-ranks")
     for name in ("resume-ck", "tp-ck"):
         (root / name).mkdir()
-    spawn(2, [
-        ("train_dp", 1, 1, (4, 3, str(root / "dp2.pt"))),
-        ("train_resume", 1, 1, (4, 3, 2, str(root / "resume-ck"), str(root / "resume.pt"))),
-        ("tp_reshard", 2, 1, (str(root / "tp-ck"), str(root / "tp.pt"))),
-        ("train_layout", 1, 2, _layout(root, "pp2", one_stage)),
-    ], deadline_s=600.0)
+    spawn(
+        2,
+        [
+            ("train_dp", 1, 1, (4, 3, str(root / "dp2.pt"))),
+            ("train_resume", 1, 1, (4, 3, 2, str(root / "resume-ck"), str(root / "resume.pt"))),
+            ("tp_reshard", 2, 1, (str(root / "tp-ck"), str(root / "tp.pt"))),
+            ("train_layout", 1, 2, _layout(root, "pp2", one_stage)),
+        ],
+        deadline_s=600.0,
+    )
     return root
 
 
@@ -64,10 +67,14 @@ def two_ranks(tmp_path_factory, one_stage):
 def four_ranks(tmp_path_factory, one_stage):
     """One spawn of 4 ranks: pipeline stages with data-parallel, then with tensor-parallel peers."""
     root = tmp_path_factory.mktemp("four-ranks")
-    spawn(4, [
-        ("train_layout", 1, 2, _layout(root, "dp2xpp2", one_stage)),
-        ("train_layout", 2, 2, _layout(root, "tp2xpp2", one_stage)),
-    ], deadline_s=600.0)
+    spawn(
+        4,
+        [
+            ("train_layout", 1, 2, _layout(root, "dp2xpp2", one_stage)),
+            ("train_layout", 2, 2, _layout(root, "tp2xpp2", one_stage)),
+        ],
+        deadline_s=600.0,
+    )
     return root
 
 
@@ -76,7 +83,7 @@ def test_dp2_matches_dp1_and_metrics_are_global(tmp_path, two_ranks):
     the same steps as DP=1 on the whole batch (up to summation order)."""
     in_process(W.train_dp, 4, 3, str(tmp_path / "dp1.pt"))
     a, b = torch.load(tmp_path / "dp1.pt"), torch.load(two_ranks / "dp2.pt")
-    for ha, hb in zip(a["history"], b["history"]):
+    for ha, hb in zip(a["history"], b["history"], strict=True):
         assert ha["rows"] == hb["rows"] == 4
         assert ha["active_targets"] == hb["active_targets"]
         assert hb["loss"] == pytest.approx(ha["loss"], rel=1e-5)
@@ -178,7 +185,9 @@ def test_rank_zero_holds_the_rendezvous_port_it_reports_until_it_joins(monkeypat
             return False
 
     monkeypatch.setenv(RENDEZVOUS_ADDR_ENV, "127.0.0.1")
-    worker = CriticWorker(WorkerSpec(backbone=BackboneConfig.tiny(), objective=Objective(), layout=Layout(), seed=0), rank=0)
+    worker = CriticWorker(
+        WorkerSpec(backbone=BackboneConfig.tiny(), objective=Objective(), layout=Layout(), seed=0), rank=0
+    )
     host, port = worker.address(timeout_s=42.0)
     assert host == "127.0.0.1" and taken(host, port)
     # the job's deadline (TrainJob/EvaluateJob timeout_s) is the store's: the other ranks may join that late

@@ -15,8 +15,12 @@ pytestmark = pytest.mark.unit
 
 def test_foreach_l2_norm_matches_the_naive_float64_norm():
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, generator=g), torch.randn(40, 25, generator=g) * 1e-3,
-               torch.randn(7, generator=g).to(torch.bfloat16), torch.zeros(5)]
+    tensors = [
+        torch.randn(3, generator=g),
+        torch.randn(40, 25, generator=g) * 1e-3,
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.zeros(5),
+    ]
     naive = math.sqrt(sum(float(x) ** 2 for t in tensors for x in t.double().reshape(-1)))
     total, extra = grad_norm.foreach_l2_norm(65536, None, [tensors], False)
     assert extra is None and total.dtype == torch.float32 and total.shape == (1,)

@@ -1,6 +1,7 @@
 """Torch targets, losses and metrics against numpy/Python-loop references."""
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def _naive(head, returns, mask, cu, obj, g_rows):
     total, n_act, correct, ent, rs, es = 0.0, 0, 0, 0.0, [], []
     sup = ref.support(obj) if obj.loss_type == "classification" else None
     bounds = cu.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         row_l, row_n = 0.0, 0
         for t in range(a, b):
             if mask[t] == 0:
@@ -54,23 +55,30 @@ def _naive(head, returns, mask, cu, obj, g_rows):
             R = float(returns[t])
             z = head[t].double().numpy()
             if obj.loss_type == "classification":
-                q = np.exp(z - z.max()); q /= q.sum()
+                q = np.exp(z - z.max())
+                q /= q.sum()
                 tgt = ref.target_distribution(np.array([R]), obj)[0]
                 li = -float((tgt * np.log(q)).sum())
                 V = float(q @ sup)
                 correct += int(np.argmax(z) == np.argmax(tgt))
                 ent += -float((q * np.log(q)).sum())
             else:
-                V = float(z[0]); li = (V - R) ** 2
-            row_l += li; row_n += 1; n_act += 1; rs.append(R); es.append(R - V)
+                V = float(z[0])
+                li = (V - R) ** 2
+            row_l += li
+            row_n += 1
+            n_act += 1
+            rs.append(R)
+            es.append(R - V)
         total += row_l / row_n
     rs, es = np.array(rs), np.array(es)
     ev = 1 - es.var() / rs.var() if len(rs) > 1 and rs.var() > 1e-8 else None
     return total / g_rows, n_act, correct, ent, ev
 
 
-@pytest.mark.parametrize("obj", [OBJ, Objective(target_type="two_hot", num_bins=9),
-                                 Objective(loss_type="mse", num_bins=1)])
+@pytest.mark.parametrize(
+    "obj", [OBJ, Objective(target_type="two_hot", num_bins=9), Objective(loss_type="mse", num_bins=1)]
+)
 def test_loss_and_metrics_against_loop(obj):
     g = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, 5, 6, 14], dtype=torch.int32)
@@ -115,8 +123,14 @@ def test_per_token_reduction_and_undefined_ev():
 
 def test_row_without_active_target_is_an_error():
     with pytest.raises(ValueError, match="active target"):
-        L.loss_and_stats(torch.zeros(3, 51), torch.zeros(3), torch.tensor([1.0, 0, 0]),
-                         torch.tensor([0, 1, 3], dtype=torch.int32), OBJ, 2)
+        L.loss_and_stats(
+            torch.zeros(3, 51),
+            torch.zeros(3),
+            torch.tensor([1.0, 0, 0]),
+            torch.tensor([0, 1, 3], dtype=torch.int32),
+            OBJ,
+            2,
+        )
 
 
 def test_the_active_target_check_reads_the_host_copy_when_given():

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..ranks import run_ranks  # noqa: E402
-from . import memory_workers as MW  # noqa: E402
-
-from value_assets.gpu.model.packing import pack_rows  # noqa: E402
-from value_assets.gpu.runtime.parallel import free_port  # noqa: E402
+from tests.engine import memory_workers as MW
+from tests.ranks import run_ranks
+from value_assets.gpu.model.packing import pack_rows
+from value_assets.gpu.runtime.parallel import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -48,12 +47,19 @@ def test_recompute_and_distributed_optimizer_match_plain_dp2(tmp_path):
     plain = r["plain"]
     assert len(plain["history"]) == MW.STEPS
     assert plain["history"][-1]["loss"] < plain["history"][0]["loss"]
-    assert [r[n]["recompute"] for n in ("plain", "selective", "full", "full_first1")] == [None, "selective", "full", "full"]
+    assert [r[n]["recompute"] for n in ("plain", "selective", "full", "full_first1")] == [
+        None,
+        "selective",
+        "full",
+        "full",
+    ]
     assert r["full"]["recompute_block"] == ("uniform", 1) and r["full_first1"]["recompute_block"] == ("block", 1)
     # the forward really checkpoints 1 of the 2 layers: half of full recompute's checkpoints
     assert MW.BACKBONE.num_layers == 2 and r["plain"]["checkpoints"] == 0
     assert r["full"]["checkpoints"] == 2 * r["full_first1"]["checkpoints"] > 0
-    assert r["distopt"]["optimizers"] == ["DistributedOptimizer"] and r["plain"]["optimizers"] != ["DistributedOptimizer"]
+    assert r["distopt"]["optimizers"] == ["DistributedOptimizer"] and r["plain"]["optimizers"] != [
+        "DistributedOptimizer"
+    ]
     for name in ("selective", "full", "full_first1", "distopt"):
         same_steps(plain["history"], r[name]["history"])
         same_params(plain["params"], r[name]["params"])
@@ -75,9 +81,12 @@ def test_sequence_parallel_matches_tp2(tmp_path):
     pseudo-sequence), also with full recompute, takes the same steps and gives the same values as
     TP=2 without; its checkpoint loads at TP=1 (no SP) for evaluation."""
     rows = MW.make_rows(MW.ROWS_PER_STEP * MW.STEPS, seed=1)
-    odd = [mb.num_tokens % 2 for s in range(MW.STEPS)
-           for d in range(2)
-           for mb in pack_rows(rows[s * MW.ROWS_PER_STEP:(s + 1) * MW.ROWS_PER_STEP][d::2], 29)]
+    odd = [
+        mb.num_tokens % 2
+        for s in range(MW.STEPS)
+        for d in range(2)
+        for mb in pack_rows(rows[s * MW.ROWS_PER_STEP : (s + 1) * MW.ROWS_PER_STEP][d::2], 29)
+    ]
     assert any(odd)  # the padding path really runs
     ck = tmp_path / "ck"
     ck.mkdir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ def _naive_attention(q, k, v, bounds, scale):
     """Loop reference: per sequence, per head, explicit causal softmax; GQA by head // group."""
     out = torch.zeros_like(q, dtype=torch.float64)
     rep = q.shape[1] // k.shape[1]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         for h in range(q.shape[1]):
             for i in range(a, b):
                 s = torch.stack([(q[i, h].double() @ k[j, h // rep].double()) * scale for j in range(a, i + 1)])
@@ -34,8 +35,7 @@ def test_packed_attention_matches_loop_reference_with_gqa():
     k = torch.randn(9, 2, 8, generator=g)
     v = torch.randn(9, 2, 8, generator=g)
     got = packed_causal_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), 1 / math.sqrt(8))
-    torch.testing.assert_close(got.double(), _naive_attention(q, k, v, bounds, 1 / math.sqrt(8)),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), _naive_attention(q, k, v, bounds, 1 / math.sqrt(8)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cu_seqlens"):
         packed_causal_attention(q, k, v, torch.tensor([0, 8], dtype=torch.int32), 1.0)
 
@@ -50,11 +50,17 @@ def test_kernel_spans_send_each_long_sequence_alone_and_group_the_short_ones():
     # short, short, long, short, long, long, short
     bounds = [0, 2, 5, 9, 10, 14, 18, 19]
     spans = kernel_spans(bounds, 4)
-    assert spans == [("varlen", [0, 2, 5]), ("long", [5, 9]), ("varlen", [9, 10]), ("long", [10, 14]),
-                     ("long", [14, 18]), ("varlen", [18, 19])]
+    assert spans == [
+        ("varlen", [0, 2, 5]),
+        ("long", [5, 9]),
+        ("varlen", [9, 10]),
+        ("long", [10, 14]),
+        ("long", [14, 18]),
+        ("varlen", [18, 19]),
+    ]
     covered = [b for _, run in spans for b in run]
     assert sorted(set(covered)) == bounds and all(run[0] < run[-1] for _, run in spans)
-    assert kernel_spans(bounds, 1) == [("long", [a, b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert kernel_spans(bounds, 1) == [("long", [a, b]) for a, b in pairwise(bounds)]
 
 
 def test_backbone_config_validation_and_presets():
@@ -85,8 +91,9 @@ def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_ty
     from value_assets.gpu.model.critic import build_critic, critic_forward
 
     obj = Objective(loss_type=loss_type, num_bins=51 if loss_type == "classification" else 1)
-    bb = BackboneConfig.tiny(qk_layernorm=qk_layernorm, family="qwen3" if qk_layernorm else "qwen2",
-                             qkv_bias=not qk_layernorm)
+    bb = BackboneConfig.tiny(
+        qk_layernorm=qk_layernorm, family="qwen3" if qk_layernorm else "qwen2", qkv_bias=not qk_layernorm
+    )
     model = build_critic(bb, obj)
     head = model.output_layer
     assert head.weight.dtype == torch.float32 and torch.count_nonzero(head.bias) == 0
@@ -105,9 +112,13 @@ def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_ty
     torch.testing.assert_close(packed, single, rtol=1e-5, atol=1e-5)
     # Positions restart per sequence: the same tokens at another offset give the same values.
     with torch.no_grad():
-        swapped = critic_forward(model, torch.cat([seqs[2], seqs[0]]),
-                                 torch.cat([torch.arange(9), torch.arange(5)]),
-                                 torch.tensor([0, 9, 14], dtype=torch.int32), 9)
+        swapped = critic_forward(
+            model,
+            torch.cat([seqs[2], seqs[0]]),
+            torch.cat([torch.arange(9), torch.arange(5)]),
+            torch.tensor([0, 9, 14], dtype=torch.int32),
+            9,
+        )
     torch.testing.assert_close(swapped[9:], packed[:5], rtol=1e-5, atol=1e-5)
 
 
@@ -125,22 +136,25 @@ def test_packed_forward_needs_restarting_positions_and_critic_params(dist):
         with pytest.raises(ValueError, match="max_seqlen"):
             critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 3)
         with pytest.raises(ValueError, match="CriticPackedSeqParams"):
-            model(toks.unsqueeze(0), torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), None,
-                  packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
-                                                    cu_seqlens_kv=cu, max_seqlen_q=4,
-                                                    max_seqlen_kv=4))
+            model(
+                toks.unsqueeze(0),
+                torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
+                None,
+                packed_seq_params=PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4
+                ),
+            )
         # a host copy of cu_seqlens gives the same result
         a = critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 4)
-        b = critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 4,
-                           cu_seqlens_host=cu.clone())
+        b = critic_forward(model, toks, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, 4, cu_seqlens_host=cu.clone())
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_evaluate_rows_alignment(dist):
     import numpy as np
 
-    from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.critic import build_critic
+    from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime.step import evaluate_rows
 
@@ -165,4 +179,3 @@ def test_compat_is_idempotent_and_cpu_only():
     else:
         assert compat.apply_cpu_compat() is True and compat.apply_cpu_compat() is True
         assert torch.cuda.current_device() == torch.device("cpu")
-

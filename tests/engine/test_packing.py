@@ -12,10 +12,19 @@ def _rows(seed=0, n=9):
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        L = int(rng.integers(2, 20)); r = int(rng.integers(1, L))
-        mask = rng.integers(0, 2, r); mask[rng.integers(0, r)] = 1
-        out.append(Row(row_id=100 + i, tokens=rng.integers(0, 1000, L), response_length=r,
-                       returns=rng.uniform(0, 1, r), loss_mask=mask if i % 2 else None))
+        L = int(rng.integers(2, 20))
+        r = int(rng.integers(1, L))
+        mask = rng.integers(0, 2, r)
+        mask[rng.integers(0, r)] = 1
+        out.append(
+            Row(
+                row_id=100 + i,
+                tokens=rng.integers(0, 1000, L),
+                response_length=r,
+                returns=rng.uniform(0, 1, r),
+                loss_mask=mask if i % 2 else None,
+            )
+        )
     return out
 
 
@@ -29,7 +38,8 @@ def test_alignment_matches_naive_reference():
         assert mb.cu_seqlens[-1] == mb.num_tokens
         bounds = mb.cu_seqlens.tolist()
         for k, rid in enumerate(mb.row_ids.tolist()):
-            row = by_id[rid]; seen.append(rid)
+            row = by_id[rid]
+            seen.append(rid)
             a, b = bounds[k], bounds[k + 1]
             L, r = len(row.tokens), row.response_length
             P = L - r

@@ -7,7 +7,6 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from value_assets.gpu.runtime import compat
 from value_assets.gpu.model.rope import (
     CriticPackedSeqParams,
     PackedRotaryEmbedding,
@@ -16,6 +15,7 @@ from value_assets.gpu.model.rope import (
     install,
     packed_cos_sin,
 )
+from value_assets.gpu.runtime import compat
 
 pytestmark = pytest.mark.unit
 
@@ -35,20 +35,24 @@ class _NoCP:  # a context-parallel group of one, all megatron's thd RoPE asks of
 
 def _rotary(head_dim: int, base: float = 10000.0, percent: float = 1.0) -> PackedRotaryEmbedding:
     holder = torch.nn.Module()
-    holder.rotary_pos_emb = RotaryEmbedding(kv_channels=head_dim, rotary_percent=percent,
-                                            rotary_base=base, use_cpu_initialization=True)
+    holder.rotary_pos_emb = RotaryEmbedding(
+        kv_channels=head_dim, rotary_percent=percent, rotary_base=base, use_cpu_initialization=True
+    )
     install(holder)
     install(holder)  # idempotent
     assert find_rotary(holder) is holder.rotary_pos_emb
     return holder.rotary_pos_emb
 
 
-@pytest.mark.parametrize("dtype,heads,head_dim,percent,base,tol", [
-    (torch.float32, 4, 16, 1.0, 10000.0, 1e-6),
-    (torch.float32, 2, 128, 1.0, 1000000.0, 1e-6),
-    (torch.float32, 3, 32, 0.5, 10000.0, 1e-6),
-    (torch.bfloat16, 4, 64, 1.0, 1000000.0, 1e-2),
-])
+@pytest.mark.parametrize(
+    "dtype,heads,head_dim,percent,base,tol",
+    [
+        (torch.float32, 4, 16, 1.0, 10000.0, 1e-6),
+        (torch.float32, 2, 128, 1.0, 1000000.0, 1e-6),
+        (torch.float32, 3, 32, 0.5, 10000.0, 1e-6),
+        (torch.bfloat16, 4, 64, 1.0, 1000000.0, 1e-2),
+    ],
+)
 def test_vectorized_rope_equals_megatron_per_sequence_thd(dtype, heads, head_dim, percent, base, tol):
     g = torch.Generator().manual_seed(3)
     lens = [7, 1, 33, 12, 2, 20]
@@ -64,8 +68,8 @@ def test_vectorized_rope_equals_megatron_per_sequence_thd(dtype, heads, head_dim
         x = torch.randn(t, n_heads, head_dim, generator=g).to(dtype)
         # a non-contiguous view, as q/k are views of the fused qkv projection
         wide = torch.randn(t, n_heads, 3 * head_dim, generator=g).to(dtype)
-        wide[..., head_dim:2 * head_dim] = x
-        xv = wide[..., head_dim:2 * head_dim]
+        wide[..., head_dim : 2 * head_dim] = x
+        xv = wide[..., head_dim : 2 * head_dim]
         ref = _apply_rotary_pos_emb_thd(x, cu, freqs, cp_group=_NoCP())
         got = apply_rope(xv, cos.to(dtype), sin.to(dtype))
         assert got.dtype == dtype and got.shape == x.shape
@@ -87,7 +91,8 @@ def test_packed_rotary_embedding_is_off_for_packed_forwards_only():
 
 
 def test_critic_packed_seq_params_casts_once_per_dtype():
-    p = CriticPackedSeqParams(qkv_format="thd", bounds=(0, 2), rope_cos=torch.ones(2, 1, 4),
-                              rope_sin=torch.zeros(2, 1, 4))
+    p = CriticPackedSeqParams(
+        qkv_format="thd", bounds=(0, 2), rope_cos=torch.ones(2, 1, 4), rope_sin=torch.zeros(2, 1, 4)
+    )
     a = p.rope_for(torch.bfloat16)
     assert a[0].dtype == torch.bfloat16 and p.rope_for(torch.bfloat16)[0] is a[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.timeout(900),
+]
 
 
 @pytest.fixture
@@ -34,9 +39,9 @@ def test_packed_bf16_attention_matches_per_sequence_sdpa(single_rank):
     k = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
-    out = packed_causal_attention(q, k, v, cu, 64 ** -0.5).float()
+    out = packed_causal_attention(q, k, v, cu, 64**-0.5).float()
     ref = []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    for a, b in pairwise(cu.tolist()):
         qq, kk, vv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))
         kk, vv = kk.repeat_interleave(4, 0), vv.repeat_interleave(4, 0)
         ref.append(torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(0, 1))
@@ -76,7 +81,7 @@ def test_long_sequences_on_cudnn_match_varlen_forward_and_backward(monkeypatch):
 
     def run():
         q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-        out = A.packed_causal_attention(q, k, v, cu, 128 ** -0.5, bounds=bounds)
+        out = A.packed_causal_attention(q, k, v, cu, 128**-0.5, bounds=bounds)
         out.backward(grad)
         return out.detach().float(), [x.grad.float() for x in (q, k, v)]
 
@@ -85,16 +90,17 @@ def test_long_sequences_on_cudnn_match_varlen_forward_and_backward(monkeypatch):
     monkeypatch.setattr(A, "_long_sequence", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     hybrid, hybrid_grads = run()
     assert calls == [A.LONG_SEQUENCE, A.LONG_SEQUENCE + 808]  # exactly the two long sequences took cuDNN
-    monkeypatch.setattr(A, "LONG_SEQUENCE", 10 ** 9)
+    monkeypatch.setattr(A, "LONG_SEQUENCE", 10**9)
     plain, plain_grads = run()
     assert len(calls) == 2
     torch.testing.assert_close(hybrid, plain, rtol=2e-2, atol=2e-2)
-    for a, b in zip(hybrid_grads, plain_grads):
+    for a, b in zip(hybrid_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         qq, kk, vv = (x[a:b].transpose(0, 1).float() for x in (q0, k0, v0))
-        ref = torch.nn.functional.scaled_dot_product_attention(qq, kk.repeat_interleave(6, 0), vv.repeat_interleave(6, 0),
-                                                               is_causal=True, scale=128 ** -0.5).transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qq, kk.repeat_interleave(6, 0), vv.repeat_interleave(6, 0), is_causal=True, scale=128**-0.5
+        ).transpose(0, 1)
         assert (hybrid[a:b] - ref).abs().max().item() < 3e-2
 
 
@@ -109,8 +115,13 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     from value_assets.gpu.model.critic import critic_forward
 
-    out = critic_forward(model, torch.arange(8, device="cuda"), torch.arange(8, device="cuda"),
-                         torch.tensor([0, 8], dtype=torch.int32, device="cuda"), 8)
+    out = critic_forward(
+        model,
+        torch.arange(8, device="cuda"),
+        torch.arange(8, device="cuda"),
+        torch.tensor([0, 8], dtype=torch.int32, device="cuda"),
+        8,
+    )
     assert out.dtype == torch.float32 and out.shape == (8, obj.head_size)  # the head outputs float32
     ddp, opt = wrap_for_training(model, lr=2e-3, weight_decay=0.0, clip_grad=1.0)
     rng = np.random.default_rng(0)
@@ -149,17 +160,32 @@ def test_job_trains_evaluates_and_gates_on_one_gpu(tmp_path):
     """The whole Ray job on the GPU: placement group with a GPU bundle, NCCL, bf16."""
     from value_assets.core.demo_data import make_demo_data
     from value_assets.core.job_configs import EvaluateJob, TrainJob
-    from value_assets.gpu.drivers.train import train
     from value_assets.gpu.drivers.evaluate import evaluate
+    from value_assets.gpu.drivers.train import train
 
     m = make_demo_data(tmp_path / "data", seed=0)
     out = tmp_path / "critic"
-    res = train(TrainJob(manifest=m, output=out, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, gpus=1), log=print)
-    ev = evaluate(EvaluateJob(checkpoint=out, manifest=m, contract_sha256=res.contract_sha256, report=tmp_path / "ev.json", gpus=1), log=print)
+    res = train(
+        TrainJob(manifest=m, output=out, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, gpus=1), log=print
+    )
+    ev = evaluate(
+        EvaluateJob(
+            checkpoint=out, manifest=m, contract_sha256=res.contract_sha256, report=tmp_path / "ev.json", gpus=1
+        ),
+        log=print,
+    )
     optimal = json.loads(Path(m).read_text())["provenance"]["bayes_optimal_trajectory_ev_heldout"]
     agg = ev.report["aggregates"]
-    print(json.dumps({"token_ev": agg["token"]["ev"], "trajectory_ev": agg["trajectory"]["ev"], "optimal": optimal,
-                      "tokens_per_s_last": res.metrics[-1]["tokens_per_s"]}))
+    print(
+        json.dumps(
+            {
+                "token_ev": agg["token"]["ev"],
+                "trajectory_ev": agg["trajectory"]["ev"],
+                "optimal": optimal,
+                "tokens_per_s_last": res.metrics[-1]["tokens_per_s"],
+            }
+        )
+    )
     assert ev.passed and agg["trajectory"]["ev"] >= 0.5 * optimal
 
 
@@ -171,8 +197,8 @@ def test_two_gpu_layouts_train_like_one_gpu(tmp_path, layout):
     the two-GPU checkpoint is evaluated on two GPUs and re-sharded onto one."""
     from value_assets.core.demo_data import make_demo_data
     from value_assets.core.job_configs import EvaluateJob, TrainJob
-    from value_assets.gpu.drivers.train import train
     from value_assets.gpu.drivers.evaluate import evaluate
+    from value_assets.gpu.drivers.train import train
 
     m = make_demo_data(tmp_path / "data", seed=0)
     base = dict(manifest=m, backbone="tiny", global_batch_size=32, epochs=1, lr=2e-3, stop_after=8)
@@ -181,8 +207,17 @@ def test_two_gpu_layouts_train_like_one_gpu(tmp_path, layout):
     assert two.losses == pytest.approx(one.losses, rel=2e-2)
     evs = []
     for name, gpus, kw in (("two", 2, layout), ("resharded", 1, {})):
-        ev = evaluate(EvaluateJob(checkpoint=tmp_path / "two", manifest=m, contract_sha256=two.contract_sha256,
-                                 report=tmp_path / f"{name}.json", gpus=gpus, **kw), log=print)
+        ev = evaluate(
+            EvaluateJob(
+                checkpoint=tmp_path / "two",
+                manifest=m,
+                contract_sha256=two.contract_sha256,
+                report=tmp_path / f"{name}.json",
+                gpus=gpus,
+                **kw,
+            ),
+            log=print,
+        )
         evs.append(ev.report["aggregates"]["trajectory"]["ev"])
     print(json.dumps({"layout": layout, "losses_one": one.losses, "losses_two": two.losses, "traj_ev": evs}))
     assert evs[0] == pytest.approx(evs[1], abs=1e-2)
@@ -202,8 +237,10 @@ def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_ref
 
     obj = Objective()
     rng = np.random.default_rng(0)
-    rows = [Row(row_id=i, tokens=rng.integers(2000, 49152, size=40), response_length=20, returns=np.full(20, float(i % 2)))
-            for i in range(16)]
+    rows = [
+        Row(row_id=i, tokens=rng.integers(2000, 49152, size=40), response_length=20, returns=np.full(20, float(i % 2)))
+        for i in range(16)
+    ]
     ddp, opt = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3, weight_decay=0.0, clip_grad=1.0)
     for _ in range(2):
         optimizer_step(ddp, opt, pack_rows(rows, 4096), 16, obj)
@@ -214,7 +251,7 @@ def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_ref
 
     ddp2, opt2 = wrap_for_training(build_critic(BackboneConfig.tiny(), obj), lr=2e-3, weight_decay=0.0, clip_grad=1.0)
     assert load_critic(save, ddp2, opt2, contract=contract) == 2
-    for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values()):
+    for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values(), strict=True):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
     after = [optimizer_step(m, o, pack_rows(rows, 4096), 16, obj)["loss"] for m, o in ((ddp, opt), (ddp2, opt2))]

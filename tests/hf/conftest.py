@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def megatron_single_rank():
-    from .megatron_fixture import init_single_rank, teardown_single_rank
+    from tests.hf.megatron_fixture import init_single_rank, teardown_single_rank
 
     init_single_rank()
     try:

@@ -25,15 +25,20 @@ FAMILIES = {
     "llama3-scaled": dict(
         model_type="llama",
         rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=8192,
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
         ),
     ),
 }
 
 
-def make_hf_checkpoint(folder: Path, family: str, seed: int = 0, tie: bool = False, num_key_value_heads: int = 2,
-                       **save_kwargs):
+def make_hf_checkpoint(
+    folder: Path, family: str, seed: int = 0, tie: bool = False, num_key_value_heads: int = 2, **save_kwargs
+):
     """Random tiny `<family>ForCausalLM` saved as safetensors in `folder`; returns the model (eval)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -9,7 +9,6 @@ head on the final-norm hidden states, which is what docs/rules.md#critic prescri
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

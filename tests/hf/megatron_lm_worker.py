@@ -55,8 +55,8 @@ def check(rank: int, world: int, cases: list[tuple[str, str, str, int, str, str]
     """The load and forward of `run`, in an already initialised process group of TP `world`."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    from .megatron_fixture import build_gpt, final_hidden
 
+    from tests.hf.megatron_fixture import build_gpt, final_hidden
     from value_assets.gpu.convert import names
     from value_assets.gpu.convert.hf import read_hf_config
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def run(rank: int, world: int, port: int, tp_cases: list[tuple[str, str, str]], pp_cases: list[tuple[str, str, str]]) -> None:
+def run(
+    rank: int, world: int, port: int, tp_cases: list[tuple[str, str, str]], pp_cases: list[tuple[str, str, str]]
+) -> None:
     from megatron.core import parallel_state as ps
 
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
@@ -25,9 +27,8 @@ def run(rank: int, world: int, port: int, tp_cases: list[tuple[str, str, str]], 
 def tensor_parallel(rank: int, world: int, cases: list[tuple[str, str, str]]) -> None:
     """TP=world, the converted model run on CPU. cases: (hf folder, input ids .pt, output hidden .pt
     written by rank 0)."""
+    from tests.hf.megatron_fixture import build_gpt, final_hidden, load_backbone
     from value_assets.gpu.convert.hf import load_hf_backbone_state, read_hf_config
-
-    from .megatron_fixture import build_gpt, final_hidden, load_backbone
 
     for folder, ids_path, out_path in cases:
         cfg = read_hf_config(folder)
@@ -67,5 +68,13 @@ def pipeline_parallel(rank: int, world: int, cases: list[tuple[str, str, str]]) 
             if not ps.is_pipeline_last_stage():
                 torch.distributed.send(out.contiguous(), dst=rank + 1)
             else:
-                torch.save({"values": out, "weight": critic.output_layer.weight, "bias": critic.output_layer.bias,
-                            "loaded": loaded, "layers": len(critic.decoder.layers)}, out_path)
+                torch.save(
+                    {
+                        "values": out,
+                        "weight": critic.output_layer.weight,
+                        "bias": critic.output_layer.bias,
+                        "loaded": loaded,
+                        "layers": len(critic.decoder.layers),
+                    },
+                    out_path,
+                )

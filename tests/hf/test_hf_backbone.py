@@ -12,10 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.hf.hf_checkpoints import FAMILIES, make_hf_checkpoint
 from value_assets.core.errors import InputError
 from value_assets.gpu.convert.hf import load_hf_backbone_state, megatron_backbone_names, read_hf_config
-
-from .hf_checkpoints import FAMILIES, make_hf_checkpoint
 
 pytestmark = pytest.mark.unit
 ATOL = 1e-4
@@ -28,7 +27,7 @@ def hf_hidden(model, ids):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hidden_states_match(tmp_path, megatron_single_rank, family):
-    from .megatron_fixture import build_gpt, final_hidden, load_backbone
+    from tests.hf.megatron_fixture import build_gpt, final_hidden, load_backbone
 
     hf = make_hf_checkpoint(tmp_path, family)
     cfg = read_hf_config(tmp_path)
@@ -43,7 +42,7 @@ def test_hidden_states_match(tmp_path, megatron_single_rank, family):
 
 
 def test_tied_embeddings_and_sharded_checkpoint(tmp_path, megatron_single_rank):
-    from .megatron_fixture import build_gpt, final_hidden, load_backbone
+    from tests.hf.megatron_fixture import build_gpt, final_hidden, load_backbone
 
     hf = make_hf_checkpoint(tmp_path, "llama", tie=True, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()

@@ -39,24 +39,43 @@ def write(tmp_path, **changes):
 def test_smollm2_shaped_llama_config(tmp_path):
     cfg = read_hf_config(write(tmp_path))
     assert cfg == {
-        "family": "llama", "num_layers": 30, "hidden_size": 576, "ffn_hidden_size": 1536,
-        "num_attention_heads": 9, "num_query_groups": 3, "kv_channels": 64, "vocab_size": 49152,
-        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rope_scaling": False,
-        "rope_scaling_factor": 1.0, "rms_norm_eps": 1e-5, "qkv_bias": False, "qk_layernorm": False,
-        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "family": "llama",
+        "num_layers": 30,
+        "hidden_size": 576,
+        "ffn_hidden_size": 1536,
+        "num_attention_heads": 9,
+        "num_query_groups": 3,
+        "kv_channels": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "rope_scaling": False,
+        "rope_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-5,
+        "qkv_bias": False,
+        "qk_layernorm": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
     }
 
 
 def test_family_flags_and_transformers5_rope_layout(tmp_path):
-    q2 = read_hf_config(write(tmp_path, model_type="qwen2", rope_theta=..., rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    q2 = read_hf_config(
+        write(tmp_path, model_type="qwen2", rope_theta=..., rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    )
     assert (q2["family"], q2["qkv_bias"], q2["qk_layernorm"], q2["rope_theta"]) == ("qwen2", True, False, 1e6)
     q3 = read_hf_config(write(tmp_path, model_type="qwen3", head_dim=128))
     assert (q3["qkv_bias"], q3["qk_layernorm"], q3["kv_channels"]) == (False, True, 128)
 
 
 def test_llama3_rope_scaling_supported(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     cfg = read_hf_config(write(tmp_path, rope_scaling=scaling))
     assert (cfg["rope_scaling"], cfg["rope_scaling_factor"]) == (True, 32.0)
 
@@ -66,8 +85,10 @@ def test_llama3_rope_scaling_supported(tmp_path):
     [
         ({"model_type": "mistral"}, "model_type: 'mistral' is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096}},
-         "original_max_position_embeddings"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096}},
+            "original_max_position_embeddings",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act: only 'silu'"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.hf.hf_checkpoints import make_hf_checkpoint
 from value_assets.core.objective import Objective
 from value_assets.gpu.convert.hf import (
     backbone_config_kwargs,
@@ -17,8 +18,6 @@ from value_assets.gpu.convert.hf import (
     load_hf_backbone_state,
     read_hf_config,
 )
-
-from .hf_checkpoints import make_hf_checkpoint
 
 pytestmark = pytest.mark.unit
 model_mod = pytest.importorskip("value_assets.gpu.model.critic")

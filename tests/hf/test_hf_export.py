@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests.hf.hf_checkpoints import make_hf_checkpoint
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 from value_assets.gpu.convert.hf import (
@@ -18,8 +19,6 @@ from value_assets.gpu.convert.hf import (
     load_hf_value_head,
     read_hf_config,
 )
-
-from .hf_checkpoints import make_hf_checkpoint
 
 pytestmark = pytest.mark.unit
 ATOL = 1e-4
@@ -37,14 +36,18 @@ def critic_state(folder, k, padded_vocab_size=None):
     return cfg, state, head
 
 
-@pytest.mark.parametrize("family, objective", [
-    ("llama", Objective(num_bins=51)),
-    ("qwen2", Objective(loss_type="mse", reward_range=(-1.0, 1.0))),
-    ("qwen3", Objective(num_bins=7, target_type="two_hot")),
-])
+@pytest.mark.parametrize(
+    "family, objective",
+    [
+        ("llama", Objective(num_bins=51)),
+        ("qwen2", Objective(loss_type="mse", reward_range=(-1.0, 1.0))),
+        ("qwen3", Objective(num_bins=7, target_type="two_hot")),
+    ],
+)
 def test_export_round_trip_logits(tmp_path, megatron_single_rank, family, objective):
-    from .megatron_fixture import build_gpt, final_hidden, load_backbone
     from transformers import AutoModelForTokenClassification
+
+    from tests.hf.megatron_fixture import build_gpt, final_hidden, load_backbone
 
     src, out = tmp_path / "src", tmp_path / "out"
     make_hf_checkpoint(src, family)
@@ -58,8 +61,14 @@ def test_export_round_trip_logits(tmp_path, megatron_single_rank, family, object
 
     export_critic_to_hf(state, cfg, k, out, objective=objective)
     hf = AutoModelForTokenClassification.from_pretrained(str(out)).eval()
-    assert type(hf).__name__ == {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
-                                 "qwen3": "Qwen3ForTokenClassification"}[family]
+    assert (
+        type(hf).__name__
+        == {
+            "llama": "LlamaForTokenClassification",
+            "qwen2": "Qwen2ForTokenClassification",
+            "qwen3": "Qwen3ForTokenClassification",
+        }[family]
+    )
     with torch.no_grad():
         got = hf(input_ids=ids).logits
     diff = (got - want).abs().max().item()

@@ -16,11 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-
+from tests.hf.hf_checkpoints import TINY, make_hf_checkpoint
+from tests.ranks import start_ranks
 from value_assets.gpu.runtime.parallel import free_port
-
-from ..ranks import start_ranks
-from .hf_checkpoints import TINY, make_hf_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -31,7 +29,7 @@ PP_FAMILIES = ["llama", "qwen3"]
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """The HF models and the outputs the 2 ranks wrote for them."""
-    from . import parallel_workers
+    from tests.hf import parallel_workers
 
     root = tmp_path_factory.mktemp("hf-parallel")
     tp_ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
@@ -41,17 +39,24 @@ def spawned(tmp_path_factory):
     tp, pp = [], []
     for family, kv_heads in TP_CASES:
         folder = root / f"tp-{family}-{kv_heads}"
-        tp.append((make_hf_checkpoint(folder, family, num_key_value_heads=kv_heads), (str(folder), str(root / "tp-ids.pt"), str(folder / "hidden.pt"))))
+        tp.append(
+            (
+                make_hf_checkpoint(folder, family, num_key_value_heads=kv_heads),
+                (str(folder), str(root / "tp-ids.pt"), str(folder / "hidden.pt")),
+            )
+        )
     for family in PP_FAMILIES:
         folder = root / f"pp-{family}"
-        pp.append((make_hf_checkpoint(folder, family), (str(folder), str(root / "pp-ids.pt"), str(folder / "values.pt"))))
+        pp.append(
+            (make_hf_checkpoint(folder, family), (str(folder), str(root / "pp-ids.pt"), str(folder / "values.pt")))
+        )
     start_ranks(parallel_workers.run, (2, free_port(), [c for _, c in tp], [c for _, c in pp]), 2)
     return {"tp": tp, "pp": pp, "tp_ids": tp_ids, "pp_ids": pp_ids}
 
 
 def test_tp2_hidden_states_match(spawned):
     ids = spawned["tp_ids"]
-    for (family, kv_heads), (hf, (_, _, out)) in zip(TP_CASES, spawned["tp"]):
+    for (family, kv_heads), (hf, (_, _, out)) in zip(TP_CASES, spawned["tp"], strict=True):
         with torch.no_grad():
             ref = hf.model(ids).last_hidden_state
         diff = (torch.load(out) - ref).abs().max().item()
@@ -61,7 +66,7 @@ def test_tp2_hidden_states_match(spawned):
 
 def test_pp2_bootstrap_matches_hf(spawned):
     ids = spawned["pp_ids"]
-    for family, (hf, (_, _, out)) in zip(PP_FAMILIES, spawned["pp"]):
+    for family, (hf, (_, _, out)) in zip(PP_FAMILIES, spawned["pp"], strict=True):
         got = torch.load(out)
         assert got["layers"] == TINY["num_hidden_layers"] // 2  # the last stage built only its half
         with torch.no_grad():

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from .hf_checkpoints import make_hf_checkpoint
 
+from tests.hf.hf_checkpoints import make_hf_checkpoint
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
@@ -108,8 +108,10 @@ def test_strict_errors_list_unexpected_and_missing(tmp_path, megatron_single_ran
         load_backbone_state(step, wrong)
     msg = str(err.value)
     assert "unexpected ['decoder.layers.self_attention.linear_qkv.bias']" in msg
-    assert ("missing ['decoder.layers.self_attention.k_layernorm.weight', "
-            "'decoder.layers.self_attention.q_layernorm.weight']") in msg
+    assert (
+        "missing ['decoder.layers.self_attention.k_layernorm.weight', "
+        "'decoder.layers.self_attention.q_layernorm.weight']"
+    ) in msg
 
 
 def test_architecture_from_hf_config_when_args_are_absent(tmp_path, megatron_single_rank):
@@ -142,7 +144,9 @@ def test_pickles_are_never_run(tmp_path):
     from value_assets.gpu.runtime.safe_pickle import Opaque, load_common, load_dcp_metadata
 
     marker = tmp_path / "pwned"
-    torch.save({"args": argparse.Namespace(num_layers=2, evil=_Evil(str(marker))), "iteration": 3}, tmp_path / "common.pt")
+    torch.save(
+        {"args": argparse.Namespace(num_layers=2, evil=_Evil(str(marker))), "iteration": 3}, tmp_path / "common.pt"
+    )
     obj = load_common(tmp_path / "common.pt")
     assert not marker.exists()
     assert obj["iteration"] == 3 and obj["args"].num_layers == 2 and isinstance(obj["args"].evil, Opaque)
@@ -163,24 +167,63 @@ def test_real_megatron_lm_arguments_are_read(tmp_path):
     from value_assets.gpu.runtime.safe_pickle import Opaque, load_common
 
     args = argparse.Namespace(
-        num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
-        num_query_groups=2, kv_channels=32, vocab_size=None, padded_vocab_size=256, max_position_embeddings=128,
-        rotary_base=1000000, norm_epsilon=1e-6, normalization="RMSNorm", swiglu=True, add_qkv_bias=False,
-        qk_layernorm=True, position_embedding_type="rope", use_rope_scaling=False, num_experts=None,
-        params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto, transformer_impl="transformer_engine",
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=32,
+        vocab_size=None,
+        padded_vocab_size=256,
+        max_position_embeddings=128,
+        rotary_base=1000000,
+        norm_epsilon=1e-6,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        position_embedding_type="rope",
+        use_rope_scaling=False,
+        num_experts=None,
+        params_dtype=torch.bfloat16,
+        attention_backend=AttnBackend.auto,
+        transformer_impl="transformer_engine",
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+    )
     torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0}, tmp_path / "common.pt")
     read = vars(load_common(tmp_path / "common.pt")["args"])
     assert read["params_dtype"] is torch.bfloat16 and isinstance(read["attention_backend"], Opaque)
     cfg = backbone_from_args(read, "common.pt")
-    assert (cfg.family, cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size, cfg.rotary_base) == ("qwen3", 2, 32, 256, 1e6)
-    with pytest.raises(InputError, match="args.swiglu: is an object of megatron.core.transformer.enums.AttnBackend, not a plain value"):
+    assert (cfg.family, cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size, cfg.rotary_base) == (
+        "qwen3",
+        2,
+        32,
+        256,
+        1e6,
+    )
+    with pytest.raises(
+        InputError, match="args.swiglu: is an object of megatron.core.transformer.enums.AttnBackend, not a plain value"
+    ):
         backbone_from_args({**read, "swiglu": read["attention_backend"]}, "common.pt")
     with pytest.raises(InputError, match="MoE backbones are not supported"):
         backbone_from_args({**read, "num_experts": 8}, "common.pt")
     # Settings without a trace in the tensors, which the critic would silently compute otherwise.
-    for key, value in (("rotary_interleaved", True), ("rotary_percent", 0.5), ("apply_layernorm_1p", True),
-                       ("rotary_seq_len_interpolation_factor", 4), ("window_size", (4096, 0))):
-        with pytest.raises(InputError, match=rf"common\.pt: args\.{key}: is {re.escape(repr(value))}; the critic computes with"):
+    for key, value in (
+        ("rotary_interleaved", True),
+        ("rotary_percent", 0.5),
+        ("apply_layernorm_1p", True),
+        ("rotary_seq_len_interpolation_factor", 4),
+        ("window_size", (4096, 0)),
+    ):
+        with pytest.raises(
+            InputError, match=rf"common\.pt: args\.{key}: is {re.escape(repr(value))}; the critic computes with"
+        ):
             backbone_from_args({**read, key: value}, "common.pt")
-    assert backbone_from_args({**read, "rotary_interleaved": False, "rotary_percent": 1.0, "window_size": None}, "common.pt") == cfg
+    assert (
+        backbone_from_args(
+            {**read, "rotary_interleaved": False, "rotary_percent": 1.0, "window_size": None}, "common.pt"
+        )
+        == cfg
+    )

@@ -13,10 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from value_assets.core.checkpoint_files import describe_folder
 import torch
 
+from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
@@ -46,14 +45,28 @@ def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = Non
         values = None
         if ids is not None:
             with torch.no_grad():
-                values = critic_forward(model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32), ids.numel())
+                values = critic_forward(
+                    model,
+                    ids,
+                    torch.arange(ids.numel()),
+                    torch.tensor([0, ids.numel()], dtype=torch.int32),
+                    ids.numel(),
+                )
         state = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         save_critic(step, model, iteration=STEPS)
     finally:
         destroy()
-    contract = build_contract(manifest_sha256="a" * 64, train_sha256="b" * 64, objective=objective.canonical(),
-                              plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random", "seed": 0},
-                              backbone_config=cfg.to_json(), checkpoint=str(step), checkpoint_files=describe_folder(step))
+    contract = build_contract(
+        manifest_sha256="a" * 64,
+        train_sha256="b" * 64,
+        objective=objective.canonical(),
+        plan=build_plan(8, 4, 1, 0),
+        completed_steps=STEPS,
+        model={"kind": "tiny-random", "seed": 0},
+        backbone_config=cfg.to_json(),
+        checkpoint=str(step),
+        checkpoint_files=describe_folder(step),
+    )
     write_contract(root, contract)
     return cfg, values, state
 
@@ -75,26 +88,42 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
 
     root, cfg, ids, values, state = mse_critic
     out = tmp_path / "miles"
-    assert cmd_export_miles(SimpleNamespace(checkpoint=str(root), out=str(out), model_identity="tiny-critic@test",
-                                            layer_spec=spec)) == 0
+    assert (
+        cmd_export_miles(
+            SimpleNamespace(checkpoint=str(root), out=str(out), model_identity="tiny-critic@test", layer_spec=spec)
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     contract, sha = read_miles_contract(out, printed["contract_sha256"])  # Miles' rules, sha pinned
     raw = (out / "value_pretrain_contract.json").read_bytes()
     assert raw == canonical_bytes(contract) and sorted(contract) == sorted(MILES_KEYS)
     assert contract == {
-        "schema": "miles.value-pretrain-checkpoint.v1", "source_manifest_sha256": "a" * 64,
+        "schema": "miles.value-pretrain-checkpoint.v1",
+        "source_manifest_sha256": "a" * 64,
         "train_dataset_sha256": "b" * 64,
-        "objective": {"loss_type": "mse", "num_bins": 51, "reward_range": [-1.0, 1.0], "target_type": "hl_gauss",
-                      "hl_gauss_sigma_ratio": 0.75},
+        "objective": {
+            "loss_type": "mse",
+            "num_bins": 51,
+            "reward_range": [-1.0, 1.0],
+            "target_type": "hl_gauss",
+            "hl_gauss_sigma_ratio": 0.75,
+        },
         "batch_plan": {"seed": 0, "global_batch_size": 4, "drop_incomplete_batch": True},
-        "completed_steps": STEPS, "model_identity": "tiny-critic@test"}
+        "completed_steps": STEPS,
+        "model_identity": "tiny-critic@test",
+    }
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
     step = out / f"iter_{STEPS:07d}"
     assert set(megatron_lm.tensor_shapes(step)) == set(megatron_lm.checkpoint_names(cfg)) | set(megatron_lm.HEAD)
     assert megatron_lm.tensor_shapes(step)["output_layer.weight"] == (1, cfg.hidden_size)
     assert megatron_lm.tensor_shapes(step)["embedding.word_embeddings.weight"][0] % 128 == 0
     common = megatron_lm.saved_args(step)
-    assert common["tensor_model_parallel_size"] == 1 and common["no_save_optim"] and common["untie_embeddings_and_output_weights"]
+    assert (
+        common["tensor_model_parallel_size"] == 1
+        and common["no_save_optim"]
+        and common["untie_embeddings_and_output_weights"]
+    )
     # Round trip: the bootstrap reader gives back every tensor exactly.
     got_cfg, got_step, it, got_spec = megatron_lm.resolve(out)
     assert (got_cfg, got_step, it, got_spec) == (cfg, step, STEPS, spec)
@@ -116,7 +145,9 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
         load_backbone_into(model, source, tp=1)
         model.load_state_dict(megatron_lm.load_head(step), strict=False)
         with torch.no_grad():
-            got = critic_forward(model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32), ids.numel())
+            got = critic_forward(
+                model, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32), ids.numel()
+            )
     finally:
         destroy()
     assert torch.equal(got, values)
@@ -177,10 +208,20 @@ def test_scalar_export_refuses_a_classification_critic(tmp_path):
     save = tmp_path / iter_dirname(STEPS)
     save.mkdir()
     (save / "common.pt").write_bytes(b"never read: the objective is refused first")
-    write_contract(tmp_path, build_contract(checkpoint_files=describe_folder(save),
-        manifest_sha256="a" * 64, train_sha256="b" * 64, objective=Objective(num_bins=51).canonical(),
-        plan=build_plan(8, 4, 1, 0), completed_steps=STEPS, model={"kind": "tiny-random"},
-        backbone_config=BackboneConfig.tiny().to_json(), checkpoint=save.name))
+    write_contract(
+        tmp_path,
+        build_contract(
+            checkpoint_files=describe_folder(save),
+            manifest_sha256="a" * 64,
+            train_sha256="b" * 64,
+            objective=Objective(num_bins=51).canonical(),
+            plan=build_plan(8, 4, 1, 0),
+            completed_steps=STEPS,
+            model={"kind": "tiny-random"},
+            backbone_config=BackboneConfig.tiny().to_json(),
+            checkpoint=save.name,
+        ),
+    )
     for fmt in ("scalar", "openrlhf"):
         with pytest.raises(InputError, match="not linear in the hidden state"):
             export_checkpoint(tmp_path, tmp_path / "out", fmt)

@@ -12,8 +12,8 @@ import socket
 import pytest
 import torch
 
-from ..ranks import start_ranks
-from .hf_checkpoints import make_hf_checkpoint
+from tests.hf.hf_checkpoints import make_hf_checkpoint
+from tests.ranks import start_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -50,8 +50,7 @@ def _export(tmp_path, hf, k, specs):
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatron_loads_the_export_strictly(tmp_path, world):
     """TP=1 runs in this process (one rank); TP=2 spawns two gloo processes."""
-    from . import megatron_lm_worker
-
+    from tests.hf import megatron_lm_worker
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 
     hf_folder, k = tmp_path / "hf", 3
@@ -59,8 +58,10 @@ def test_megatron_loads_the_export_strictly(tmp_path, world):
     state = _export(tmp_path, hf_folder, k, ("te", "local"))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
     torch.save(ids, tmp_path / "ids.pt")
-    cases = [(str(tmp_path / spec), spec, str(hf_folder), k, str(tmp_path / "ids.pt"), str(tmp_path / f"{spec}.pt"))
-             for spec in ("te", "local")]
+    cases = [
+        (str(tmp_path / spec), spec, str(hf_folder), k, str(tmp_path / "ids.pt"), str(tmp_path / f"{spec}.pt"))
+        for spec in ("te", "local")
+    ]
     if world == 1:
         init_distributed(0, 1, "127.0.0.1", free_port())
         try:

@@ -20,7 +20,9 @@ def model_weights(step_dir: Path, scratch: Path) -> dict:
     dcp_to_torch_save(str(step_dir), str(out))
     state = torch.load(out, weights_only=True)
     out.unlink()
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and "optimizer" not in k}
+    return {
+        k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and "optimizer" not in k
+    }
 
 
 def max_weight_difference(a: Path, b: Path, scratch: Path) -> float:

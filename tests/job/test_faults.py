@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference, quiet, tiny_train_job
 from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
@@ -73,8 +74,13 @@ def last_save(critic: Path) -> Path:
 
 
 def eval_cfg(critic: Path, manifest: Path, report: Path, sha: str | None = None) -> EvaluateJob:
-    return EvaluateJob(checkpoint=critic, manifest=manifest, report=report, gpus=2,
-                      contract_sha256=sha or load_contract(last_save(critic))[1])
+    return EvaluateJob(
+        checkpoint=critic,
+        manifest=manifest,
+        report=report,
+        gpus=2,
+        contract_sha256=sha or load_contract(last_save(critic))[1],
+    )
 
 
 class _Payload:
@@ -113,9 +119,9 @@ def test_byte_entries_load_without_unpickling_objects(trained):
     import io
 
     import torch
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 
     from value_assets.gpu.runtime.checkpoint import safe_byte_entries
-    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 
     safe_byte_entries()
 
@@ -159,7 +165,6 @@ def test_shards_of_another_step_are_refused(critic, manifest, no_cluster):
         prepare(cfg_for(manifest, critic, epochs=2), log=quiet)
 
 
-
 # ---- defect 12: a deleted file is a clear refusal, before any worker starts ---------------------------------
 
 
@@ -176,7 +181,9 @@ def test_an_unwritable_report_folder_is_refused_before_the_workers(critic, manif
     folder = tmp_path / "ro"
     folder.mkdir()
     if os.geteuid() == 0:  # root ignores permission bits: use a read-only mount
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True).returncode:
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True
+        ).returncode:
             pytest.skip("cannot mount a read-only folder here")
     else:
         folder.chmod(0o555)
@@ -204,7 +211,9 @@ def test_resume_refuses_another_backbone(critic, manifest, no_cluster):
 
 def test_a_lagging_latest_recovers_to_the_newest_verified_save(critic, manifest, trained, no_cluster):
     sha4 = load_contract(critic / iter_dirname(4))[1]
-    (critic / LATEST_NAME).write_text(json.dumps({"contract_sha256": sha4, "iteration": iter_dirname(4)}, separators=(",", ":")) + "\n")
+    (critic / LATEST_NAME).write_text(
+        json.dumps({"contract_sha256": sha4, "iteration": iter_dirname(4)}, separators=(",", ":")) + "\n"
+    )
     logs: list[str] = []
     prep = prepare(cfg_for(manifest, critic), log=logs.append)
     assert prep.start_step == STEPS and prep.resume_dir == last_save(critic)
@@ -223,7 +232,8 @@ def test_a_deleted_latest_recovers_too(critic, manifest, no_cluster):
     assert not any("has no contract" in m for m in logs) and any("missing" in m for m in logs)
 
 
-# ---- defect 13: kill and resume ---------------------------------------------------------------------------------------
+# ---- defect 13: kill and resume
+# ---------------------------------------------------------------------------------------
 # Before the tests whose jobs a worker refuses: that ends the session's worker pool, and this job
 # would then start fresh worker processes.
 
@@ -233,7 +243,9 @@ def test_resume_after_a_kill_logs_each_step_once_and_matches_the_uninterrupted_r
     full = trained[1]
     shutil.rmtree(last_save(critic))
     sha4 = load_contract(critic / iter_dirname(4))[1]
-    (critic / LATEST_NAME).write_text(json.dumps({"contract_sha256": sha4, "iteration": iter_dirname(4)}, separators=(",", ":")) + "\n")
+    (critic / LATEST_NAME).write_text(
+        json.dumps({"contract_sha256": sha4, "iteration": iter_dirname(4)}, separators=(",", ":")) + "\n"
+    )
     log = critic / "metrics.jsonl"
     log.write_text("".join(log.read_text().splitlines(keepends=True)[:6]) + '{"step": 7, "lo')  # killed mid-line
     resumed = train(cfg_for(manifest, critic), log=quiet)
@@ -281,7 +293,9 @@ def _swap_after_the_driver_checked(monkeypatch, swap, method: str = "load"):
     monkeypatch.setattr(Cluster, "call_all", planted)
 
 
-def test_a_file_swapped_after_the_driver_checked_it_is_never_used(ray_cluster, trained, critic, manifest, tmp_path, monkeypatch):
+def test_a_file_swapped_after_the_driver_checked_it_is_never_used(
+    ray_cluster, trained, critic, manifest, tmp_path, monkeypatch
+):
     """The workers use only bytes they checked themselves: a pickle planted as the index is never
     unpickled (evaluation), a changed weight shard is never loaded (resume)."""
     marker = tmp_path / "pwned"
@@ -301,13 +315,19 @@ def test_a_file_swapped_after_the_driver_checked_it_is_never_used(ray_cluster, t
         shard.write_bytes(bytes(data))
 
     _swap_after_the_driver_checked(monkeypatch, flip)
-    with pytest.raises(InputError, match=r"__0_0\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
+    with pytest.raises(
+        InputError, match=r"__0_0\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"
+    ):
         train(cfg_for(manifest, critic, epochs=2), log=quiet)
-    assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [iter_dirname(4), iter_dirname(8)]
+    assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [
+        iter_dirname(4),
+        iter_dirname(8),
+    ]
 
 
-
-def test_a_critic_reused_as_backbone_is_read_through_the_same_check(ray_cluster, critic, manifest, tmp_path, monkeypatch):
+def test_a_critic_reused_as_backbone_is_read_through_the_same_check(
+    ray_cluster, critic, manifest, tmp_path, monkeypatch
+):
     """A contracted save named as another critic's backbone: its workers check its bytes against its
     contract too (gpu/convert/bootstrap.py), so a shard swapped after the driver's check is refused."""
     shard = last_save(critic) / "__0_1.distcp"
@@ -319,7 +339,9 @@ def test_a_critic_reused_as_backbone_is_read_through_the_same_check(ray_cluster,
 
     _swap_after_the_driver_checked(monkeypatch, flip, method="bootstrap")
     out = tmp_path / "next"
-    with pytest.raises(InputError, match=r"__0_1\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"):
+    with pytest.raises(
+        InputError, match=r"__0_1\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"
+    ):
         train(cfg_for(manifest, out, backbone=str(last_save(critic)), stop_after=1, gpus=1), log=quiet)
     assert read_latest(out) is None and not list(out.glob("iter_*"))
 
@@ -417,11 +439,19 @@ def test_a_killed_driver_takes_its_local_ray_along(tmp_path):
 
     errors = tmp_path / "driver.stderr"
     with errors.open("w") as err:
-        driver = subprocess.Popen([sys.executable, str(Path(__file__).with_name("killed_driver.py"))], stdout=subprocess.PIPE,
-                                  stderr=err, text=True, env=dict(os.environ, RAY_ADDRESS=""))
+        driver = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("killed_driver.py"))],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=dict(os.environ, RAY_ADDRESS=""),
+        )
     try:
         line = driver.stdout.readline()
-        assert line, f"the driver ended before it listed its processes (exit code {driver.wait(timeout=30)}):\n{errors.read_text()[-3000:]}"
+        assert line, (
+            "the driver ended before it listed its processes (exit code "
+            f"{driver.wait(timeout=30)}):\n{errors.read_text()[-3000:]}"
+        )
         started = {int(pid): name for pid, name in json.loads(line).items()}
         assert len(started) >= 3, started  # gcs_server, raylet, a worker at least
         procs = []
@@ -434,7 +464,9 @@ def test_a_killed_driver_takes_its_local_ray_along(tmp_path):
     t0 = time.monotonic()
     alive = _survivors(procs, timeout_s=30)
     took = time.monotonic() - t0
-    assert not alive, f"still alive {took:.0f} s after the driver was killed: {[(p.pid, started[p.pid]) for p in alive]}"
+    assert not alive, (
+        f"still alive {took:.0f} s after the driver was killed: {[(p.pid, started[p.pid]) for p in alive]}"
+    )
 
 
 _OWN_RAY_DRIVER = """
@@ -478,8 +510,14 @@ def test_a_driver_that_ends_cleanly_ends_its_local_ray(manifest, tmp_path):
     env["RAY_TMPDIR"] = str(ray_tmp)
     out = tmp_path / "critic"
     try:
-        done = subprocess.run([sys.executable, "-c", _OWN_RAY_DRIVER, str(manifest), str(out)], env=env, capture_output=True,
-                              text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+        done = subprocess.run(
+            [sys.executable, "-c", _OWN_RAY_DRIVER, str(manifest), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).resolve().parents[2],
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,17 +16,25 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.job.jobtest_helpers import quiet, tiny_train_job
 
-from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, build_contract, iter_dirname, load_contract, read_latest, write_contract
+from tests.job.jobtest_helpers import quiet, tiny_train_job
+from value_assets.core.checkpoint_files import describe_folder
+from value_assets.core.contract import (
+    CONTRACT_NAME,
+    LATEST_NAME,
+    build_contract,
+    iter_dirname,
+    load_contract,
+    read_latest,
+    write_contract,
+)
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
+from value_assets.core.job_configs import EvaluateJob, TrainJob
 from value_assets.core.publish import verify_published
 from value_assets.core.strict_json import canonical_bytes
-from value_assets.core.job_configs import EvaluateJob, TrainJob
-from value_assets.core.checkpoint_files import describe_folder
-from value_assets.gpu.drivers.train import RECEIPT_NAME, execution_facts, prepare, train
 from value_assets.gpu.drivers.evaluate import evaluate
+from value_assets.gpu.drivers.train import RECEIPT_NAME, execution_facts, prepare, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -40,7 +48,10 @@ ROWS, STEPS, SAVE = 1024, 32, 16
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
-    return {"learnable": make_demo_data(root, rows=ROWS, seed=0), "shuffled": make_demo_data(root, rows=ROWS, seed=0, shuffle_labels=True)}
+    return {
+        "learnable": make_demo_data(root, rows=ROWS, seed=0),
+        "shuffled": make_demo_data(root, rows=ROWS, seed=0, shuffle_labels=True),
+    }
 
 
 def base_cfg(manifest: Path, output: Path, **kw) -> TrainJob:
@@ -53,7 +64,12 @@ def learned(ray_cluster, data, tmp_path_factory):
     cfg = base_cfg(data["learnable"], out)
     result = train(cfg, log=quiet)
     report = tmp_path_factory.mktemp("reports") / "ev.json"
-    ev = evaluate(EvaluateJob(checkpoint=out, manifest=data["learnable"], contract_sha256=result.contract_sha256, report=report, gpus=2), log=quiet)
+    ev = evaluate(
+        EvaluateJob(
+            checkpoint=out, manifest=data["learnable"], contract_sha256=result.contract_sha256, report=report, gpus=2
+        ),
+        log=quiet,
+    )
     return cfg, result, ev
 
 
@@ -86,7 +102,9 @@ def test_report_states_position_intervals_and_gate_mode(learned):
     assert report["position"]["weighting"] == "token" and [d["decile"] for d in deciles] == list(range(10))
     table = np.array([[d["stats"][k] for k in ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")] for d in deciles])
     assert table.sum(axis=0) == pytest.approx(stats_row_of(agg["token"]["stats"]), rel=1e-9, abs=1e-9)
-    assert [d["n"] for d in deciles] == table[:, 0].tolist() and all(d["n"] > 1 and d["ev"] is not None for d in deciles)
+    assert [d["n"] for d in deciles] == table[:, 0].tolist() and all(
+        d["n"] > 1 and d["ev"] is not None for d in deciles
+    )
     rows = sum(len(b["rows"]) for b in report["batches"])
     for w in ("token", "trajectory"):
         iv = report["intervals"][w]
@@ -116,7 +134,12 @@ def test_contract_and_report_bind_the_lineage(learned, data):
     assert contract["completed_steps"] == STEPS and contract["checkpoint"] == iter_dirname(STEPS) == "iter_0000032"
     assert contract["source_manifest_sha256"] == result.manifest_sha256 == ev.report["source_manifest_sha256"]
     assert contract["batch_plan_sha256"] == result.plan_sha256
-    assert contract["batch_plan"] == {"seed": 0, "global_batch_size": 32, "drop_incomplete_batch": True, "algorithm": "miles.epoch_shuffle.v1"}
+    assert contract["batch_plan"] == {
+        "seed": 0,
+        "global_batch_size": 32,
+        "drop_incomplete_batch": True,
+        "algorithm": "miles.epoch_shuffle.v1",
+    }
     # one contract per save
     assert (cfg.output / iter_dirname(SAVE) / CONTRACT_NAME).is_file()
     # the report is write-once with its sha beside it, and so are its plots
@@ -126,9 +149,9 @@ def test_contract_and_report_bind_the_lineage(learned, data):
         verify_published(path)
     assert ev.report["execution"] == {"forward_only": True, "optimizer_steps": 0, "dp": 2}
     # metrics log: one line per step, undefined in-batch EV is null (never 0)
-    lines = [json.loads(l) for l in (cfg.output / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == list(range(1, STEPS + 1))
-    assert all(l["explained_variance"] is None or isinstance(l["explained_variance"], float) for l in lines)
+    lines = [json.loads(line) for line in (cfg.output / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert all(line["explained_variance"] is None or isinstance(line["explained_variance"], float) for line in lines)
     assert any((cfg.output / "tensorboard").iterdir())
 
 
@@ -141,7 +164,9 @@ def _retarget_contract(critic: Path, **changes) -> None:
     (step_dir / CONTRACT_NAME).write_bytes(data)
     import hashlib
 
-    (critic / LATEST_NAME).write_bytes(canonical_bytes({"iteration": step_dir.name, "contract_sha256": hashlib.sha256(data).hexdigest()}))
+    (critic / LATEST_NAME).write_bytes(
+        canonical_bytes({"iteration": step_dir.name, "contract_sha256": hashlib.sha256(data).hexdigest()})
+    )
 
 
 @pytest.fixture
@@ -153,11 +178,21 @@ def contracted(data, tmp_path):
     step_dir = cfg.output / iter_dirname(prep.plan.num_steps)
     step_dir.mkdir(parents=True)
     (step_dir / "common.pt").write_bytes(b"stand-in: never loaded by the refusal tests")
-    write_contract(cfg.output, build_contract(
-        manifest_sha256=prep.manifest.sha256, train_sha256=prep.train.sha256, objective=prep.manifest.objective.canonical(),
-        plan=prep.plan, completed_steps=prep.plan.num_steps, model=prep.backbone_identity,
-        backbone_config=prep.backbone_cfg.to_json(), checkpoint=step_dir.name, checkpoint_files=describe_folder(step_dir),
-        execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens)))
+    write_contract(
+        cfg.output,
+        build_contract(
+            manifest_sha256=prep.manifest.sha256,
+            train_sha256=prep.train.sha256,
+            objective=prep.manifest.objective.canonical(),
+            plan=prep.plan,
+            completed_steps=prep.plan.num_steps,
+            model=prep.backbone_identity,
+            backbone_config=prep.backbone_cfg.to_json(),
+            checkpoint=step_dir.name,
+            checkpoint_files=describe_folder(step_dir),
+            execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens),
+        ),
+    )
     return cfg
 
 
@@ -166,9 +201,13 @@ def test_the_contracted_stand_in_matches_a_trained_folder(contracted, learned):
     trained_dir, trained_sha = read_latest(learned[0].output)
     built_dir, built_sha = read_latest(contracted.output)
     assert built_dir.name == trained_dir.name == iter_dirname(STEPS)
-    built, trained = (load_contract(d, pinned_sha256=sha)[0] for d, sha in ((built_dir, built_sha), (trained_dir, trained_sha)))
+    built, trained = (
+        load_contract(d, pinned_sha256=sha)[0] for d, sha in ((built_dir, built_sha), (trained_dir, trained_sha))
+    )
     # Every field but the file list, which binds the stand-in's one file instead of the real shards.
-    assert {k: v for k, v in built.items() if k != "checkpoint_files"} == {k: v for k, v in trained.items() if k != "checkpoint_files"}
+    assert {k: v for k, v in built.items() if k != "checkpoint_files"} == {
+        k: v for k, v in trained.items() if k != "checkpoint_files"
+    }
     assert [f["path"] for f in built["checkpoint_files"]] == ["common.pt"] and trained["checkpoint_files"]
 
 
@@ -180,10 +219,13 @@ def learned_copy(learned, tmp_path):
     return replace(cfg, output=dst)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"seed": 1}, "batch plan differs"),
-    ({"global_batch_size": 16}, "batch plan differs"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seed": 1}, "batch plan differs"),
+        ({"global_batch_size": 16}, "batch plan differs"),
+    ],
+)
 def test_resume_refuses_another_plan(contracted, change, message):
     with pytest.raises(InputError, match=message):
         prepare(replace(contracted, **change), log=quiet)
@@ -194,11 +236,25 @@ def test_resume_refuses_another_manifest(contracted, data):
         prepare(replace(contracted, manifest=data["shuffled"]), log=quiet)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"train_dataset_sha256": "0" * 64}, "trained on train dataset"),
-    ({"objective": {"loss_type": "mse", "num_bins": 51, "reward_range": [0.0, 1.0], "target_type": "hl_gauss", "hl_gauss_sigma_ratio": 0.75}}, "objective differs"),
-    ({"completed_steps": 999}, "beyond the plan"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"train_dataset_sha256": "0" * 64}, "trained on train dataset"),
+        (
+            {
+                "objective": {
+                    "loss_type": "mse",
+                    "num_bins": 51,
+                    "reward_range": [0.0, 1.0],
+                    "target_type": "hl_gauss",
+                    "hl_gauss_sigma_ratio": 0.75,
+                }
+            },
+            "objective differs",
+        ),
+        ({"completed_steps": 999}, "beyond the plan"),
+    ],
+)
 def test_resume_refuses_a_contract_that_does_not_match(contracted, changes, message):
     _retarget_contract(contracted.output, **changes)
     with pytest.raises(InputError, match=message):
@@ -277,7 +333,7 @@ def test_exported_critic_reproduces_the_report(learned, data, tmp_path):
             r = ds.row(i)
             with torch.no_grad():
                 logits = model(input_ids=torch.as_tensor(r.tokens[:-1])[None]).logits[0].double()
-            values = (logits.softmax(-1) @ support).numpy()[r.prompt_length - 1:]
+            values = (logits.softmax(-1) @ support).numpy()[r.prompt_length - 1 :]
             tok = tok + token_stats(r.returns, values, r.loss_mask)
             traj = traj + trajectory_stats(r.returns, values, r.loss_mask)
     agg = ev.report["aggregates"]
@@ -305,8 +361,16 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
     assert resumed.losses == two.losses[2:] and resumed.state_sha256 == two.state_sha256
 
     def ev(result, name, **kw):
-        return evaluate(EvaluateJob(checkpoint=Path(result.critic_dir), manifest=data["learnable"], contract_sha256=result.contract_sha256,
-                                   report=tmp_path / f"{name}.json", **kw), log=quiet).report["aggregates"]
+        return evaluate(
+            EvaluateJob(
+                checkpoint=Path(result.critic_dir),
+                manifest=data["learnable"],
+                contract_sha256=result.contract_sha256,
+                report=tmp_path / f"{name}.json",
+                **kw,
+            ),
+            log=quiet,
+        ).report["aggregates"]
 
     # (The one-stage run's parameters equal these within 1e-5: tests/engine checks that.)
     staged = ev(two, "pp2-at-pp2", gpus=2, pipeline_parallel=2)
@@ -316,11 +380,26 @@ def test_pipeline_parallel_job_matches_one_stage(ray_cluster, data, tmp_path):
         assert staged[kind]["ev"] != 0.0
 
 
-@pytest.mark.parametrize("kw, flag, message", [
-    ({"gpus": 3, "pipeline_parallel": 3, "global_batch_size": 30}, "pipeline_parallel", "3 stages do not split the backbone's 2 layers evenly"),
-    ({"gpus": 2, "tensor_parallel": 2, "pipeline_parallel": 2}, "gpus", "not divisible by the model-parallel size tp x pp = 2 x 2 = 4"),
-    ({"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30}, "tensor_parallel", "3 does not divide the backbone's num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "kw, flag, message",
+    [
+        (
+            {"gpus": 3, "pipeline_parallel": 3, "global_batch_size": 30},
+            "pipeline_parallel",
+            "3 stages do not split the backbone's 2 layers evenly",
+        ),
+        (
+            {"gpus": 2, "tensor_parallel": 2, "pipeline_parallel": 2},
+            "gpus",
+            "not divisible by the model-parallel size tp x pp = 2 x 2 = 4",
+        ),
+        (
+            {"gpus": 3, "tensor_parallel": 3, "global_batch_size": 30},
+            "tensor_parallel",
+            "3 does not divide the backbone's num_attention_heads",
+        ),
+    ],
+)
 def test_model_parallel_layout_is_refused_before_launch(data, tmp_path, monkeypatch, kw, flag, message):
     from value_assets.gpu.workers import cluster
 
@@ -377,8 +456,17 @@ def test_evaluation_refuses_a_layout_the_backbone_cannot_take(contracted, data, 
     monkeypatch.setattr(cluster, "start_workers", lambda *_, **__: pytest.fail("the cluster must not be reserved"))
     report = tmp_path / "ev.json"
     with pytest.raises(InputError, match="4 stages do not split the backbone's 2 layers evenly"):
-        evaluate(EvaluateJob(checkpoint=contracted.output, manifest=data["learnable"], contract_sha256=read_latest(contracted.output)[1],
-                            report=report, gpus=4, pipeline_parallel=4), log=quiet)
+        evaluate(
+            EvaluateJob(
+                checkpoint=contracted.output,
+                manifest=data["learnable"],
+                contract_sha256=read_latest(contracted.output)[1],
+                report=report,
+                gpus=4,
+                pipeline_parallel=4,
+            ),
+            log=quiet,
+        )
     assert not report.exists()
 
 

@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 
+from tests.job.jobtest_helpers import quiet, tiny_train_job
 from value_assets.core.contract import load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
 from value_assets.core.errors import InputError
-from value_assets.core.memory import MemoryConfig
-from tests.job.jobtest_helpers import quiet, tiny_train_job
 from value_assets.core.job_configs import TrainJob
+from value_assets.core.memory import MemoryConfig
 from value_assets.gpu.drivers.train import check_resume_execution, prepare, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -68,8 +68,11 @@ def test_resume_execution_check():
     with pytest.raises(InputError, match="distributed_optimizer"):
         check_resume_execution({}, TrainJob(**base, **mem(MemoryConfig(distributed_optimizer=True))), where="ck")
     with pytest.raises(InputError, match="tensor_parallel"):
-        check_resume_execution(dist, TrainJob(**{**base, "tensor_parallel": 1},
-                                              **mem(MemoryConfig(distributed_optimizer=True))), where="ck")
+        check_resume_execution(
+            dist,
+            TrainJob(**{**base, "tensor_parallel": 1}, **mem(MemoryConfig(distributed_optimizer=True))),
+            where="ck",
+        )
 
 
 def test_resume_refuses_another_freeze_setting():
@@ -94,11 +97,20 @@ def test_memory_features_run_through_the_job_unchanged(ray_cluster, manifest, tm
     feat = train(run, log=quiet)
     assert feat.losses == pytest.approx(plain.losses, rel=1e-5)
     contract, _ = load_contract(*read_latest(tmp_path / "mem"))
-    assert contract["execution"] == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
-                                     "micro_batch_tokens": 4096, "memory": memory.to_json(), "freeze": "none"}
+    assert contract["execution"] == {
+        "tensor_parallel": 1,
+        "pipeline_parallel": 1,
+        "data_parallel": 2,
+        "micro_batch_tokens": 4096,
+        "memory": memory.to_json(),
+        "freeze": "none",
+    }
     assert contract["execution"]["memory"]["recompute_layers"] == 1
     with pytest.raises(InputError, match="distributed_optimizer"):
-        prepare(replace(run, distributed_optimizer=False, recompute="none", recompute_layers=None, stop_after=None), log=quiet)
+        prepare(
+            replace(run, distributed_optimizer=False, recompute="none", recompute_layers=None, stop_after=None),
+            log=quiet,
+        )
 
 
 def test_freeze_is_recorded_in_the_contract_and_resume_must_match(ray_cluster, manifest, tmp_path):

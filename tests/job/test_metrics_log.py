@@ -28,14 +28,18 @@ def test_tensorboard_reads_back_every_logged_scalar_and_no_undefined_one(tmp_pat
     tags = set(acc.Tags()["scalars"])
     assert tags == {"train/loss", "train/explained_variance", "train/grad_norm", "train/lr"}
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (2, 1.25)]
-    assert [(e.step, e.value) for e in acc.Scalars("train/explained_variance")] == [(2, 0.5)]  # step 1 undefined: absent
+    assert [(e.step, e.value) for e in acc.Scalars("train/explained_variance")] == [
+        (2, 0.5)
+    ]  # step 1 undefined: absent
     assert [e.step for e in acc.Scalars("train/lr")] == [1, 2]
 
 
 def test_logging_metrics_imports_no_torch(tmp_path):
-    code = ("import sys; from pathlib import Path; from value_assets.gpu.drivers.metrics_log import MetricsLog; "
-            "log = MetricsLog(Path(sys.argv[1])); log.write(1, {'loss': 1.0}); log.close(); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from pathlib import Path; from value_assets.gpu.drivers.metrics_log import MetricsLog; "
+        "log = MetricsLog(Path(sys.argv[1])); log.write(1, {'loss': 1.0}); log.close(); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"]

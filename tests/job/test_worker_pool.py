@@ -27,7 +27,7 @@ class Log(list):
         self.append(message)
 
     def pids(self) -> list[int]:
-        placement = [json.loads(m[len("placement "):]) for m in self if m.startswith("placement ")]
+        placement = [json.loads(m[len("placement ") :]) for m in self if m.startswith("placement ")]
         assert len(placement) == 1, self
         return [r["pid"] for r in placement[0]["ranks"]]
 
@@ -65,8 +65,10 @@ def run(manifest, out, log, **kw):
 def pool_workers_alive(name: str) -> bool:
     import ray
 
-    return any(e.get("namespace") == POOL_NAMESPACE and str(e.get("name", "")).startswith(f"{name}-w")
-               for e in ray.util.list_named_actors(all_namespaces=True))
+    return any(
+        e.get("namespace") == POOL_NAMESPACE and str(e.get("name", "")).startswith(f"{name}-w")
+        for e in ray.util.list_named_actors(all_namespaces=True)
+    )
 
 
 def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool, manifest, tmp_path):
@@ -83,7 +85,9 @@ def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool, manif
     assert pool_workers_alive(pool)  # kept for the next job (the next test's)
 
 
-def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(pool, manifest, tmp_path):
+def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(
+    pool, manifest, tmp_path
+):
     """One flow, so that each pool start (fresh processes importing torch and megatron) serves
     several checks: held -> waited for and refused; another shape -> replaced; a job refused by
     its driver -> kept; a failed job on that pool -> ended, and the next job starts fresh processes."""
@@ -146,7 +150,9 @@ def test_the_lease_passes_on_only_when_its_holder_is_gone():
     import subprocess
     import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     worker.return_lease("a")
     assert worker.acquire_lease({**live, "token": "c", "pid": int(dead.stdout)})
     assert worker.acquire_lease({**live, "token": "d"})  # "c"'s process has exited

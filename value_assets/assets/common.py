@@ -4,9 +4,10 @@ run config, metadata values. What the instance recorded is read through `value_a
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dagster import Config, Failure, MetadataValue
 from pydantic import Field

@@ -7,7 +7,6 @@ re-reads what the job published (contract, report) so that the recorded shas com
 files on disk, not only from what the job said.
 """
 
-
 import shlex
 import shutil
 from typing import Any
@@ -23,6 +22,7 @@ from dagster import (
     asset,
     multi_asset,
 )
+
 from value_assets.assets.common import (
     OWNERS,
     fail_on_bad_input,
@@ -37,9 +37,18 @@ from value_assets.core import vocabulary as v
 from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
 from value_assets.core.errors import InputError
+from value_assets.core.handoff import (
+    HF_BUNDLE,
+    MILES_BUNDLE,
+    build_handoff,
+    install_bundles,
+    miles_bundle_record,
+    model_identity,
+    read_registry_record,
+    record_rl_settings,
+    reusable_handoff,
+)
 from value_assets.core.hashing import sha256_bytes
-from value_assets.core.handoff import (HF_BUNDLE, MILES_BUNDLE, build_handoff, install_bundles, miles_bundle_record,
-                                       model_identity, read_registry_record, record_rl_settings, reusable_handoff)
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.miles import build_miles_contract
 from value_assets.core.plan import BatchPlan, load_published_plan
@@ -68,7 +77,9 @@ class TrainRunConfig(Config):
     save_interval: int | None = job_setting(TrainJob, "save_interval")
     lr: float | None = job_setting(TrainJob, "lr")
     warmup_steps: int | None = job_setting(TrainJob, "warmup_steps")
-    micro_batch_tokens: int | None = job_setting(TrainJob, "micro_batch_tokens")  # "auto" is command-line only (Dagster config has no int-or-string type)
+    micro_batch_tokens: int | None = job_setting(
+        TrainJob, "micro_batch_tokens"
+    )  # "auto" is command-line only (Dagster config has no int-or-string type)
     recompute: str | None = job_setting(TrainJob, "recompute")
     recompute_layers: int | None = job_setting(TrainJob, "recompute_layers")
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
@@ -84,16 +95,34 @@ def published_plan(lineage: Lineage) -> tuple[PublishedPlan, BatchPlan]:
     return published, load_published_plan(published.path, published.sha256)
 
 
-def train_job(config: TrainRunConfig, manifest, output_dir, published: PublishedPlan, plan: BatchPlan, data_roots=None,
-              canary: bool = False, resume_from: tuple[str, ...] | None = None) -> TrainJob:
+def train_job(
+    config: TrainRunConfig,
+    manifest,
+    output_dir,
+    published: PublishedPlan,
+    plan: BatchPlan,
+    data_roots=None,
+    canary: bool = False,
+    resume_from: tuple[str, ...] | None = None,
+) -> TrainJob:
     """The training job of a partition. The manifest sha is pinned, so the job trains on the very
     bytes this partition registered; the published plan is the job's plan (path and sha; the job
     reads it again and trains on exactly it); a resume may start only from a save the lineage
     recorded (`resume_from`)."""
-    return TrainJob(manifest=manifest.path, manifest_sha256=manifest.sha256, output=output_dir,
-                    plan=published.path, plan_sha256=published.sha256, global_batch_size=plan.global_batch_size,
-                    epochs=plan.epochs, seed=plan.seed, data_roots=data_roots, canary=canary, resume_from=resume_from,
-                    **given(config))
+    return TrainJob(
+        manifest=manifest.path,
+        manifest_sha256=manifest.sha256,
+        output=output_dir,
+        plan=published.path,
+        plan_sha256=published.sha256,
+        global_batch_size=plan.global_batch_size,
+        epochs=plan.epochs,
+        seed=plan.seed,
+        data_roots=data_roots,
+        canary=canary,
+        resume_from=resume_from,
+        **given(config),
+    )
 
 
 def _job_extras(context: AssetExecutionContext, manifest) -> dict[str, Any]:
@@ -135,11 +164,25 @@ def contract_metadata(ref: ContractRef) -> dict[str, Any]:
 
 @multi_asset(
     specs=[
-        AssetSpec(v.CRITIC_CHECKPOINT, deps=[batch_plan, train_dataset, value_manifest], code_version="1",
-                  group_name=GROUP, owners=OWNERS, kinds=TRAIN_KINDS, description="The trained critic: the latest contracted save."),
-        AssetSpec(v.TRAINING_CONTRACT, deps=[v.CRITIC_CHECKPOINT], code_version="1", group_name=GROUP,
-                  owners=OWNERS, kinds=TRAIN_KINDS,
-                  description="The contract binding that save to manifest, dataset, objective and plan (docs/rules.md#contract)."),
+        AssetSpec(
+            v.CRITIC_CHECKPOINT,
+            deps=[batch_plan, train_dataset, value_manifest],
+            code_version="1",
+            group_name=GROUP,
+            owners=OWNERS,
+            kinds=TRAIN_KINDS,
+            description="The trained critic: the latest contracted save.",
+        ),
+        AssetSpec(
+            v.TRAINING_CONTRACT,
+            deps=[v.CRITIC_CHECKPOINT],
+            code_version="1",
+            group_name=GROUP,
+            owners=OWNERS,
+            kinds=TRAIN_KINDS,
+            description="The contract binding that save to manifest, dataset, objective and plan "
+            "(docs/rules.md#contract).",
+        ),
     ],
     partitions_def=manifests_partitions,
     pool=GPU_POOL,
@@ -177,10 +220,20 @@ def critic_training(
         )
 
 
-@asset(partitions_def=manifests_partitions, deps=[batch_plan, train_dataset], code_version="1",
-       group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds=TRAIN_KINDS)
+@asset(
+    partitions_def=manifests_partitions,
+    deps=[batch_plan, train_dataset],
+    code_version="1",
+    group_name=GROUP,
+    pool=GPU_POOL,
+    owners=OWNERS,
+    kinds=TRAIN_KINDS,
+)
 def canary_receipt(
-    context: AssetExecutionContext, config: TrainRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
+    context: AssetExecutionContext,
+    config: TrainRunConfig,
+    artifacts: ArtifactStore,
+    inbox: ManifestInbox,
     launcher: GpuJobLauncher,
 ) -> MaterializeResult:
     """One planned step end to end; writes a non-promotable receipt and no contract (docs/rules.md#training-run)."""
@@ -226,10 +279,20 @@ def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dic
     return metadata
 
 
-@asset(partitions_def=manifests_partitions, deps=[v.TRAINING_CONTRACT, v.CRITIC_CHECKPOINT, heldout_dataset],
-       code_version="1", group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"pytorch", "ray"})
+@asset(
+    partitions_def=manifests_partitions,
+    deps=[v.TRAINING_CONTRACT, v.CRITIC_CHECKPOINT, heldout_dataset],
+    code_version="1",
+    group_name=GROUP,
+    pool=GPU_POOL,
+    owners=OWNERS,
+    kinds={"pytorch", "ray"},
+)
 def ev_report(
-    context: AssetExecutionContext, config: EvaluateRunConfig, artifacts: ArtifactStore, inbox: ManifestInbox,
+    context: AssetExecutionContext,
+    config: EvaluateRunConfig,
+    artifacts: ArtifactStore,
+    inbox: ManifestInbox,
     launcher: GpuJobLauncher,
 ) -> MaterializeResult:
     """Forward-only EV evaluation of the latest contracted critic on heldout rows (docs/rules.md#evaluation).
@@ -245,33 +308,54 @@ def ev_report(
         manifest = partition_manifest(context, artifacts, inbox)
         ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=lineage.contract_sha())
         report_path = artifacts.report_path(key, ref.sha256)
-        recorded_sha = lineage_report_sha(lineage.reports(), contract_sha256=ref.sha256,
-                                          report_path=report_path)
+        recorded_sha = lineage_report_sha(lineage.reports(), contract_sha256=ref.sha256, report_path=report_path)
         reuse = decide_reuse(report_path, recorded_sha)
     extra: dict[str, Any] = {v.REUSED: reuse}
     if reuse:
-        context.log.info(f"{report_path} was published for contract {ref.sha256} with the sha this lineage recorded "
-                         f"({recorded_sha}): reused, not re-evaluated")
+        context.log.info(
+            f"{report_path} was published for contract {ref.sha256} with the sha this lineage recorded "
+            f"({recorded_sha}): reused, not re-evaluated"
+        )
     else:
         split = "heldout" if manifest.heldout is not None else "train"
         with fail_on_bad_input("ev_report: config"):
-            job = EvaluateJob(checkpoint=ref.checkpoint_dir, manifest=manifest.path, contract_sha256=ref.sha256,
-                              report=report_path, split=split, data_roots=inbox.roots(), **given(config))
-        result = materialization_of(launcher.launch(context, v.EVALUATE, job, _job_extras(context, manifest)), v.EVALUATE.name)
+            job = EvaluateJob(
+                checkpoint=ref.checkpoint_dir,
+                manifest=manifest.path,
+                contract_sha256=ref.sha256,
+                report=report_path,
+                split=split,
+                data_roots=inbox.roots(),
+                **given(config),
+            )
+        result = materialization_of(
+            launcher.launch(context, v.EVALUATE, job, _job_extras(context, manifest)), v.EVALUATE.name
+        )
         extra.update(result.metadata or {})
     with fail_on_bad_input("ev_report: published report"):
         report, report_sha = read_published(report_path, "EV report", expected_sha=recorded_sha if reuse else None)
     reported = getattr(extra.get(v.REPORT_SHA256), "value", extra.get(v.REPORT_SHA256))
     if not reuse and reported is not None and reported != report_sha:
-        raise Failure(description=f"the evaluation job reported report {reported} but {report_path} hashes to {report_sha}")
+        raise Failure(
+            description=f"the evaluation job reported report {reported} but {report_path} hashes to {report_sha}"
+        )
     if report.get("contract_sha256") != ref.sha256:
-        raise Failure(description=f"{report_path} names contract {report.get('contract_sha256')!r}, expected {ref.sha256}")
-    return MaterializeResult(data_version=DataVersion(report_sha),
-                             metadata={**extra, **report_metadata(report, report_sha, report_path)})
+        raise Failure(
+            description=f"{report_path} names contract {report.get('contract_sha256')!r}, expected {ref.sha256}"
+        )
+    return MaterializeResult(
+        data_version=DataVersion(report_sha), metadata={**extra, **report_metadata(report, report_sha, report_path)}
+    )
 
 
-def export_handoff(context: AssetExecutionContext, artifacts: ArtifactStore, launcher: GpuJobLauncher, ref: ContractRef,
-                   previous: dict[str, Any] | None, extras: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def export_handoff(
+    context: AssetExecutionContext,
+    artifacts: ArtifactStore,
+    launcher: GpuJobLauncher,
+    ref: ContractRef,
+    previous: dict[str, Any] | None,
+    extras: dict[str, Any],
+) -> tuple[dict[str, Any], bool]:
     """(the record's `handoff`, whether it was reused). Exports through the GPU job (torch stays
     out of this process) into a staging folder, installs the bundles under `handoff/`, then reads
     them back; a failure leaves no record behind (the caller writes it only after this returns)."""
@@ -290,21 +374,32 @@ def export_handoff(context: AssetExecutionContext, artifacts: ArtifactStore, lau
     staging.parent.mkdir(parents=True, exist_ok=True)
     try:
         with fail_on_bad_input("promoted_critic: hand-off config"):
-            job = HandoffJob(checkpoint=ref.checkpoint_dir, contract_sha256=ref.sha256, out_dir=staging,
-                             model_identity=miles_contract["model_identity"], scalar_hf=scalar_hf)
+            job = HandoffJob(
+                checkpoint=ref.checkpoint_dir,
+                contract_sha256=ref.sha256,
+                out_dir=staging,
+                model_identity=miles_contract["model_identity"],
+                scalar_hf=scalar_hf,
+            )
         result = materialization_of(launcher.launch(context, v.HANDOFF, job, extras), v.HANDOFF.name)
         names = (MILES_BUNDLE, HF_BUNDLE) if scalar_hf else (MILES_BUNDLE,)
         with fail_on_bad_input("promoted_critic: exported bundles"):
             miles_bundle_record(staging / MILES_BUNDLE, miles_contract)  # before anything is replaced
             install_bundles(staging, artifacts.handoff_dir(key), names)
-            handoff = build_handoff(handoff_dir=artifacts.handoff_dir(key), miles_contract=miles_contract,
-                                    objective=objective, scalar_hf=scalar_hf)
+            handoff = build_handoff(
+                handoff_dir=artifacts.handoff_dir(key),
+                miles_contract=miles_contract,
+                objective=objective,
+                scalar_hf=scalar_hf,
+            )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     reported = getattr((result.metadata or {}).get(v.MILES_CONTRACT_SHA256), "value", None)
     if reported is not None and reported != handoff[MILES_BUNDLE]["contract_sha256"]:
-        raise Failure(description=f"the hand-off job reported Miles contract {reported}, but the installed one hashes "
-                                  f"to {handoff[MILES_BUNDLE]['contract_sha256']}")
+        raise Failure(
+            description=f"the hand-off job reported Miles contract {reported}, but the installed one hashes "
+            f"to {handoff[MILES_BUNDLE]['contract_sha256']}"
+        )
     return handoff, False
 
 
@@ -326,10 +421,18 @@ def handoff_metadata(handoff: dict[str, Any], reused: bool) -> dict[str, Any]:
     }
 
 
-@asset(partitions_def=manifests_partitions, deps=[ev_report, v.TRAINING_CONTRACT], code_version="2",
-       group_name=GROUP, pool=GPU_POOL, owners=OWNERS, kinds={"json"})
-def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox,
-                    launcher: GpuJobLauncher) -> MaterializeResult:
+@asset(
+    partitions_def=manifests_partitions,
+    deps=[ev_report, v.TRAINING_CONTRACT],
+    code_version="2",
+    group_name=GROUP,
+    pool=GPU_POOL,
+    owners=OWNERS,
+    kinds={"json"},
+)
+def promoted_critic(
+    context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox, launcher: GpuJobLauncher
+) -> MaterializeResult:
     """The registry record the online RL job pins: checkpoint + contract sha (docs/rules.md#promotion), and the
     hand-off bundles with their shas and the RL-side settings (docs/rules.md#hand-off, docs/rules.md#hand-off).
 
@@ -348,16 +451,22 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
         ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=lineage.contract_sha())
         report_path = artifacts.report_path(key, ref.sha256)
         record = verify_promotion(
-            partition_key=key, manifest_sha256=manifest.sha256, contract=ref, report_path=report_path,
-            recorded_report_sha256=lineage_report_sha(lineage.reports(),
-                                                      contract_sha256=ref.sha256, report_path=report_path),
+            partition_key=key,
+            manifest_sha256=manifest.sha256,
+            contract=ref,
+            report_path=report_path,
+            recorded_report_sha256=lineage_report_sha(
+                lineage.reports(), contract_sha256=ref.sha256, report_path=report_path
+            ),
             gate=lineage.last_gate(),
             # Every file of the promoted save against its contract (docs/rules.md#checkpoint-binding).
             verify_checkpoint=verify_checkpoint,
         )
     registry_path = artifacts.registry_path(key)
     previous = previous_record(context, lineage, registry_path)
-    record["handoff"], reused = export_handoff(context, artifacts, launcher, ref, previous, _job_extras(context, manifest))
+    record["handoff"], reused = export_handoff(
+        context, artifacts, launcher, ref, previous, _job_extras(context, manifest)
+    )
     record_sha256 = atomic_write(registry_path, canonical_bytes(record))
     identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
     return MaterializeResult(
@@ -368,7 +477,10 @@ def promoted_critic(context: AssetExecutionContext, artifacts: ArtifactStore, in
             # artifacts folder alone cannot vouch for itself (docs/rules.md#hand-off).
             v.REGISTRY_RECORD_SHA256: record_sha256,
             "handoff_command": MetadataValue.md(
-                "```\n" + shlex.join(["value-assets", "handoff", str(registry_path), "--record-sha256", record_sha256]) + "\n```"),
+                "```\n"
+                + shlex.join(["value-assets", "handoff", str(registry_path), "--record-sha256", record_sha256])
+                + "\n```"
+            ),
             "checkpoint": MetadataValue.path(record["checkpoint"]),
             v.CONTRACT_SHA256: record["contract_sha256"],
             v.REPORT_SHA256: record["report_sha256"],

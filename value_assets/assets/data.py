@@ -4,7 +4,6 @@ All run in the Dagster process, before any accelerator is reserved (docs/rules.m
 never reserves one).
 """
 
-
 from dagster import (
     AssetExecutionContext,
     Config,
@@ -16,6 +15,7 @@ from dagster import (
     TableSchema,
     asset,
 )
+
 from value_assets.assets.common import OWNERS, fail_on_bad_input, given, job_setting, partition_manifest
 from value_assets.core import vocabulary as v
 from value_assets.core.job_configs import TrainJob, field_default
@@ -87,16 +87,30 @@ def _validate(context, artifacts, inbox, split: str) -> MaterializeResult:
     return dataset_result(dataset, split)
 
 
-@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP, owners=OWNERS,
-       kinds=DATASET_KINDS)
+@asset(
+    partitions_def=manifests_partitions,
+    deps=[value_manifest],
+    code_version="1",
+    group_name=GROUP,
+    owners=OWNERS,
+    kinds=DATASET_KINDS,
+)
 def train_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
     """The train split, fully validated (docs/rules.md#dataset), with its statistics and label counts."""
     return _validate(context, artifacts, inbox, "train")
 
 
-@asset(partitions_def=manifests_partitions, deps=[value_manifest], code_version="1", group_name=GROUP, owners=OWNERS,
-       kinds=DATASET_KINDS)
-def heldout_dataset(context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox) -> MaterializeResult:
+@asset(
+    partitions_def=manifests_partitions,
+    deps=[value_manifest],
+    code_version="1",
+    group_name=GROUP,
+    owners=OWNERS,
+    kinds=DATASET_KINDS,
+)
+def heldout_dataset(
+    context: AssetExecutionContext, artifacts: ArtifactStore, inbox: ManifestInbox
+) -> MaterializeResult:
     """The heldout split the gate evaluates on, fully validated; marked absent when the manifest has none."""
     return _validate(context, artifacts, inbox, "heldout")
 
@@ -119,8 +133,14 @@ def plan_settings(config: PlanConfig) -> tuple[int, int, int]:
     return settings["global_batch_size"], settings["epochs"], settings["seed"]
 
 
-@asset(partitions_def=manifests_partitions, deps=[train_dataset], code_version="1", group_name=GROUP, owners=OWNERS,
-       kinds={"json"})
+@asset(
+    partitions_def=manifests_partitions,
+    deps=[train_dataset],
+    code_version="1",
+    group_name=GROUP,
+    owners=OWNERS,
+    kinds={"json"},
+)
 def batch_plan(
     context: AssetExecutionContext, config: PlanConfig, artifacts: ArtifactStore, inbox: ManifestInbox
 ) -> MaterializeResult:

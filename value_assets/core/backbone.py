@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -32,36 +32,47 @@ class BackboneConfig:
     norm_epsilon: float = 1e-6
     qkv_bias: bool = False
     qk_layernorm: bool = False
-    kv_channels: Optional[int] = None  # head dim; None means hidden_size / num_attention_heads (Qwen3 sets its own)
+    kv_channels: int | None = None  # head dim; None means hidden_size / num_attention_heads (Qwen3 sets its own)
     # Llama 3.x RoPE scaling factor (megatron's form: low/high frequency factors 1 and 4, original
     # context 8192); None: plain RoPE.
-    rope_scaling_factor: Optional[float] = None
+    rope_scaling_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"backbone.family must be one of {FAMILIES}, got {self.family!r}")
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "vocab_size", "max_seq_len"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vocab_size",
+            "max_seq_len",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"backbone.{name} must be an int >= 1, got {v!r}")
-        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool) or self.kv_channels < 1):
+        if self.kv_channels is not None and (
+            not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool) or self.kv_channels < 1
+        ):
             raise ValueError(f"backbone.kv_channels must be an int >= 1 or None, got {self.kv_channels!r}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"backbone.hidden_size {self.hidden_size} not divisible by "
-                f"num_attention_heads {self.num_attention_heads}")
+                f"num_attention_heads {self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"backbone.num_attention_heads {self.num_attention_heads} not divisible by "
-                f"num_query_groups {self.num_query_groups}")
+                f"num_query_groups {self.num_query_groups}"
+            )
         f = self.rope_scaling_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
             raise ValueError(f"backbone.rope_scaling_factor must be a finite number > 0 or None, got {f!r}")
         if not (self.rotary_base > 0 and self.norm_epsilon > 0):
             raise ValueError(
-                f"backbone.rotary_base and norm_epsilon must be > 0, got "
-                f"{self.rotary_base!r}, {self.norm_epsilon!r}")
+                f"backbone.rotary_base and norm_epsilon must be > 0, got {self.rotary_base!r}, {self.norm_epsilon!r}"
+            )
 
     @property
     def rope_scaling(self) -> bool:
@@ -93,35 +104,55 @@ class BackboneConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "BackboneConfig":
+    def from_json(cls, obj: dict[str, Any]) -> BackboneConfig:
         return cls(**obj)
 
     @classmethod
-    def tiny(cls, **overrides: Any) -> "BackboneConfig":
+    def tiny(cls, **overrides: Any) -> BackboneConfig:
         """2 layers, hidden 64, 4 heads / 2 KV groups; vocab 49152 covers the demo token ids."""
-        base: dict[str, Any] = dict(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                    num_attention_heads=4, num_query_groups=2, vocab_size=49152,
-                    max_seq_len=1024, rotary_base=10000.0, norm_epsilon=1e-6, qkv_bias=True)
+        base: dict[str, Any] = dict(
+            family="qwen2",
+            num_layers=2,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            vocab_size=49152,
+            max_seq_len=1024,
+            rotary_base=10000.0,
+            norm_epsilon=1e-6,
+            qkv_bias=True,
+        )
         base.update(overrides)
         return cls(**base)
 
     @classmethod
-    def qwen2_5(cls, size: str) -> "BackboneConfig":
+    def qwen2_5(cls, size: str) -> BackboneConfig:
         """The Qwen2.5 dense shape of `size` ("0.5b", "1.5b", "3b", "7b", "14b")."""
         try:
             layers, hidden, ffn, heads, groups, vocab = QWEN2_5_SHAPES[size]
         except KeyError:
             raise ValueError(f"no Qwen2.5 shape {size!r}; known: {', '.join(QWEN2_5_SHAPES)}") from None
-        return cls(family="qwen2", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                   num_attention_heads=heads, num_query_groups=groups, vocab_size=vocab,
-                   max_seq_len=32768, rotary_base=1000000.0, norm_epsilon=1e-6, qkv_bias=True)
+        return cls(
+            family="qwen2",
+            num_layers=layers,
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            vocab_size=vocab,
+            max_seq_len=32768,
+            rotary_base=1000000.0,
+            norm_epsilon=1e-6,
+            qkv_bias=True,
+        )
 
     @classmethod
-    def qwen2_5_0_5b(cls) -> "BackboneConfig":
+    def qwen2_5_0_5b(cls) -> BackboneConfig:
         return cls.qwen2_5("0.5b")
 
     @classmethod
-    def qwen2_5_1_5b(cls) -> "BackboneConfig":
+    def qwen2_5_1_5b(cls) -> BackboneConfig:
         return cls.qwen2_5("1.5b")
 
 

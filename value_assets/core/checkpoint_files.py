@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping
+from typing import Any
 
-from .errors import InputError, show
-from .hashing import is_sha, sha256_file
-from .strict_json import is_int
+from value_assets.core.errors import InputError, show
+from value_assets.core.hashing import is_sha, sha256_file
+from value_assets.core.strict_json import is_int
 
 # The contract itself sits in the step folder it binds; it is the one file not described.
 CONTRACT_NAME = "value_pretrain_contract.json"
@@ -66,7 +67,7 @@ def _sha256_files(root: Path, rels: list[str]) -> dict[str, str]:
     """relative path -> sha256 of each file under `root`, hashed in parallel: a save is a few
     large files."""
     with ThreadPoolExecutor(max_workers=hash_threads(len(rels))) as pool:
-        return dict(zip(rels, pool.map(lambda rel: sha256_file(root / rel), rels)))
+        return dict(zip(rels, pool.map(lambda rel: sha256_file(root / rel), rels), strict=True))
 
 
 def bound_files(contract: Mapping[str, Any], where: str) -> dict[str, tuple[int, str]]:
@@ -74,15 +75,32 @@ def bound_files(contract: Mapping[str, Any], where: str) -> dict[str, tuple[int,
     binding is absent or malformed."""
     files = contract.get(FIELD)
     if not isinstance(files, list) or not files:
-        raise InputError(where, f"the contract binds no checkpoint files ({FIELD} = {show(files)}); it cannot be verified")
+        raise InputError(
+            where, f"the contract binds no checkpoint files ({FIELD} = {show(files)}); it cannot be verified"
+        )
     out: dict[str, tuple[int, str]] = {}
     for k, f in enumerate(files):
-        ok = isinstance(f, dict) and set(f) == {"path", "size", "sha256"} and isinstance(f["path"], str) \
-            and is_int(f["size"]) and f["size"] >= 0 and is_sha(f["sha256"])
+        ok = (
+            isinstance(f, dict)
+            and set(f) == {"path", "size", "sha256"}
+            and isinstance(f["path"], str)
+            and is_int(f["size"])
+            and f["size"] >= 0
+            and is_sha(f["sha256"])
+        )
         p = PurePosixPath(f["path"]) if ok else None  # None exactly when not ok
-        if p is None or p.is_absolute() or ".." in p.parts or p.as_posix() != f["path"] or f["path"] in out \
-                or f["path"] == CONTRACT_NAME:
-            raise InputError(f"{where}: {FIELD}[{k}]", f"not a file entry {{path, size, sha256}} with a unique relative path: {show(f)}")
+        if (
+            p is None
+            or p.is_absolute()
+            or ".." in p.parts
+            or p.as_posix() != f["path"]
+            or f["path"] in out
+            or f["path"] == CONTRACT_NAME
+        ):
+            raise InputError(
+                f"{where}: {FIELD}[{k}]",
+                f"not a file entry {{path, size, sha256}} with a unique relative path: {show(f)}",
+            )
         out[f["path"]] = (int(f["size"]), f["sha256"])
     return out
 
@@ -124,4 +142,7 @@ def verify_checkpoint(step_dir: str | Path, contract: Mapping[str, Any]) -> None
     """Refuse (InputError naming every differing file) unless the save matches its contract."""
     diffs = checkpoint_differences(step_dir, contract)
     if diffs:
-        raise InputError(str(step_dir), "checkpoint files do not match their contract; refusing to load any of them: " + "; ".join(diffs))
+        raise InputError(
+            str(step_dir),
+            "checkpoint files do not match their contract; refusing to load any of them: " + "; ".join(diffs),
+        )

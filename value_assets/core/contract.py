@@ -7,22 +7,36 @@ plan it was trained with. It is canonical JSON; its sha is the sha of those byte
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-from .checkpoint_files import CONTRACT_NAME as CONTRACT_NAME  # re-exported: callers name it with the contract API
-from .checkpoint_files import verify_checkpoint
-from .errors import InputError, show
-from .hashing import read_pinned, require_sha, sha256_bytes
-from .plan import BatchPlan
-from .publish import atomic_write
-from .strict_json import canonical_bytes, is_int, loads
+from value_assets.core.checkpoint_files import (
+    CONTRACT_NAME as CONTRACT_NAME,  # re-exported: callers name it with the contract API
+)
+from value_assets.core.checkpoint_files import verify_checkpoint
+from value_assets.core.errors import InputError, show
+from value_assets.core.hashing import read_pinned, require_sha, sha256_bytes
+from value_assets.core.plan import BatchPlan
+from value_assets.core.publish import atomic_write
+from value_assets.core.strict_json import canonical_bytes, is_int, loads
 
 SCHEMA = "value-assets.training-contract.v1"
 LATEST_NAME = "latest"
 RECEIPT_SCHEMA = "value-assets.canary-receipt.v1"
-REQUIRED = ("schema", "source_manifest_sha256", "train_dataset_sha256", "objective", "batch_plan",
-            "batch_plan_sha256", "completed_steps", "model", "backbone_config", "checkpoint", "checkpoint_files")
+REQUIRED = (
+    "schema",
+    "source_manifest_sha256",
+    "train_dataset_sha256",
+    "objective",
+    "batch_plan",
+    "batch_plan_sha256",
+    "completed_steps",
+    "model",
+    "backbone_config",
+    "checkpoint",
+    "checkpoint_files",
+)
 
 
 _ITER_RE = re.compile(r"iter_(\d{7})")
@@ -37,13 +51,26 @@ def existing_iterations(critic_dir: str | Path) -> list[int]:
     root = Path(critic_dir)
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _ITER_RE.fullmatch(p.name)) and p.is_dir() and not p.is_symlink())
+    return sorted(
+        int(m.group(1))
+        for p in root.iterdir()
+        if (m := _ITER_RE.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()
+    )
 
 
-def build_contract(*, manifest_sha256: str, train_sha256: str, objective: Mapping[str, Any], plan: BatchPlan,
-                   completed_steps: int, model: Mapping[str, Any], backbone_config: Mapping[str, Any],
-                   checkpoint: str, checkpoint_files: Sequence[Mapping[str, Any]],
-                   execution: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build_contract(
+    *,
+    manifest_sha256: str,
+    train_sha256: str,
+    objective: Mapping[str, Any],
+    plan: BatchPlan,
+    completed_steps: int,
+    model: Mapping[str, Any],
+    backbone_config: Mapping[str, Any],
+    checkpoint: str,
+    checkpoint_files: Sequence[Mapping[str, Any]],
+    execution: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """`checkpoint_files` is `checkpoint_files.describe_folder(step_dir)`, taken once the save is
     complete. `execution`: optional execution facts (parallel layout, memory features, micro-batch
     budget): how the steps were run, none of which changes the result; stored as given."""
@@ -124,7 +151,10 @@ def resolve_step_dir(path: str | Path) -> tuple[Path, str | None]:
     if latest is None:
         found = existing_iterations(p)
         hint = f" (it holds {', '.join(iter_dirname(i) for i in found)}: name one of them)" if found else ""
-        raise InputError(str(p), f"is neither a contracted checkpoint folder nor a critic folder with a '{LATEST_NAME}' pointer{hint}")
+        raise InputError(
+            str(p),
+            f"is neither a contracted checkpoint folder nor a critic folder with a '{LATEST_NAME}' pointer{hint}",
+        )
     return latest
 
 
@@ -136,8 +166,9 @@ def load_verified(step_dir: str | Path, pinned_sha256: str | None = None) -> tup
     return contract, sha
 
 
-def find_resume_point(critic_dir: str | Path,
-                      log: Callable[[str], None] = lambda _m: None) -> tuple[Path, dict[str, Any], str] | None:
+def find_resume_point(
+    critic_dir: str | Path, log: Callable[[str], None] = lambda _m: None
+) -> tuple[Path, dict[str, Any], str] | None:
     """The save a run resumes from: the newest contracted `iter_*` folder, verified against its
     contract (step folder, contract, contract sha); None when nothing was ever contracted.
 
@@ -153,7 +184,10 @@ def find_resume_point(critic_dir: str | Path,
     contracted = [i for i in its if (root / iter_dirname(i) / CONTRACT_NAME).is_file()]
     if not contracted:
         if latest is not None:
-            raise InputError(str(root / LATEST_NAME), f"refusing to resume: '{LATEST_NAME}' names {latest[0].name}, which holds no contract")
+            raise InputError(
+                str(root / LATEST_NAME),
+                f"refusing to resume: '{LATEST_NAME}' names {latest[0].name}, which holds no contract",
+            )
         if its:
             refuse_uncontracted(its[-1], str(root / iter_dirname(its[-1])))
         return None
@@ -164,16 +198,24 @@ def find_resume_point(critic_dir: str | Path,
         if latest[0].parent != root or named is None:
             raise InputError(str(root / LATEST_NAME), f"malformed latest pointer: names {latest[0].name!r}")
         if int(named.group(1)) > contracted[-1]:
-            raise InputError(str(root / LATEST_NAME), f"refusing to resume: '{LATEST_NAME}' names {latest[0].name}, which holds no contract")
+            raise InputError(
+                str(root / LATEST_NAME),
+                f"refusing to resume: '{LATEST_NAME}' names {latest[0].name}, which holds no contract",
+            )
         if latest[0] == step_dir:
             pinned = latest[1]
     # (Its completed_steps are checked against the iteration the workers load, by check_resume.)
     contract, sha = load_verified(step_dir, pinned_sha256=pinned)
     if latest is None:
-        log(f"'{LATEST_NAME}' is missing; {step_dir.name} holds the newest contract and its files verify: resuming from it")
+        log(
+            f"'{LATEST_NAME}' is missing; {step_dir.name} holds the newest contract and its files verify: resuming "
+            "from it"
+        )
     elif pinned is None:
-        log(f"'{LATEST_NAME}' names {latest[0].name}, but {step_dir.name} holds a newer contract and its files verify "
-            f"(a crash between contract and pointer): resuming from {step_dir.name}")
+        log(
+            f"'{LATEST_NAME}' names {latest[0].name}, but {step_dir.name} holds a newer contract and its files verify "
+            f"(a crash between contract and pointer): resuming from {step_dir.name}"
+        )
     return step_dir, contract, sha
 
 
@@ -203,24 +245,56 @@ def check_resume_recorded(sha256: str, recorded: Sequence[str] | None, *, where:
     any save whose files verify). Whoever can write the critic folder can plant a complete,
     self-consistent save; only a record kept elsewhere tells it from the lineage's own."""
     if recorded is not None and sha256 not in recorded:
-        raise InputError(where, f"refusing to resume: its contract {sha256} is not one of the {len(recorded)} saves this "
-                         "lineage's runs recorded (a save planted in the folder, or written by another run): remove it "
-                         "to resume from an earlier save, or train into an empty folder")
+        raise InputError(
+            where,
+            f"refusing to resume: its contract {sha256} is not one of the {len(recorded)} saves this "
+            "lineage's runs recorded (a save planted in the folder, or written by another run): remove it "
+            "to resume from an earlier save, or train into an empty folder",
+        )
 
 
-def check_resume(contract: Mapping[str, Any], *, where: str, manifest_sha256: str, train_sha256: str,
-                 objective: Mapping[str, Any], plan: BatchPlan, model: Mapping[str, Any], loaded_iterations: Sequence[int]) -> int:
+def check_resume(
+    contract: Mapping[str, Any],
+    *,
+    where: str,
+    manifest_sha256: str,
+    train_sha256: str,
+    objective: Mapping[str, Any],
+    plan: BatchPlan,
+    model: Mapping[str, Any],
+    loaded_iterations: Sequence[int],
+) -> int:
     """Return the number of completed steps to skip, or refuse (InputError) with one message per rule."""
     if contract["source_manifest_sha256"] != manifest_sha256:
-        raise InputError(where, f"refusing to resume: the checkpoint was trained from manifest {contract['source_manifest_sha256']}, this run's manifest is {manifest_sha256}")
+        raise InputError(
+            where,
+            f"refusing to resume: the checkpoint was trained from manifest {contract['source_manifest_sha256']}, this "
+            f"run's manifest is {manifest_sha256}",
+        )
     if contract["train_dataset_sha256"] != train_sha256:
-        raise InputError(where, f"refusing to resume: the checkpoint was trained on train dataset {contract['train_dataset_sha256']}, this run's is {train_sha256}")
+        raise InputError(
+            where,
+            f"refusing to resume: the checkpoint was trained on train dataset {contract['train_dataset_sha256']}, "
+            f"this run's is {train_sha256}",
+        )
     if dict(contract["objective"]) != dict(objective):
-        raise InputError(where, f"refusing to resume: objective differs: checkpoint {dict(contract['objective'])}, this run {dict(objective)}")
+        raise InputError(
+            where,
+            f"refusing to resume: objective differs: checkpoint {dict(contract['objective'])}, this run "
+            f"{dict(objective)}",
+        )
     if dict(contract["batch_plan"]) != plan.spec():
-        raise InputError(where, f"refusing to resume: batch plan differs: checkpoint {dict(contract['batch_plan'])}, this run {plan.spec()}")
+        raise InputError(
+            where,
+            f"refusing to resume: batch plan differs: checkpoint {dict(contract['batch_plan'])}, this run "
+            f"{plan.spec()}",
+        )
     if _identity(contract["model"]) != _identity(model):
-        raise InputError(where, f"refusing to resume: the checkpoint descends from bootstrap model {dict(contract['model'])}, this run's --backbone is {dict(model)}")
+        raise InputError(
+            where,
+            f"refusing to resume: the checkpoint descends from bootstrap model {dict(contract['model'])}, this run's "
+            f"--backbone is {dict(model)}",
+        )
     its = sorted(set(int(i) for i in loaded_iterations))
     if len(its) != 1:
         raise InputError(where, f"refusing to resume: ranks loaded different iterations {list(loaded_iterations)}")
@@ -228,9 +302,17 @@ def check_resume(contract: Mapping[str, Any], *, where: str, manifest_sha256: st
     if not is_int(steps) or steps < 0:
         raise InputError(where, f"contract completed_steps must be an integer >= 0, got {show(steps)}")
     if its[0] != steps:
-        raise InputError(where, f"refusing to resume: the loaded checkpoint is at iteration {its[0]}, but its contract says {steps} completed steps")
+        raise InputError(
+            where,
+            f"refusing to resume: the loaded checkpoint is at iteration {its[0]}, but its contract says {steps} "
+            "completed steps",
+        )
     if steps > plan.num_steps:
-        raise InputError(where, f"refusing to resume: the contract has {steps} completed steps, beyond the plan's {plan.num_steps} (extend --epochs to train further)")
+        raise InputError(
+            where,
+            f"refusing to resume: the contract has {steps} completed steps, beyond the plan's {plan.num_steps} (extend "
+            "--epochs to train further)",
+        )
     return steps
 
 
@@ -245,10 +327,16 @@ def _identity(model: Mapping[str, Any]) -> dict[str, Any]:
 def refuse_uncontracted(iteration: int, where: str) -> None:
     """A checkpoint at a non-zero iteration without a contract is ambiguous: refuse it."""
     if iteration != 0:
-        raise InputError(where, f"refusing to resume: a checkpoint at iteration {iteration} has no contract; cannot tell what it was trained on")
+        raise InputError(
+            where,
+            f"refusing to resume: a checkpoint at iteration {iteration} has no contract; cannot tell what it was "
+            "trained on",
+        )
 
 
-def build_receipt(*, manifest_sha256: str, train_sha256: str, plan: BatchPlan, first_batch_sample_ids: Sequence[str]) -> dict[str, Any]:
+def build_receipt(
+    *, manifest_sha256: str, train_sha256: str, plan: BatchPlan, first_batch_sample_ids: Sequence[str]
+) -> dict[str, Any]:
     """The canary's non-promotable receipt."""
     return {
         "schema": RECEIPT_SCHEMA,

@@ -15,7 +15,8 @@ Two paths give the same verdict:
 
 Memory: file bytes are never held beyond one batch (~16 MB) plus one row, and a row is at most
 `max_row_bytes` (default 64 MiB): a longer JSONL line is refused after reading that many bytes of it,
-never whole (for Parquet the limit applies to the decoded row, after pyarrow decoded its batch). Per row we keep a byte offset (JSONL), the token length, the active-target count, the
+never whole (for Parquet the limit applies to the decoded row, after pyarrow decoded its batch). Per row we keep a byte
+offset (JSONL), the token length, the active-target count, the
 scalar label and a 64-bit hash of the sample id (about 32 bytes a row).
 
 Blank lines are lines of JSON whitespace only (space, tab, CR; RFC 8259): a line holding a form
@@ -26,19 +27,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NoReturn, Sequence, SupportsInt, cast
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsInt, cast
 
 import numpy as np
 import numpy.typing as npt
 import simdjson
 
-from .errors import InputError, show
-from .manifest import DatasetRef
-from .objective import MAX_ABS_VALUE, Objective
-from .rows import FIELDS, Row, check_row, format_label
-from .strict_json import loads
+from value_assets.core.errors import InputError, show
+from value_assets.core.manifest import DatasetRef
+from value_assets.core.objective import MAX_ABS_VALUE, Objective
+from value_assets.core.rows import FIELDS, Row, check_row, format_label
+from value_assets.core.strict_json import loads
 
 # pyarrow is imported inside the Parquet functions below: a process that reads JSONL only (a GPU
 # job's driver, a Pipes process, the CLI) is spared its ~0.25 s import.
@@ -74,9 +76,14 @@ class DatasetStats:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rows": self.rows, "tokens": self.tokens, "active_targets": self.active_targets,
-            "label_counts": dict(self.label_counts), "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
-            "mean_tokens": self.mean_tokens, "length_quantiles": dict(self.length_quantiles),
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "active_targets": self.active_targets,
+            "label_counts": dict(self.label_counts),
+            "max_tokens": self.max_tokens,
+            "min_tokens": self.min_tokens,
+            "mean_tokens": self.mean_tokens,
+            "length_quantiles": dict(self.length_quantiles),
         }
 
 
@@ -84,12 +91,20 @@ def _stats(lengths: np.ndarray, active: np.ndarray, labels: np.ndarray) -> Datas
     n = int(lengths.shape[0])
     have = labels[~np.isnan(labels)]
     uniq, counts = np.unique(have, return_counts=True)
-    q = {name: int(np.percentile(lengths, p, method="lower")) for name, p in (("p50", 50), ("p90", 90), ("p99", 99))} if n else {}
+    q = (
+        {name: int(np.percentile(lengths, p, method="lower")) for name, p in (("p50", 50), ("p90", 90), ("p99", 99))}
+        if n
+        else {}
+    )
     return DatasetStats(
-        rows=n, tokens=int(lengths.sum(dtype=np.int64)), active_targets=int(active.sum(dtype=np.int64)),
-        label_counts={format_label(u): int(c) for u, c in zip(uniq, counts)},
-        max_tokens=int(lengths.max()) if n else 0, min_tokens=int(lengths.min()) if n else 0,
-        mean_tokens=float(lengths.mean()) if n else 0.0, length_quantiles=q,
+        rows=n,
+        tokens=int(lengths.sum(dtype=np.int64)),
+        active_targets=int(active.sum(dtype=np.int64)),
+        label_counts={format_label(u): int(c) for u, c in zip(uniq, counts, strict=True)},
+        max_tokens=int(lengths.max()) if n else 0,
+        min_tokens=int(lengths.min()) if n else 0,
+        mean_tokens=float(lengths.mean()) if n else 0.0,
+        length_quantiles=q,
     )
 
 
@@ -100,9 +115,21 @@ class Dataset:
     row has no single scalar active label) are arrays of length `len(self)`.
     """
 
-    def __init__(self, *, path: Path, sha256: str, fmt: str, objective: Objective, split: str, lengths: np.ndarray,
-                 active: np.ndarray, labels: np.ndarray, offsets: np.ndarray | None = None, line_numbers: np.ndarray | None = None,
-                 row_digests: np.ndarray | None = None):
+    def __init__(
+        self,
+        *,
+        path: Path,
+        sha256: str,
+        fmt: str,
+        objective: Objective,
+        split: str,
+        lengths: np.ndarray,
+        active: np.ndarray,
+        labels: np.ndarray,
+        offsets: np.ndarray | None = None,
+        line_numbers: np.ndarray | None = None,
+        row_digests: np.ndarray | None = None,
+    ):
         self.path = path
         self.sha256 = sha256
         self.format = fmt
@@ -138,7 +165,11 @@ class Dataset:
                 f.seek(int(self._offsets[index]))
                 line = f.readline()
             if self._row_digests is not None and _row_digest(line) != self._row_digests[index]:
-                raise InputError(where, "row changed since the dataset was validated (the file was modified while in use); refusing to read it")
+                raise InputError(
+                    where,
+                    "row changed since the dataset was validated (the file was modified while in use); refusing to "
+                    "read it",
+                )
             return check_row(loads(line, where), where, self.objective)
         return check_row(self._parquet_row(index), where, self.objective)
 
@@ -191,8 +222,9 @@ def _rows_with(flat_bad: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def check_columns(c: Columns, objective: Objective, vocab_size: int | None,
-                  max_seq_len: int | None) -> tuple[int, None] | tuple[None, Facts]:
+def check_columns(
+    c: Columns, objective: Objective, vocab_size: int | None, max_seq_len: int | None
+) -> tuple[int, None] | tuple[None, Facts]:
     """docs/rules.md#dataset rules 3-7 with numpy over a batch.
 
     Returns (first bad row or None, facts) with facts = (token lengths, active counts, labels).
@@ -256,14 +288,20 @@ class _Accumulator:
         # The ids' hashes find candidate duplicates (`_check_unique_ids` confirms each on the
         # strings). Python's own str hash: in memory only, never stored, so its per-process salt
         # does not matter; 10x faster than pandas' hash_array on 1M ids, and no pandas import.
-        self.parts.append((np.asarray(lengths, dtype=np.int32), np.asarray(active, dtype=np.int32),
-                           np.asarray(labels, dtype=np.float64), np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))))
+        self.parts.append(
+            (
+                np.asarray(lengths, dtype=np.int32),
+                np.asarray(active, dtype=np.int32),
+                np.asarray(labels, dtype=np.float64),
+                np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids)),
+            )
+        )
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(lengths, active counts, labels, id hashes) of all rows."""
         if not self.parts:
             return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64), np.zeros(0, np.int64)
-        lengths, active, labels, hashes = zip(*self.parts)
+        lengths, active, labels, hashes = zip(*self.parts, strict=True)
         return np.concatenate(lengths), np.concatenate(active), np.concatenate(labels), np.concatenate(hashes)
 
 
@@ -315,9 +353,17 @@ class _JsonlBatch:
         present = np.asarray(self.has_mask, dtype=bool)
         m_len = np.zeros(len(self.ids), dtype=np.int64)
         m_len[present] = [len(b) for b in self.masks]
-        return Columns(ids=self.ids, t_len=t_len, t_vals=flat(self.toks, np.int64), rl=np.asarray(self.rl, dtype=np.int64),
-                       r_len=r_len, r_vals=flat(self.rets, np.float64), mask_present=present, m_len=m_len,
-                       m_vals=flat(self.masks, np.int64))
+        return Columns(
+            ids=self.ids,
+            t_len=t_len,
+            t_vals=flat(self.toks, np.int64),
+            rl=np.asarray(self.rl, dtype=np.int64),
+            r_len=r_len,
+            r_vals=flat(self.rets, np.float64),
+            mask_present=present,
+            m_len=m_len,
+            m_vals=flat(self.masks, np.int64),
+        )
 
 
 def _mask_buffer(arr: simdjson.Array) -> bytes | None:
@@ -390,13 +436,21 @@ def _row_digest(line: bytes) -> int:
 
 
 def _too_long(where: str, max_row_bytes: int, what: str) -> InputError:
-    return InputError(where, f"{what} is longer than the maximum row size of {max_row_bytes} bytes ({max_row_bytes / 2**20:g} MiB); "
-                             "raise the limit with max_row_bytes= (command line: --max-row-bytes) if such rows are intended")
+    return InputError(
+        where,
+        f"{what} is longer than the maximum row size of {max_row_bytes} bytes ({max_row_bytes / 2**20:g} MiB); "
+        "raise the limit with max_row_bytes= (command line: --max-row-bytes) if such rows are intended",
+    )
 
 
-def _validate_jsonl(path: Path, objective: Objective, vocab_size: int | None, max_seq_len: int | None,
-                    max_row_bytes: int, progress: Progress | None,
-                    ) -> tuple[_Accumulator, np.ndarray, np.ndarray, np.ndarray]:
+def _validate_jsonl(
+    path: Path,
+    objective: Objective,
+    vocab_size: int | None,
+    max_seq_len: int | None,
+    max_row_bytes: int,
+    progress: Progress | None,
+) -> tuple[_Accumulator, np.ndarray, np.ndarray, np.ndarray]:
     acc = _Accumulator()
     offsets: list[int] = []
     digests: list[int] = []
@@ -461,7 +515,12 @@ def _validate_jsonl(path: Path, objective: Objective, vocab_size: int | None, ma
     flush(batch, raw)
     if progress:
         progress("validate", size, size)
-    return acc, np.asarray(offsets, dtype=np.int64), np.asarray(line_numbers, dtype=np.int64), np.asarray(digests, dtype=np.uint64)
+    return (
+        acc,
+        np.asarray(offsets, dtype=np.int64),
+        np.asarray(line_numbers, dtype=np.int64),
+        np.asarray(digests, dtype=np.uint64),
+    )
 
 
 class _Flat(bytes):
@@ -501,7 +560,10 @@ def _parquet_schema_error(schema: pa.Schema) -> str | None:
     names = schema.names
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
-        return f"duplicate column name(s) {show(dups)} (refused: a reader picking one of them would silently ignore the other)"
+        return (
+            f"duplicate column name(s) {show(dups)} (refused: a reader picking one of them would silently ignore the "
+            "other)"
+        )
     for req in ("sample_id", "tokens", "response_length", "returns"):
         if req not in names:
             return f"missing column {req!r} (columns: {show(names, 200)})"
@@ -515,14 +577,19 @@ def _parquet_schema_error(schema: pa.Schema) -> str | None:
     if not list_of(schema.field("returns").type, pa.types.is_integer, pa.types.is_floating):
         return f"column returns must be list<float>, got {schema.field('returns').type}"
     # Miles reads 0.0/1.0 and false/true as 0/1: float and bool masks are accepted, values checked.
-    if "loss_mask" in names and not list_of(schema.field("loss_mask").type, pa.types.is_integer, pa.types.is_floating,
-                                           pa.types.is_boolean):
-        return f"column loss_mask must be list<int> (or list<bool>, list<float> of 0/1), got {schema.field('loss_mask').type}"
+    if "loss_mask" in names and not list_of(
+        schema.field("loss_mask").type, pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean
+    ):
+        return (
+            "column loss_mask must be list<int> (or list<bool>, list<float> of 0/1), got "
+            f"{schema.field('loss_mask').type}"
+        )
     return None
 
 
-def _list_np(arr: pa.Array,
-             dtype: npt.DTypeLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+def _list_np(
+    arr: pa.Array, dtype: npt.DTypeLike | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """(row lengths, flat values, row-is-null or None, value-is-null or None) of a list column.
     `dtype` None keeps the column's own value type."""
     import pyarrow as pa
@@ -571,14 +638,23 @@ def _iter_parquet(pf: pq.ParquetFile, path: Path, columns: list[str]) -> Iterato
         except StopIteration:
             return
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{path}:row {row0}", f"cannot read the Parquet data from this row on (corrupt file?): "
-                                                   f"{type(exc).__name__}: {show(str(exc), 200)}") from None
+            raise InputError(
+                f"{path}:row {row0}",
+                f"cannot read the Parquet data from this row on (corrupt file?): "
+                f"{type(exc).__name__}: {show(str(exc), 200)}",
+            ) from None
         yield row0, batch
         row0 += batch.num_rows
 
 
-def _validate_parquet(path: Path, objective: Objective, vocab_size: int | None, max_seq_len: int | None,
-                      max_row_bytes: int, progress: Progress | None) -> _Accumulator:
+def _validate_parquet(
+    path: Path,
+    objective: Objective,
+    vocab_size: int | None,
+    max_seq_len: int | None,
+    max_row_bytes: int,
+    progress: Progress | None,
+) -> _Accumulator:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -586,7 +662,9 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size: int | None, 
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        raise InputError(str(path), f"not a readable Parquet file: {type(exc).__name__}: {show(str(exc), 200)}") from None
+        raise InputError(
+            str(path), f"not a readable Parquet file: {type(exc).__name__}: {show(str(exc), 200)}"
+        ) from None
     err = _parquet_schema_error(pf.schema_arrow)
     if err:
         raise InputError(str(path), err)
@@ -641,8 +719,22 @@ def _validate_parquet(path: Path, objective: Objective, vocab_size: int | None, 
         if too_big.any():
             raise _too_long(f"{path}:row {row0 + int(np.flatnonzero(too_big)[0])}", max_row_bytes, "the decoded row")
         rl_arr = col["response_length"].to_numpy().astype(np.int64)
-        bad, facts = check_columns(Columns(ids=ids, t_len=t_len, t_vals=t_vals, rl=rl_arr, r_len=r_len, r_vals=r_vals,
-                                           mask_present=present, m_len=m_len, m_vals=m_vals), objective, vocab_size, max_seq_len)
+        bad, facts = check_columns(
+            Columns(
+                ids=ids,
+                t_len=t_len,
+                t_vals=t_vals,
+                rl=rl_arr,
+                r_len=r_len,
+                r_vals=r_vals,
+                mask_present=present,
+                m_len=m_len,
+                m_vals=m_vals,
+            ),
+            objective,
+            vocab_size,
+            max_seq_len,
+        )
         if bad is not None:
             exact(batch, bad)
         assert facts is not None  # check_columns gives facts whenever no row is bad
@@ -662,9 +754,15 @@ def sniff_format(path: Path) -> str:
         return "parquet" if f.read(4) == b"PAR1" else "jsonl"
 
 
-def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int | None = None,
-                     max_seq_len: int | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
-                     progress: Progress | None = None) -> Dataset:
+def validate_dataset(
+    ref: DatasetRef,
+    objective: Objective,
+    *,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    progress: Progress | None = None,
+) -> Dataset:
     """Run every docs/rules.md#dataset check on one split; return the validated dataset or raise InputError.
 
     `max_row_bytes` bounds one row (see DEFAULT_MAX_ROW_BYTES); a longer row is refused, located.
@@ -678,11 +776,19 @@ def validate_dataset(ref: DatasetRef, objective: Objective, *, vocab_size: int |
         raise InputError(str(path), f"cannot read the {ref.split} dataset: {exc.strerror or exc}") from None
 
 
-def _validate(ref: DatasetRef, objective: Objective, vocab_size: int | None, max_seq_len: int | None,
-              max_row_bytes: int, progress: Progress | None) -> Dataset:
+def _validate(
+    ref: DatasetRef,
+    objective: Objective,
+    vocab_size: int | None,
+    max_seq_len: int | None,
+    max_row_bytes: int,
+    progress: Progress | None,
+) -> Dataset:
     path = ref.path
     if not path.exists():
-        raise InputError(str(path), f"{ref.split} dataset does not exist (manifest path {show(ref.declared_path, 200)})")
+        raise InputError(
+            str(path), f"{ref.split} dataset does not exist (manifest path {show(ref.declared_path, 200)})"
+        )
     if not path.is_file():
         raise InputError(str(path), f"{ref.split} dataset is not a regular file")
     sha = _hash(path, progress)
@@ -693,15 +799,30 @@ def _validate(ref: DatasetRef, objective: Objective, vocab_size: int | None, max
     line_numbers: np.ndarray | None = None
     digests: np.ndarray | None = None
     if fmt == "jsonl":
-        acc, offsets, line_numbers, digests = _validate_jsonl(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
+        acc, offsets, line_numbers, digests = _validate_jsonl(
+            path, objective, vocab_size, max_seq_len, max_row_bytes, progress
+        )
     else:
         acc = _validate_parquet(path, objective, vocab_size, max_seq_len, max_row_bytes, progress)
     lengths, active, labels, hashes = acc.finish()
-    ds = Dataset(path=path, sha256=sha, fmt=fmt, objective=objective, split=ref.split, lengths=lengths, active=active,
-                 labels=labels, offsets=offsets, line_numbers=line_numbers, row_digests=digests)
+    ds = Dataset(
+        path=path,
+        sha256=sha,
+        fmt=fmt,
+        objective=objective,
+        split=ref.split,
+        lengths=lengths,
+        active=active,
+        labels=labels,
+        offsets=offsets,
+        line_numbers=line_numbers,
+        row_digests=digests,
+    )
     _check_unique_ids(ds, hashes)
     if len(ds) != ref.num_samples:
-        raise InputError(str(path), f"has {len(ds)} rows, but the manifest says num_samples = {ref.num_samples} for {ref.split}")
+        raise InputError(
+            str(path), f"has {len(ds)} rows, but the manifest says num_samples = {ref.num_samples} for {ref.split}"
+        )
     return ds
 
 
@@ -718,5 +839,7 @@ def _check_unique_ids(ds: Dataset, hashes: np.ndarray) -> None:
     for i in sorted(set(order[same].tolist()) | set(order[same + 1].tolist())):
         sid = ds.row(i).sample_id
         if sid in first_seen:
-            raise InputError(ds.location(i), f"duplicate sample_id {show(sid)} (first at {ds.location(first_seen[sid])})")
+            raise InputError(
+                ds.location(i), f"duplicate sample_id {show(sid)} (first at {ds.location(first_seen[sid])})"
+            )
         first_seen[sid] = i

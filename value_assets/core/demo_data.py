@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
-from .hashing import sha256_file
-from .manifest import SCHEMA
-from .objective import Objective
+from value_assets.core.errors import InputError
+from value_assets.core.hashing import sha256_file
+from value_assets.core.manifest import SCHEMA
+from value_assets.core.objective import Objective
 
 TASK_TOKENS = np.arange(1000, 1008)
 TASK_P = np.linspace(0.05, 0.95, TASK_TOKENS.shape[0])
@@ -27,7 +27,9 @@ VOCAB = 49152
 MAX_TOKENS = 511
 
 
-def _rows(n: int, rng: np.random.Generator, split: str, seed: int) -> tuple[list[dict[str, Any]], np.ndarray, np.ndarray]:
+def _rows(
+    n: int, rng: np.random.Generator, split: str, seed: int
+) -> tuple[list[dict[str, Any]], np.ndarray, np.ndarray]:
     rows = []
     task = rng.integers(0, TASK_TOKENS.shape[0], size=n)
     p = TASK_P[task]
@@ -72,16 +74,34 @@ def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = pa.schema([("sample_id", pa.string()), ("tokens", pa.list_(pa.int64())), ("response_length", pa.int64()),
-                            ("returns", pa.list_(pa.float64())), ("loss_mask", pa.list_(pa.int64()))])
-        cols = {name: [r.get(name, [1] * r["response_length"] if name == "loss_mask" else None) for r in rows] for name in schema.names}
+        schema = pa.schema(
+            [
+                ("sample_id", pa.string()),
+                ("tokens", pa.list_(pa.int64())),
+                ("response_length", pa.int64()),
+                ("returns", pa.list_(pa.float64())),
+                ("loss_mask", pa.list_(pa.int64())),
+            ]
+        )
+        cols = {
+            name: [r.get(name, [1] * r["response_length"] if name == "loss_mask" else None) for r in rows]
+            for name in schema.names
+        }
         pq.write_table(pa.table(cols, schema=schema), path)
     else:
         raise ValueError(f"unknown format {fmt!r}")
 
 
-def make_demo_data(out_dir: str | Path, *, rows: int = 2048, heldout_rows: int = 256, seed: int = 0,
-                   shuffle_labels: bool = False, fmt: str = "jsonl", name: str | None = None) -> Path:
+def make_demo_data(
+    out_dir: str | Path,
+    *,
+    rows: int = 2048,
+    heldout_rows: int = 256,
+    seed: int = 0,
+    shuffle_labels: bool = False,
+    fmt: str = "jsonl",
+    name: str | None = None,
+) -> Path:
     """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path.
 
     `name` defaults to "demo" ("demo-shuffled" for the negative control), so both fit one watched folder.
@@ -104,7 +124,7 @@ def make_demo_data(out_dir: str | Path, *, rows: int = 2048, heldout_rows: int =
         if shuffle_labels:
             perm = rng.permutation(n)
             reward = reward[perm]
-            for r, new in zip(rs, reward):
+            for r, new in zip(rs, reward, strict=True):
                 r["returns"] = [float(new)] * r["response_length"]
         path = data_dir / f"{split}.{ext}"
         write_rows(path, rs, fmt)

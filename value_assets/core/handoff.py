@@ -17,14 +17,15 @@ gives the same Miles contract bytes, hence the same sha to pin.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from .errors import InputError, show
-from .hashing import is_sha, read_pinned, sha256_bytes, sha256_file
-from .miles import MILES_CONTRACT_NAME, read_miles_contract
-from .objective import Objective
-from .strict_json import canonical_bytes, loads
+from value_assets.core.errors import InputError, show
+from value_assets.core.hashing import is_sha, read_pinned, sha256_bytes, sha256_file
+from value_assets.core.miles import MILES_CONTRACT_NAME, read_miles_contract
+from value_assets.core.objective import Objective
+from value_assets.core.strict_json import canonical_bytes, loads
 
 MILES_BUNDLE = "miles"
 HF_BUNDLE = "hf"
@@ -66,8 +67,10 @@ def miles_bundle_record(folder: str | Path, expected_contract: Mapping[str, Any]
     `expected_contract` is given its bytes must be exactly those."""
     contract, sha = read_miles_contract(folder)
     if expected_contract is not None and canonical_bytes(dict(expected_contract)) != canonical_bytes(contract):
-        raise InputError(str(Path(folder) / MILES_CONTRACT_NAME),
-                         f"is not the Miles contract of the critic being promoted: {contract} != {dict(expected_contract)}")
+        raise InputError(
+            str(Path(folder) / MILES_CONTRACT_NAME),
+            f"is not the Miles contract of the critic being promoted: {contract} != {dict(expected_contract)}",
+        )
     return {**describe_bundle(folder), "contract_sha256": sha}
 
 
@@ -85,8 +88,10 @@ def verify_bundle(bundle: Mapping[str, Any], where: str) -> None:
     diffs += [f"unexpected {p}" for p in sorted(set(actual) - set(wanted))]
     for p in sorted(set(wanted) & set(actual)):
         if (wanted[p]["size"], wanted[p]["sha256"]) != (actual[p]["size"], actual[p]["sha256"]):
-            diffs.append(f"changed {p} (recorded size {wanted[p]['size']} sha256 {wanted[p]['sha256']}, "
-                         f"now size {actual[p]['size']} sha256 {actual[p]['sha256']})")
+            diffs.append(
+                f"changed {p} (recorded size {wanted[p]['size']} sha256 {wanted[p]['sha256']}, "
+                f"now size {actual[p]['size']} sha256 {actual[p]['sha256']})"
+            )
     if diffs:
         raise InputError(f"{where}: {bundle['dir']}", "does not match the registry record: " + "; ".join(diffs))
 
@@ -110,7 +115,9 @@ def verify_handoff(record: Mapping[str, Any], where: str) -> None:
     against its recorded sha (read by Miles' rules)."""
     handoff = record.get("handoff")
     if not isinstance(handoff, dict) or not isinstance(handoff.get(MILES_BUNDLE), dict):
-        raise InputError(where, "the registry record has no hand-off bundles (promoted before hand-off existed: promote again)")
+        raise InputError(
+            where, "the registry record has no hand-off bundles (promoted before hand-off existed: promote again)"
+        )
     for name in (MILES_BUNDLE, HF_BUNDLE):
         if handoff.get(name) is not None:
             verify_bundle(handoff[name], f"{where}: handoff.{name}")
@@ -124,23 +131,43 @@ def objective_flags(objective: Mapping[str, Any]) -> list[str]:
     if obj.loss_type == "mse":
         return ["--value-loss-type", "mse"]
     low, high = obj.reward_range
-    flags = ["--value-loss-type", "classification", "--value-num-bins", str(obj.num_bins),
-             "--value-reward-range", repr(float(low)), repr(float(high)), "--value-target-type", obj.target_type]
+    flags = [
+        "--value-loss-type",
+        "classification",
+        "--value-num-bins",
+        str(obj.num_bins),
+        "--value-reward-range",
+        repr(float(low)),
+        repr(float(high)),
+        "--value-target-type",
+        obj.target_type,
+    ]
     if obj.target_type == "hl_gauss":
         flags += ["--hl-gauss-sigma-ratio", repr(float(obj.hl_gauss_sigma_ratio))]
     return flags
 
 
-def rl_settings(*, miles_dir: str, miles_contract_sha256: str, objective: Mapping[str, Any],
-                hf_dir: str | None) -> dict[str, Any]:
+def rl_settings(
+    *, miles_dir: str, miles_contract_sha256: str, objective: Mapping[str, Any], hf_dir: str | None
+) -> dict[str, Any]:
     """The RL side's settings for a promoted critic: Miles' flags (the exported checkpoint has no
     optimizer state, so Megatron-LM loads it with `--no-load-optim`; not `--finetune`, which would
     reset the iteration) and, for an mse critic, verl's critic `model.path` (it loads
     AutoModelForTokenClassification and reads logits[..., 0])."""
-    miles_args = ["--critic-load", miles_dir, "--critic-value-pretrain-contract-sha256", miles_contract_sha256,
-                  "--no-load-optim", *objective_flags(objective)]
-    out: dict[str, Any] = {"miles_args": miles_args, "critic_load": miles_dir,
-                           "contract_sha256_to_pin": miles_contract_sha256, "verl": None}
+    miles_args = [
+        "--critic-load",
+        miles_dir,
+        "--critic-value-pretrain-contract-sha256",
+        miles_contract_sha256,
+        "--no-load-optim",
+        *objective_flags(objective),
+    ]
+    out: dict[str, Any] = {
+        "miles_args": miles_args,
+        "critic_load": miles_dir,
+        "contract_sha256_to_pin": miles_contract_sha256,
+        "verl": None,
+    }
     if hf_dir is not None:
         out["verl"] = {"critic.model.path": hf_dir}
     return out
@@ -150,12 +177,17 @@ def record_rl_settings(record: Mapping[str, Any]) -> dict[str, Any]:
     """`rl_settings` of a registry record with hand-off bundles."""
     handoff = record["handoff"]
     hf = handoff.get(HF_BUNDLE)
-    return rl_settings(miles_dir=handoff[MILES_BUNDLE]["dir"], miles_contract_sha256=handoff[MILES_BUNDLE]["contract_sha256"],
-                       objective=handoff["objective"], hf_dir=hf["dir"] if hf else None)
+    return rl_settings(
+        miles_dir=handoff[MILES_BUNDLE]["dir"],
+        miles_contract_sha256=handoff[MILES_BUNDLE]["contract_sha256"],
+        objective=handoff["objective"],
+        hf_dir=hf["dir"] if hf else None,
+    )
 
 
-def reusable_handoff(previous: Mapping[str, Any] | None, *, contract_sha256: str,
-                     miles_contract: Mapping[str, Any], scalar_hf: bool) -> dict[str, Any] | None:
+def reusable_handoff(
+    previous: Mapping[str, Any] | None, *, contract_sha256: str, miles_contract: Mapping[str, Any], scalar_hf: bool
+) -> dict[str, Any] | None:
     """The hand-off of a previous registry record for the same contract whose bundles still match
     it byte for byte (re-promotion is then idempotent: nothing is exported again); else None."""
     if not previous or previous.get("contract_sha256") != contract_sha256:
@@ -183,8 +215,9 @@ def install_bundles(staging: str | Path, handoff_dir: str | Path, names: tuple[s
             (staging / name).rename(final)
 
 
-def build_handoff(*, handoff_dir: str | Path, miles_contract: Mapping[str, Any], objective: Mapping[str, Any],
-                  scalar_hf: bool) -> dict[str, Any]:
+def build_handoff(
+    *, handoff_dir: str | Path, miles_contract: Mapping[str, Any], objective: Mapping[str, Any], scalar_hf: bool
+) -> dict[str, Any]:
     """The registry record's `handoff` of the installed bundles, read back from the files: the
     Miles contract must be exactly `miles_contract` (by Miles' rules)."""
     root = Path(handoff_dir)

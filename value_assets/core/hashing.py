@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import TypeGuard
 
-from .errors import InputError, show
+from value_assets.core.errors import InputError, show
 
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 CHUNK = 1 << 22

@@ -14,14 +14,23 @@ Pure numpy; the unit of resampling and the seed are arguments so results are rep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from .stats import VAR_FLOOR, SuffStats, decile_stats, position_deciles
+from value_assets.core.stats import VAR_FLOOR, SuffStats, decile_stats, position_deciles
 
-__all__ = ["Interval", "bootstrap_ev_interval", "decile_stats", "ev_by_position", "ev_of_sums", "position_deciles", "stats_matrix"]
+__all__ = [
+    "Interval",
+    "bootstrap_ev_interval",
+    "decile_stats",
+    "ev_by_position",
+    "ev_of_sums",
+    "position_deciles",
+    "stats_matrix",
+]
 
 FIELDS = ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")
 
@@ -53,12 +62,20 @@ class Interval:
     units: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
-                "resamples": self.resamples, "undefined_resamples": self.undefined_resamples, "units": self.units}
+        return {
+            "estimate": self.estimate,
+            "low": self.low,
+            "high": self.high,
+            "level": self.level,
+            "resamples": self.resamples,
+            "undefined_resamples": self.undefined_resamples,
+            "units": self.units,
+        }
 
 
-def bootstrap_ev_interval(parts: Sequence[SuffStats], *, resamples: int = 2000, level: float = 0.95,
-                          seed: int = 0) -> Interval:
+def bootstrap_ev_interval(
+    parts: Sequence[SuffStats], *, resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> Interval:
     """Percentile bootstrap interval of the EV of summed `parts` (one SuffStats per unit)."""
     m = stats_matrix(parts)
     units = m.shape[0]

@@ -25,18 +25,19 @@ import math
 import os
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
-from .errors import InputError, require_int, show
-from .hashing import require_sha
-from .backbone import BackboneConfig
-from .memory import Layout, MemoryConfig
-from .objective import Objective
-from .plan import data_parallel_size
-from .worker_spec import FREEZE, OptimizerSettings, WorkerSpec
-from .report import GATE_MODE_DEFAULT, GATE_MODES, MIN_EV_DEFAULT, check_min_ev
+from value_assets.core.backbone import BackboneConfig
+from value_assets.core.errors import InputError, require_int, show
+from value_assets.core.hashing import require_sha
+from value_assets.core.memory import Layout, MemoryConfig
+from value_assets.core.objective import Objective
+from value_assets.core.plan import data_parallel_size
+from value_assets.core.report import GATE_MODE_DEFAULT, GATE_MODES, MIN_EV_DEFAULT, check_min_ev
+from value_assets.core.worker_spec import FREEZE, OptimizerSettings, WorkerSpec
 
 DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
 TINY_BACKBONE = "tiny"
@@ -51,7 +52,8 @@ PLACEMENT_STRATEGY = "PACK"
 PLACEMENT_DOC = (
     "Ray placement-group strategy of the worker slots: 'PACK' (as few nodes as possible), 'SPREAD' (across nodes "
     "where possible), 'STRICT_PACK' (one node) or 'STRICT_SPREAD' (one slot per node). Ranks are ordered by node "
-    "address either way, so tensor-parallel groups stay inside a node.")
+    "address either way, so tensor-parallel groups stay inside a node."
+)
 TIMEOUT_S = 900.0
 TIMEOUT_DOC = "Deadline in seconds for the workers to start and for each call to them."
 
@@ -83,7 +85,9 @@ def default_lr(backbone: str) -> float:
     return TINY_LR if backbone == TINY_BACKBONE else PRETRAINED_LR
 
 
-def data_roots_from_env(given: Iterable[str | Path] | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+def data_roots_from_env(
+    given: Iterable[str | Path] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[str, ...] | None:
     """`given` folders plus those of $VALUE_ASSETS_DATA_ROOTS (os.pathsep-separated); None when
     there are none (no restriction)."""
     env = (os.environ if environ is None else environ).get(DATA_ROOTS_ENV, "")
@@ -133,9 +137,17 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         raise InputError(name, f"must be a string, got {show(value)}")
     if typing.get_origin(hint) is tuple:  # tuple[str, ...]: folders, or contract shas (resume_from: may be empty)
         empty_ok = name == "resume_from"
-        if isinstance(value, (list, tuple)) and (value or empty_ok) and all(isinstance(v, (str, os.PathLike)) and str(v) for v in value):
+        if (
+            isinstance(value, (list, tuple))
+            and (value or empty_ok)
+            and all(isinstance(v, (str, os.PathLike)) and str(v) for v in value)
+        ):
             return tuple(str(v) for v in value)
-        what = "list of contract sha256s (null: any save that verifies)" if empty_ok else "non-empty list of folder paths (null: no restriction)"
+        what = (
+            "list of contract sha256s (null: any save that verifies)"
+            if empty_ok
+            else "non-empty list of folder paths (null: no restriction)"
+        )
         raise InputError(name, f"must be a {what}, got {show(value)}")
     raise TypeError(f"{name}: unsupported config field type {hint!r}")  # a programming error
 
@@ -194,7 +206,9 @@ class _JobConfig(abc.ABC):
 def _layout(cfg: Any) -> Layout:
     """The parallel layout of a job's worker slots (the GPUs must divide into whole model-parallel
     groups: docs/rules.md#topology-checks)."""
-    dp = data_parallel_size(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel)
+    dp = data_parallel_size(
+        total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel
+    )
     return Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp)
 
 
@@ -204,7 +218,10 @@ def _common_checks(cfg: Any) -> None:
     if cfg.micro_batch_tokens != AUTO:
         require_int(cfg.micro_batch_tokens, "micro_batch_tokens")
     if cfg.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise InputError("placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {show(cfg.placement_strategy)}")
+        raise InputError(
+            "placement_strategy",
+            f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {show(cfg.placement_strategy)}",
+        )
     _positive_number(cfg.timeout_s, "timeout_s")
 
 
@@ -215,39 +232,78 @@ class TrainJob(_JobConfig):
 
     manifest: Path = setting(doc="Manifest JSON (miles.value-pretrain.v1) naming the train (and heldout) data.")
     output: Path = setting(doc="Critic folder: iter_*/ checkpoints, their contracts, the latest pointer, metrics.")
-    backbone: str = setting(TINY_BACKBONE, doc="'tiny' (random CPU demo model), a Hugging Face folder or a Megatron checkpoint folder.")
+    backbone: str = setting(
+        TINY_BACKBONE, doc="'tiny' (random CPU demo model), a Hugging Face folder or a Megatron checkpoint folder."
+    )
     global_batch_size: int = setting(32, doc="G: rows per optimizer step (the batch plan's G).")
     epochs: int = setting(1, doc="Passes over the train split (the batch plan's epochs).")
     seed: int = setting(0, doc="Seed of the batch plan's shuffle and of the tiny backbone's initialisation.")
-    plan: Path | None = setting(None, doc=(
-        "A published batch plan (plan.json, with plan_sha256) to train on exactly; its G, epochs and seed must be the "
-        "job's. The Dagster assets pass the partition's; unset: the plan is built from G, epochs and seed."))
-    plan_sha256: str | None = setting(None, doc="The sha256 the lineage recorded for `plan` (checked before it is parsed).")
+    plan: Path | None = setting(
+        None,
+        doc=(
+            "A published batch plan (plan.json, with plan_sha256) to train on exactly; its G, epochs and seed must be "
+            "the job's. The Dagster assets pass the partition's; unset: the plan is built from G, epochs and seed."
+        ),
+    )
+    plan_sha256: str | None = setting(
+        None, doc="The sha256 the lineage recorded for `plan` (checked before it is parsed)."
+    )
     save_interval: int = setting(0, doc="Save (and contract) every K steps; 0: at the end only.")
     gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
     tensor_parallel: int = setting(1, doc="Tensor-parallel size (divides gpus and the backbone's heads).")
     pipeline_parallel: int = setting(1, doc="Pipeline stages (divides gpus and the backbone's layers).")
-    micro_batch_tokens: int | str = setting(4096, doc="Tokens packed per micro-batch, at least the longest row; 'auto': the largest that fits the GPU's free memory (core/memory.py's model).")
-    recompute: str = setting("none", doc="Activation recompute (megatron's): 'none', 'selective' (core attention) or 'full' (every layer).")
-    recompute_layers: int | None = setting(None, doc="With recompute 'full': recompute only the first K layers of each pipeline stage (megatron's block method), keep every activation of the others; unset: every layer.")
-    distributed_optimizer: bool = setting(False, doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).")
+    micro_batch_tokens: int | str = setting(
+        4096,
+        doc="Tokens packed per micro-batch, at least the longest row; 'auto': the largest that fits the GPU's free "
+        "memory (core/memory.py's model).",
+    )
+    recompute: str = setting(
+        "none", doc="Activation recompute (megatron's): 'none', 'selective' (core attention) or 'full' (every layer)."
+    )
+    recompute_layers: int | None = setting(
+        None,
+        doc="With recompute 'full': recompute only the first K layers of each pipeline stage (megatron's block "
+        "method), keep every activation of the others; unset: every layer.",
+    )
+    distributed_optimizer: bool = setting(
+        False,
+        doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).",
+    )
     sequence_parallel: bool = setting(False, doc="Megatron sequence parallelism (needs tensor_parallel > 1).")
-    freeze: str = setting("none", doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' critic_freeze_attention) or 'backbone' (all but the value head: head-only warm-up).")
-    lr: float | None = setting(None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other.")
+    freeze: str = setting(
+        "none",
+        doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' "
+        "critic_freeze_attention) or 'backbone' (all but the value head: head-only warm-up).",
+    )
+    lr: float | None = setting(
+        None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other."
+    )
     warmup_steps: int = setting(0, doc="Linear warmup from 0 to lr over this many steps; 0: none.")
     weight_decay: float = setting(0.0, doc="AdamW weight decay.")
     clip_grad: float = setting(1.0, doc="Gradient-norm clipping threshold.")
-    canary: bool = setting(False, doc="Run the first planned step only and publish a non-promotable receipt, no contract.")
-    stop_after: int | None = setting(None, doc="Stop (with a save) after this many steps of this run; unset: run the plan out.")
-    resume_from: tuple[str, ...] | None = setting(None, doc=(
-        "The contract shas a resume may start from: the saves this lineage recorded (the Dagster asset passes the "
-        "ones its runs logged); a newest save not among them is refused. Unset: any save in the output folder whose "
-        "files verify against its own contract."))
+    canary: bool = setting(
+        False, doc="Run the first planned step only and publish a non-promotable receipt, no contract."
+    )
+    stop_after: int | None = setting(
+        None, doc="Stop (with a save) after this many steps of this run; unset: run the plan out."
+    )
+    resume_from: tuple[str, ...] | None = setting(
+        None,
+        doc=(
+            "The contract shas a resume may start from: the saves this lineage recorded (the Dagster asset passes the "
+            "ones its runs logged); a newest save not among them is refused. Unset: any save in the output folder "
+            "whose files verify against its own contract."
+        ),
+    )
     manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
-    data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
+    data_roots: tuple[str, ...] | None = setting(
+        None, doc="Refuse dataset paths outside these folders; unset: no restriction."
+    )
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
     placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
-    hf_config: Path | None = setting(None, doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder without saved arguments.")
+    hf_config: Path | None = setting(
+        None, doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder without saved arguments."
+    )
     timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
 
     def _validate(self) -> None:
@@ -266,8 +322,10 @@ class TrainJob(_JobConfig):
         if self.manifest_sha256 is not None:
             require_sha(self.manifest_sha256, "manifest_sha256")
         if (self.plan is None) != (self.plan_sha256 is None):
-            raise InputError("plan_sha256" if self.plan is not None else "plan",
-                             "plan and plan_sha256 go together: a published plan is read only with the sha its lineage recorded")
+            raise InputError(
+                "plan_sha256" if self.plan is not None else "plan",
+                "plan and plan_sha256 go together: a published plan is read only with the sha its lineage recorded",
+            )
         if self.plan_sha256 is not None:
             require_sha(self.plan_sha256, "plan_sha256")
         for sha in self.resume_from or ():
@@ -278,14 +336,21 @@ class TrainJob(_JobConfig):
         if self.freeze not in FREEZE:
             raise InputError("freeze", f"must be one of {FREEZE}, got {show(self.freeze)}")
         if self.freeze == "backbone" and self.pipeline_parallel > 1:
-            raise InputError("freeze", f"'backbone' needs pipeline_parallel 1, got {self.pipeline_parallel}: only the last "
-                             "stage holds the value head, so the other stages would have nothing to train")
+            raise InputError(
+                "freeze",
+                f"'backbone' needs pipeline_parallel 1, got {self.pipeline_parallel}: only the last "
+                "stage holds the value head, so the other stages would have nothing to train",
+            )
 
     @property
     def memory(self) -> MemoryConfig:
         """The memory settings as core/memory.py's `MemoryConfig` (validated there)."""
-        return MemoryConfig(recompute=self.recompute, recompute_layers=self.recompute_layers,
-                            distributed_optimizer=self.distributed_optimizer, sequence_parallel=self.sequence_parallel)
+        return MemoryConfig(
+            recompute=self.recompute,
+            recompute_layers=self.recompute_layers,
+            distributed_optimizer=self.distributed_optimizer,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     @property
     def learning_rate(self) -> float:
@@ -294,9 +359,17 @@ class TrainJob(_JobConfig):
 
     def worker_spec(self, backbone: BackboneConfig, objective: Objective) -> WorkerSpec:
         """What each training worker builds and how it trains (`core/worker_spec.py`)."""
-        return WorkerSpec(backbone=backbone, objective=objective, layout=_layout(self), seed=self.seed, memory=self.memory,
-                          freeze=self.freeze, optimizer=OptimizerSettings(lr=self.learning_rate, weight_decay=self.weight_decay,
-                                                                          clip_grad=self.clip_grad))
+        return WorkerSpec(
+            backbone=backbone,
+            objective=objective,
+            layout=_layout(self),
+            seed=self.seed,
+            memory=self.memory,
+            freeze=self.freeze,
+            optimizer=OptimizerSettings(
+                lr=self.learning_rate, weight_decay=self.weight_decay, clip_grad=self.clip_grad
+            ),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,28 +383,44 @@ class EvaluateJob(_JobConfig):
     report: Path = setting(doc="Report path (write-once); its three plots are published beside it.")
     split: str = setting("heldout", doc="The split to evaluate: 'heldout' (the gate) or 'train'.")
     num_batches: int = setting(8, doc="B mixed-label batches (docs/rules.md#evaluation).")
-    global_batch_size: int | None = setting(None, doc="G rows per evaluation batch (G x B <= rows); unset: min(64, rows / B), rounded down to a multiple of the data-parallel size.")
+    global_batch_size: int | None = setting(
+        None,
+        doc="G rows per evaluation batch (G x B <= rows); unset: min(64, rows / B), rounded down to a multiple of the "
+        "data-parallel size.",
+    )
     seed: int = setting(0, doc="Seed of the mixed-label batch selection.")
     gpus: int = setting(1, doc="Worker slots: GPUs, or CPU processes without CUDA.")
     tensor_parallel: int = setting(1, doc="Tensor-parallel size; any layout: the checkpoint is re-sharded on load.")
     pipeline_parallel: int = setting(1, doc="Pipeline stages; any layout: the checkpoint is re-sharded on load.")
     micro_batch_tokens: int = setting(8192, doc="Tokens packed per forward micro-batch (raised to the longest row).")
-    data_roots: tuple[str, ...] | None = setting(None, doc="Refuse dataset paths outside these folders; unset: no restriction.")
+    data_roots: tuple[str, ...] | None = setting(
+        None, doc="Refuse dataset paths outside these folders; unset: no restriction."
+    )
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
     placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
     timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
-    gate_mode: str = setting(GATE_MODE_DEFAULT, doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
-                                          "both weightings) or 'interval' (also the lower bound of each aggregate EV's "
-                                          "bootstrap interval over rows, level 0.95, > 0).")
-    gate_min_ev: float = setting(MIN_EV_DEFAULT, doc=(
-        "The least EV that passes, in [0, 1): each aggregate EV ('miles') or each interval's lower bound ('interval') "
-        "must be above it, for both weightings. 0 is Miles' rule; a small positive value (e.g. 0.005) refuses critics "
-        "whose EV is real but too small to help RL, and noise that a zero bar passes at its false-positive rate."))
+    gate_mode: str = setting(
+        GATE_MODE_DEFAULT,
+        doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
+        "both weightings) or 'interval' (also the lower bound of each aggregate EV's "
+        "bootstrap interval over rows, level 0.95, > 0).",
+    )
+    gate_min_ev: float = setting(
+        MIN_EV_DEFAULT,
+        doc=(
+            "The least EV that passes, in [0, 1): each aggregate EV ('miles') or each interval's lower bound "
+            "('interval') must be above it, for both weightings. 0 is Miles' rule; a small positive value (e.g. "
+            "0.005) refuses critics whose EV is real but too small to help RL, and noise that a zero bar passes at "
+            "its false-positive rate."
+        ),
+    )
 
     def _validate(self) -> None:
         require_sha(self.contract_sha256, "contract_sha256")
         if self.gate_mode not in GATE_MODES:
-            raise InputError("gate_mode", f"must be one of {', '.join(map(repr, GATE_MODES))}, got {show(self.gate_mode)}")
+            raise InputError(
+                "gate_mode", f"must be one of {', '.join(map(repr, GATE_MODES))}, got {show(self.gate_mode)}"
+            )
         check_min_ev(self.gate_min_ev)
         if self.split not in SPLITS:
             raise InputError("split", f"must be 'heldout' or 'train', got {show(self.split)}")
@@ -358,7 +447,10 @@ class HandoffJob(_JobConfig):
     contract_sha256: str = setting(doc="The sha256 of its contract (checked before anything is loaded).")
     out_dir: Path = setting(doc="An empty or absent folder for the bundles.")
     model_identity: str = setting(doc="The Miles contract's model_identity (core.handoff.model_identity).")
-    layer_spec: str = setting("te", doc="Megatron-LM layer spec of the Miles checkpoint: 'te' (Transformer Engine, Miles' default) or 'local'.")
+    layer_spec: str = setting(
+        "te",
+        doc="Megatron-LM layer spec of the Miles checkpoint: 'te' (Transformer Engine, Miles' default) or 'local'.",
+    )
     scalar_hf: bool = setting(False, doc="Also export the scalar Hugging Face critic (mse critics only).")
 
     def _validate(self) -> None:

@@ -12,14 +12,15 @@ its target means. Unknown `objective` keys are ignored, as Miles' loader ignores
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from .errors import InputError, show
-from .hashing import is_sha, require_sha, sha256_bytes
-from .objective import Objective
-from .strict_json import is_int, loads
+from value_assets.core.errors import InputError, show
+from value_assets.core.hashing import is_sha, require_sha, sha256_bytes
+from value_assets.core.objective import Objective
+from value_assets.core.strict_json import is_int, loads
 
 SCHEMA = "miles.value-pretrain.v1"
 SPLITS = ("train", "heldout")
@@ -80,8 +81,11 @@ def check_data_roots(path: Path, data_roots: Iterable[str | Path] | None, where:
     roots = [_realpath(r, "data roots") for r in data_roots]
     real = _realpath(path, where)
     if not any(_inside(real, r) for r in roots):
-        raise InputError(where, f"dataset path {show(str(path), 300)} resolves to {show(str(real), 300)}, outside the configured data roots "
-                                f"{show([str(r) for r in roots], 300)}")
+        raise InputError(
+            where,
+            f"dataset path {show(str(path), 300)} resolves to {show(str(real), 300)}, outside the configured data "
+            f"roots {show([str(r) for r in roots], 300)}",
+        )
 
 
 def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots: Iterable[str | Path] | None) -> DatasetRef:
@@ -95,7 +99,9 @@ def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots: Itera
     if not isinstance(declared, str) or not declared:
         raise InputError(f"{loc}.path", f"must be a non-empty string, got {show(declared)}")
     if "\x00" in declared:
-        raise InputError(f"{loc}.path", f"must not contain a NUL character (no file system path does), got {show(declared)}")
+        raise InputError(
+            f"{loc}.path", f"must not contain a NUL character (no file system path does), got {show(declared)}"
+        )
     sha = obj["sha256"]
     if not is_sha(sha):
         raise InputError(f"{loc}.sha256", f"expected a lowercase 64-hex SHA-256, got {show(sha)}")
@@ -105,7 +111,9 @@ def _dataset_ref(split: str, obj: Any, base: Path, where: str, data_roots: Itera
     p = Path(declared)
     resolved = p if p.is_absolute() else base / p
     check_data_roots(resolved, data_roots, f"{loc}.path")
-    return DatasetRef(split=split, path=Path(os.path.abspath(resolved)), declared_path=declared, sha256=sha, num_samples=n)
+    return DatasetRef(
+        split=split, path=Path(os.path.abspath(resolved)), declared_path=declared, sha256=sha, num_samples=n
+    )
 
 
 def parse_manifest(data: bytes, path: Path, *, data_roots: Iterable[str | Path] | None = None) -> Manifest:
@@ -128,11 +136,21 @@ def parse_manifest(data: bytes, path: Path, *, data_roots: Iterable[str | Path] 
     prov = obj.get("provenance")
     if prov is not None and not isinstance(prov, dict):
         raise InputError(f"{where}: provenance", f"must be an object when present, got {show(prov)}")
-    return Manifest(path=path, sha256=sha256_bytes(data), train=train, heldout=heldout, objective=objective, provenance=prov, raw=obj,
-                    ignored_objective_keys=Objective.unknown_keys(obj["objective"]))
+    return Manifest(
+        path=path,
+        sha256=sha256_bytes(data),
+        train=train,
+        heldout=heldout,
+        objective=objective,
+        provenance=prov,
+        raw=obj,
+        ignored_objective_keys=Objective.unknown_keys(obj["objective"]),
+    )
 
 
-def load_manifest(path: str | Path, *, pinned_sha256: str | None = None, data_roots: Iterable[str | Path] | None = None) -> Manifest:
+def load_manifest(
+    path: str | Path, *, pinned_sha256: str | None = None, data_roots: Iterable[str | Path] | None = None
+) -> Manifest:
     """Load and check a manifest. A pinned digest is checked against the raw bytes before parsing."""
     if pinned_sha256 is not None:
         require_sha(pinned_sha256, "pinned manifest sha256")

@@ -48,8 +48,9 @@ by at most 6 %, on the safe side for `--micro-batch-tokens auto`), evaluation on
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from value_assets.core.backbone import QWEN2_5_SHAPES, BackboneConfig, CriticShape
 from value_assets.core.errors import InputError
@@ -67,7 +68,7 @@ class MemoryConfig:
     recompute: str = "none"
     """Activation recompute: 'none'; 'selective' (Megatron's: core attention recomputed in
     backward); 'full' (Megatron's uniform recompute of every layer, one layer per checkpoint)."""
-    recompute_layers: Optional[int] = None
+    recompute_layers: int | None = None
     """With 'full' only: recompute the first K layers of each pipeline stage (Megatron's block
     method), keep every activation of the others; None: every layer."""
     distributed_optimizer: bool = False
@@ -94,16 +95,19 @@ class MemoryConfig:
     def check_layout(self, *, tensor_parallel: int) -> None:
         """Refuse settings the parallel layout cannot run."""
         if self.sequence_parallel and tensor_parallel < 2:
-            raise InputError("sequence_parallel",
-                             f"needs tensor_parallel > 1, got tensor_parallel {tensor_parallel}")
+            raise InputError("sequence_parallel", f"needs tensor_parallel > 1, got tensor_parallel {tensor_parallel}")
 
     def check_layers(self, *, num_layers: int, pipeline_parallel: int) -> None:
         """Refuse more recomputed layers than a pipeline stage holds (megatron counts per stage)."""
         per_stage = num_layers // pipeline_parallel
         if self.recompute_layers is not None and self.recompute_layers > per_stage:
-            raise InputError("recompute_layers", (
-                f"counts layers per pipeline stage: at most {per_stage} ({num_layers} layers over "
-                f"{pipeline_parallel} stage(s)), got {self.recompute_layers}"))
+            raise InputError(
+                "recompute_layers",
+                (
+                    f"counts layers per pipeline stage: at most {per_stage} ({num_layers} layers over "
+                    f"{pipeline_parallel} stage(s)), got {self.recompute_layers}"
+                ),
+            )
 
     def to_json(self) -> dict[str, Any]:
         """Every setting; `recompute_layers` only when set (so older contracts' bytes are unchanged)."""
@@ -113,7 +117,7 @@ class MemoryConfig:
         return out
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "MemoryConfig":
+    def from_json(cls, obj: Mapping[str, Any]) -> MemoryConfig:
         return cls(**dict(obj))
 
 
@@ -152,8 +156,14 @@ MEASURED = (
     {"model": "0.5b", "mode": "train", "micro_batch_tokens": 82944, "peak_gib": 90.6},
     {"model": "1.5b", "mode": "train", "micro_batch_tokens": 32768, "peak_gib": 94.2},
     {"model": "1.5b", "mode": "train", "micro_batch_tokens": 16384, "peak_gib": 60.7},
-    {"model": "1.5b", "mode": "train", "micro_batch_tokens": 32767, "peak_gib": 88.4,
-     "recompute": "full", "recompute_layers": 2},
+    {
+        "model": "1.5b",
+        "mode": "train",
+        "micro_batch_tokens": 32767,
+        "peak_gib": 88.4,
+        "recompute": "full",
+        "recompute_layers": 2,
+    },
     {"model": "3b", "mode": "train", "micro_batch_tokens": 14848, "peak_gib": 101.8},
     {"model": "0.5b", "mode": "eval", "micro_batch_tokens": 32768, "peak_gib": 2.7},
     {"model": "1.5b", "mode": "eval", "micro_batch_tokens": 32768, "peak_gib": 6.1},
@@ -171,8 +181,9 @@ def stage_params(shape: CriticShape, layout: Layout) -> int:
     return int(n)
 
 
-def static_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, *, train: bool = True,
-                 bf16: bool = True) -> int:
+def static_bytes(
+    shape: CriticShape, layout: Layout, memory: MemoryConfig, *, train: bool = True, bf16: bool = True
+) -> int:
     """Weights (+ grads + optimizer state when training) on one GPU."""
     p = stage_params(shape, layout)
     if not train:
@@ -183,8 +194,9 @@ def static_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, *, tr
     return int(4 * p + 4 * p + 8 * p / shard)
 
 
-def saved_elements_per_token_layer(shape: CriticShape, layout: Layout, memory: MemoryConfig,
-                                   recompute: Optional[str] = None, *, fused_swiglu: bool = True) -> float:
+def saved_elements_per_token_layer(
+    shape: CriticShape, layout: Layout, memory: MemoryConfig, recompute: str | None = None, *, fused_swiglu: bool = True
+) -> float:
     """Elements kept for backward per token and layer (no recompute factor for 'full').
     `fused_swiglu`: megatron's fused SwiGLU (the critic on CUDA) keeps fc1's output only; the
     plain ops (CPU) also keep silu's output."""
@@ -208,8 +220,9 @@ def recomputed_layers(shape: CriticShape, layout: Layout, memory: MemoryConfig) 
     return min(layout.pp * memory.recompute_layers, shape.backbone.num_layers)
 
 
-def activation_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
-                     train: bool = True, bf16: bool = True) -> int:
+def activation_bytes(
+    shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *, train: bool = True, bf16: bool = True
+) -> int:
     """Activation memory of one packed micro-batch of `tokens` tokens (see the module docstring)."""
     w = 2 if bf16 else 4
     h, f, tp = shape.backbone.hidden_size, shape.backbone.ffn_hidden_size, layout.tp
@@ -223,20 +236,33 @@ def activation_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, t
     else:
         hs = h / (tp if memory.sequence_parallel else 1)
         r = recomputed_layers(shape, layout, memory)
-        per_token = r * hs + max(layers - r, 1 if r else 0) * saved_elements_per_token_layer(shape, layout, memory, "none", fused_swiglu=bf16)
+        per_token = r * hs + max(layers - r, 1 if r else 0) * saved_elements_per_token_layer(
+            shape, layout, memory, "none", fused_swiglu=bf16
+        )
     head = 4 * h + 16 * shape.head_size
     return int(C_ACT * w * tokens * per_token + tokens * head)
 
 
-def predict_peak(shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *,
-                 train: bool = True, bf16: bool = True) -> int:
+def predict_peak(
+    shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *, train: bool = True, bf16: bool = True
+) -> int:
     """Predicted peak allocated bytes per GPU for packed micro-batches of `tokens` tokens."""
-    return (static_bytes(shape, layout, memory, train=train, bf16=bf16)
-            + activation_bytes(shape, layout, memory, tokens, train=train, bf16=bf16) + WORKSPACE_BYTES)
+    return (
+        static_bytes(shape, layout, memory, train=train, bf16=bf16)
+        + activation_bytes(shape, layout, memory, tokens, train=train, bf16=bf16)
+        + WORKSPACE_BYTES
+    )
 
 
-def max_tokens(shape: CriticShape, layout: Layout, memory: MemoryConfig, budget_bytes: int, *,
-               train: bool = True, bf16: bool = True) -> int:
+def max_tokens(
+    shape: CriticShape,
+    layout: Layout,
+    memory: MemoryConfig,
+    budget_bytes: int,
+    *,
+    train: bool = True,
+    bf16: bool = True,
+) -> int:
     """The largest micro-batch token count whose predicted peak fits `budget_bytes` (0 if none)."""
     room = budget_bytes - static_bytes(shape, layout, memory, train=train, bf16=bf16) - WORKSPACE_BYTES
     if room <= 0:
@@ -261,9 +287,18 @@ def recompute_flags(memory: MemoryConfig) -> str:
     return flags if memory.recompute_layers is None else f"{flags} --recompute-layers {memory.recompute_layers}"
 
 
-def auto_micro_batch_tokens(shape: CriticShape, layout: Layout, memory: MemoryConfig, *,
-                            free_bytes: int, longest_row: int, longest_row_where: str = "the longest row",
-                            multiple: int = 256, safety: float = 0.9, bf16: bool = True) -> int:
+def auto_micro_batch_tokens(
+    shape: CriticShape,
+    layout: Layout,
+    memory: MemoryConfig,
+    *,
+    free_bytes: int,
+    longest_row: int,
+    longest_row_where: str = "the longest row",
+    multiple: int = 256,
+    safety: float = 0.9,
+    bf16: bool = True,
+) -> int:
     """`--micro-batch-tokens auto`: the largest packed micro-batch (a multiple of `multiple`
     tokens) that fits `safety * free_bytes`. Refuses, with what would make it fit, when the
     longest row (model tokens) does not fit on its own."""
@@ -292,8 +327,12 @@ def auto_micro_batch_tokens(shape: CriticShape, layout: Layout, memory: MemoryCo
             break
     layers = "" if memory.recompute_layers is None else f" of {memory.recompute_layers} layers per stage"
     hints.append(f"a GPU with {need / GIB:.1f} GiB free, or dropping rows longer than {t} tokens")
-    raise InputError("micro_batch_tokens", (
-        f"auto: {longest_row_where} has {longest_row} model tokens but at most {t} fit in "
-        f"{free_bytes / GIB:.1f} GiB free (x{safety} safety) with tp {layout.tp}, pp {layout.pp}, dp {layout.dp}, "
-        f"recompute {memory.recompute}{layers}, distributed optimizer {memory.distributed_optimizer}; "
-        f"it would fit with: {'; or '.join(hints)}"))
+    raise InputError(
+        "micro_batch_tokens",
+        (
+            f"auto: {longest_row_where} has {longest_row} model tokens but at most {t} fit in "
+            f"{free_bytes / GIB:.1f} GiB free (x{safety} safety) with tp {layout.tp}, pp {layout.pp}, dp {layout.dp}, "
+            f"recompute {memory.recompute}{layers}, distributed optimizer {memory.distributed_optimizer}; "
+            f"it would fit with: {'; or '.join(hints)}"
+        ),
+    )

@@ -16,19 +16,27 @@ as our `strict_json.canonical_bytes`. `read_miles_contract` applies those rules 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from .errors import InputError, show
-from .hashing import is_sha, read_pinned
-from .objective import Objective
-from .strict_json import canonical_bytes, is_int, loads
+from value_assets.core.errors import InputError, show
+from value_assets.core.hashing import is_sha, read_pinned
+from value_assets.core.objective import Objective
+from value_assets.core.strict_json import canonical_bytes, is_int, loads
 
 MILES_CONTRACT_SCHEMA = "miles.value-pretrain-checkpoint.v1"
 MILES_CONTRACT_NAME = "value_pretrain_contract.json"
 MILES_TRACKER_NAME = "latest_checkpointed_iteration.txt"
-MILES_KEYS = ("batch_plan", "completed_steps", "model_identity", "objective", "schema",
-              "source_manifest_sha256", "train_dataset_sha256")
+MILES_KEYS = (
+    "batch_plan",
+    "completed_steps",
+    "model_identity",
+    "objective",
+    "schema",
+    "source_manifest_sha256",
+    "train_dataset_sha256",
+)
 _PLAN_KEYS = ("drop_incomplete_batch", "global_batch_size", "seed")
 
 
@@ -50,8 +58,11 @@ def build_miles_contract(contract: Mapping[str, Any], model_identity: str) -> di
         "source_manifest_sha256": contract["source_manifest_sha256"],
         "train_dataset_sha256": contract["train_dataset_sha256"],
         "objective": Objective.from_json(contract["objective"]).canonical(),
-        "batch_plan": {"seed": plan.get("seed"), "global_batch_size": plan.get("global_batch_size"),
-                       "drop_incomplete_batch": True},
+        "batch_plan": {
+            "seed": plan.get("seed"),
+            "global_batch_size": plan.get("global_batch_size"),
+            "drop_incomplete_batch": True,
+        },
         "completed_steps": steps,
         "model_identity": model_identity,
     }
@@ -64,8 +75,11 @@ def check_miles_contract(obj: Any, where: str) -> None:
     if not isinstance(obj, dict):
         raise InputError(where, f"must be a JSON object, got {show(obj)}")
     if sorted(obj) != sorted(MILES_KEYS):
-        raise InputError(where, f"keys must be exactly {sorted(MILES_KEYS)}; missing {sorted(set(MILES_KEYS) - set(obj))}, "
-                         f"unexpected {sorted(set(obj) - set(MILES_KEYS))}")
+        raise InputError(
+            where,
+            f"keys must be exactly {sorted(MILES_KEYS)}; missing {sorted(set(MILES_KEYS) - set(obj))}, "
+            f"unexpected {sorted(set(obj) - set(MILES_KEYS))}",
+        )
     if obj["schema"] != MILES_CONTRACT_SCHEMA:
         raise InputError(f"{where}: schema", f"must be {MILES_CONTRACT_SCHEMA!r}, got {show(obj['schema'])}")
     for key in ("source_manifest_sha256", "train_dataset_sha256"):
@@ -73,16 +87,23 @@ def check_miles_contract(obj: Any, where: str) -> None:
             raise InputError(f"{where}: {key}", f"must be a lowercase SHA-256 hex digest, got {show(obj[key])}")
     objective = Objective.from_json(obj["objective"], f"{where}: objective")
     if canonical_bytes(obj["objective"]) != canonical_bytes(objective.canonical()):  # floats stay floats
-        raise InputError(f"{where}: objective", f"must be the canonical objective {objective.canonical()}, got {obj['objective']}")
+        raise InputError(
+            f"{where}: objective", f"must be the canonical objective {objective.canonical()}, got {obj['objective']}"
+        )
     plan = obj["batch_plan"]
     if not isinstance(plan, dict) or sorted(plan) != sorted(_PLAN_KEYS):
         raise InputError(f"{where}: batch_plan", f"must have exactly the keys {sorted(_PLAN_KEYS)}, got {show(plan)}")
     if not is_int(plan["seed"]):
         raise InputError(f"{where}: batch_plan.seed", f"must be an integer, got {show(plan['seed'])}")
     if not is_int(plan["global_batch_size"]) or plan["global_batch_size"] < 1:
-        raise InputError(f"{where}: batch_plan.global_batch_size", f"must be a positive integer, got {show(plan['global_batch_size'])}")
+        raise InputError(
+            f"{where}: batch_plan.global_batch_size",
+            f"must be a positive integer, got {show(plan['global_batch_size'])}",
+        )
     if plan["drop_incomplete_batch"] is not True:
-        raise InputError(f"{where}: batch_plan.drop_incomplete_batch", f"must be true, got {show(plan['drop_incomplete_batch'])}")
+        raise InputError(
+            f"{where}: batch_plan.drop_incomplete_batch", f"must be true, got {show(plan['drop_incomplete_batch'])}"
+        )
     if not is_int(obj["completed_steps"]) or obj["completed_steps"] < 1:
         raise InputError(f"{where}: completed_steps", f"must be a positive integer, got {show(obj['completed_steps'])}")
     if not isinstance(obj["model_identity"], str) or not obj["model_identity"]:
@@ -109,5 +130,8 @@ def read_miles_contract(folder: str | Path, pinned_sha256: str | None = None) ->
     if tracker.is_file():
         text = tracker.read_text().strip()
         if text != str(obj["completed_steps"]):
-            raise InputError(str(tracker), f"names iteration {text!r}, but the contract says {obj['completed_steps']} completed steps")
+            raise InputError(
+                str(tracker),
+                f"names iteration {text!r}, but the contract says {obj['completed_steps']} completed steps",
+            )
     return obj, sha

@@ -4,13 +4,15 @@ batch's Var(R) > 0 and a per-batch EV exists."""
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
-from .errors import InputError, require_int, show
-from .strict_json import is_int
+from value_assets.core.errors import InputError, require_int, show
+from value_assets.core.strict_json import is_int
 
 
-def mixed_label_batches(labels: Sequence[float], global_batch_size: int, num_batches: int, seed: int) -> list[tuple[int, ...]]:
+def mixed_label_batches(
+    labels: Sequence[float], global_batch_size: int, num_batches: int, seed: int
+) -> list[tuple[int, ...]]:
     """Pick `num_batches` disjoint batches of `global_batch_size` row indices from rows with `labels`.
 
     One `random.Random(seed)` drives every shuffle, in this order: each label group (sorted-label
@@ -37,7 +39,10 @@ def mixed_label_batches(labels: Sequence[float], global_batch_size: int, num_bat
         ranked = sorted(groups, key=lambda lab: (-len(groups[lab]), lab))
         first, second = ranked[0], ranked[1]
         if not groups[second]:
-            raise InputError("labels", f"labels too scarce for {b} mixed batches: counts {({k: len(v) for k, v in groups.items()})} ran out")
+            raise InputError(
+                "labels",
+                f"labels too scarce for {b} mixed batches: counts { ({k: len(v) for k, v in groups.items()}) } ran out",
+            )
         batch.append(groups[first].pop())
         batch.append(groups[second].pop())
     pool = [i for label in groups for i in groups[label]]  # groups keep first-appearance order
@@ -45,7 +50,7 @@ def mixed_label_batches(labels: Sequence[float], global_batch_size: int, num_bat
     pos = 0
     for batch in batches:
         need = g - len(batch)
-        batch.extend(pool[pos:pos + need])
+        batch.extend(pool[pos : pos + need])
         pos += need
     for batch in batches:
         rng.shuffle(batch)

@@ -9,11 +9,13 @@ head too wide to train, values too large for float32 arithmetic (`MAX_ABS_VALUE`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from itertools import pairwise
+from typing import Any
 
-from .errors import InputError, show
-from .strict_json import finite_float, is_int, is_number
+from value_assets.core.errors import InputError, show
+from value_assets.core.strict_json import finite_float, is_int, is_number
 
 LOSS_TYPES = ("classification", "mse")
 TARGET_TYPES = ("hl_gauss", "two_hot")
@@ -51,7 +53,10 @@ class Objective:
         if self.num_bins < 1:
             raise InputError(f"{where}.num_bins", f"must be >= 1, got {self.num_bins}")
         if self.num_bins > MAX_NUM_BINS:
-            raise InputError(f"{where}.num_bins", f"must be <= {MAX_NUM_BINS} (the widest value head accepted), got {show(self.num_bins)}")
+            raise InputError(
+                f"{where}.num_bins",
+                f"must be <= {MAX_NUM_BINS} (the widest value head accepted), got {show(self.num_bins)}",
+            )
         rr = self.reward_range
         if not (isinstance(rr, (tuple, list)) and len(rr) == 2 and all(is_number(v) for v in rr)):
             raise InputError(f"{where}.reward_range", f"must be [low, high] numbers, got {show(rr)}")
@@ -61,14 +66,19 @@ class Objective:
         if not low < high:
             raise InputError(f"{where}.reward_range", f"needs low < high, got {show(rr)}")
         if max(abs(low), abs(high)) > MAX_ABS_VALUE:
-            raise InputError(f"{where}.reward_range", f"bounds must lie within +-{MAX_ABS_VALUE:g} (values are float32 on the GPU; "
-                                                      f"rescale the rewards), got {show(rr)}")
+            raise InputError(
+                f"{where}.reward_range",
+                f"bounds must lie within +-{MAX_ABS_VALUE:g} (values are float32 on the GPU; "
+                f"rescale the rewards), got {show(rr)}",
+            )
         object.__setattr__(self, "reward_range", (low, high))
         if self.target_type not in TARGET_TYPES:
             raise InputError(f"{where}.target_type", f"must be one of {TARGET_TYPES}, got {show(self.target_type)}")
         ratio = finite_float(self.hl_gauss_sigma_ratio)
         if ratio is None or ratio <= 0:
-            raise InputError(f"{where}.hl_gauss_sigma_ratio", f"must be a finite number > 0, got {show(self.hl_gauss_sigma_ratio)}")
+            raise InputError(
+                f"{where}.hl_gauss_sigma_ratio", f"must be a finite number > 0, got {show(self.hl_gauss_sigma_ratio)}"
+            )
         object.__setattr__(self, "hl_gauss_sigma_ratio", ratio)
         if self.loss_type == "classification":
             self._check_support(where)
@@ -81,13 +91,19 @@ class Objective:
         width = (high - low) / (self.num_bins - 1)
         sigma = self.hl_gauss_sigma_ratio * width
         centres = [low + k * width for k in range(self.num_bins - 1)] + [high]
-        increasing = all(b > a for a, b in zip(centres, centres[1:]))
+        increasing = all(b > a for a, b in pairwise(centres))
         if not (math.isfinite(width) and width > 0 and increasing):
-            raise InputError(f"{where}.reward_range", f"{show(self.reward_range)} with num_bins = {self.num_bins} gives bins of "
-                                                      f"width {width!r}: the bin centres must be finite and strictly increasing")
+            raise InputError(
+                f"{where}.reward_range",
+                f"{show(self.reward_range)} with num_bins = {self.num_bins} gives bins of "
+                f"width {width!r}: the bin centres must be finite and strictly increasing",
+            )
         if self.target_type == "hl_gauss" and not (math.isfinite(sigma) and sigma > 0):
-            raise InputError(f"{where}.hl_gauss_sigma_ratio", f"{self.hl_gauss_sigma_ratio!r} x bin width {width!r} gives sigma = "
-                                                              f"{sigma!r}; it must be finite and > 0")
+            raise InputError(
+                f"{where}.hl_gauss_sigma_ratio",
+                f"{self.hl_gauss_sigma_ratio!r} x bin width {width!r} gives sigma = "
+                f"{sigma!r}; it must be finite and > 0",
+            )
 
     @property
     def head_size(self) -> int:
@@ -100,7 +116,7 @@ class Objective:
         return tuple(sorted(set(obj) - set(FIELDS)))
 
     @classmethod
-    def from_json(cls, obj: Any, where: str = "objective", *, ignore_unknown: bool = False) -> "Objective":
+    def from_json(cls, obj: Any, where: str = "objective", *, ignore_unknown: bool = False) -> Objective:
         """Build from a JSON object. Unknown keys are refused, except with `ignore_unknown` (a Miles
         manifest: Miles' loader ignores them, docs/rules.md#hand-off); contracts keep exactly the five fields."""
         if not isinstance(obj, Mapping):

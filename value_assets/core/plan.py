@@ -7,13 +7,14 @@ step -> row indices table.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from .errors import InputError, require_int, show
-from .hashing import sha256_bytes
-from .strict_json import canonical_bytes, is_int
+from value_assets.core.errors import InputError, require_int, show
+from value_assets.core.hashing import sha256_bytes
+from value_assets.core.strict_json import canonical_bytes, is_int
 
 ALGORITHM = "miles.epoch_shuffle.v1"
 SCHEMA = "value-assets.batch-plan.v1"
@@ -33,7 +34,12 @@ class BatchPlan:
 
     def spec(self) -> dict[str, Any]:
         """The plan identity a contract binds: what resume compares."""
-        return {"seed": self.seed, "global_batch_size": self.global_batch_size, "drop_incomplete_batch": True, "algorithm": ALGORITHM}
+        return {
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "drop_incomplete_batch": True,
+            "algorithm": ALGORITHM,
+        }
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,13 +77,15 @@ def build_plan(num_rows: object, global_batch_size: object, epochs: object = 1, 
     if not is_int(seed):
         raise InputError("seed", f"must be an integer, got {show(seed)}")
     if n < g:
-        raise InputError("global_batch_size", f"{g} exceeds the {n} rows of the dataset: the plan would have zero steps")
+        raise InputError(
+            "global_batch_size", f"{g} exceeds the {n} rows of the dataset: the plan would have zero steps"
+        )
     steps: list[tuple[int, ...]] = []
     per_epoch = n // g
     for epoch in range(e):
         order = list(range(n))
         random.Random(seed + epoch).shuffle(order)
-        steps.extend(tuple(order[k * g:(k + 1) * g]) for k in range(per_epoch))
+        steps.extend(tuple(order[k * g : (k + 1) * g]) for k in range(per_epoch))
     return BatchPlan(num_rows=n, global_batch_size=g, epochs=e, seed=seed, steps=tuple(steps))
 
 
@@ -121,12 +129,20 @@ def data_parallel_size(*, total_gpus: int, tensor_parallel: int = 1, pipeline_pa
     tp = require_int(tensor_parallel, "tensor_parallel")
     pp = require_int(pipeline_parallel, "pipeline_parallel")
     if total % (tp * pp):
-        raise InputError("gpus", f"{total} GPUs are not divisible by the model-parallel size tp x pp = {tp} x {pp} = {tp * pp}")
+        raise InputError(
+            "gpus", f"{total} GPUs are not divisible by the model-parallel size tp x pp = {tp} x {pp} = {tp * pp}"
+        )
     return total // (tp * pp)
 
 
-def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                   global_batch_size: int, micro_batch_size: int = 1) -> int:
+def check_topology(
+    *,
+    total_gpus: int,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    global_batch_size: int,
+    micro_batch_size: int = 1,
+) -> int:
     """Check docs/rules.md#batch-plan topology rules before launch; return the data-parallel size."""
     dp = data_parallel_size(total_gpus=total_gpus, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     g = require_int(global_batch_size, "global_batch_size")
@@ -134,7 +150,9 @@ def check_topology(*, total_gpus: int, tensor_parallel: int = 1, pipeline_parall
     if g % dp:
         raise InputError("global_batch_size", f"{g} is not divisible by the data-parallel size {dp}")
     if (g // dp) % mb:
-        raise InputError("micro_batch_size", f"the local batch G / dp = {g // dp} is not divisible by the micro-batch size {mb}")
+        raise InputError(
+            "micro_batch_size", f"the local batch G / dp = {g // dp} is not divisible by the micro-batch size {mb}"
+        )
     return dp
 
 
@@ -157,18 +175,23 @@ def load_published_plan(path: Path, sha256: str) -> BatchPlan:
     """The plan published at `path`, read once and checked against the sha the lineage recorded
     (and its sidecar) before it is parsed, then against the plan its own seed, G and epochs
     generate: a plan file changed after publication is refused by name."""
-    from .publish import read_published
+    from value_assets.core.publish import read_published
 
     obj, _ = read_published(path, "batch plan", expected_sha=sha256)
     return plan_from_json(obj, str(path))
 
 
-def check_plan_covers(plan: BatchPlan, num_rows: int, *, where: str, global_batch_size: int, epochs: int, seed: int) -> None:
+def check_plan_covers(
+    plan: BatchPlan, num_rows: int, *, where: str, global_batch_size: int, epochs: int, seed: int
+) -> None:
     """A published plan trains a run only if it was made for this train split (same row count)
     and the run's settings name the same G, epochs and seed."""
     if plan.num_rows != num_rows:
         raise InputError(where, f"plans {plan.num_rows} rows, but the validated train split has {num_rows}")
-    for name, mine, planned in (("global_batch_size", global_batch_size, plan.global_batch_size),
-                                ("epochs", epochs, plan.epochs), ("seed", seed, plan.seed)):
+    for name, mine, planned in (
+        ("global_batch_size", global_batch_size, plan.global_batch_size),
+        ("epochs", epochs, plan.epochs),
+        ("seed", seed, plan.seed),
+    ):
         if mine != planned:
             raise InputError(name, f"{mine} differs from the published plan's {planned} ({where})")

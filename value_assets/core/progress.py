@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 UPDATES = 40
 PREFIX = "train progress:"
-_LINE = re.compile(
-    re.escape(PREFIX) + r" step=(\d+)/(\d+) loss=(\S+) ev=(\S+) tokens_per_s=(\S+)$"
-)
+_LINE = re.compile(re.escape(PREFIX) + r" step=(\d+)/(\d+) loss=(\S+) ev=(\S+) tokens_per_s=(\S+)$")
 
 
 def report_every(planned_steps: int, updates: int = UPDATES) -> int:
@@ -32,9 +31,11 @@ def _num(value: Any, spec: str) -> str:
 
 def progress_line(step: int, planned_steps: int, metrics: dict[str, Any]) -> str:
     """``train progress: step=12/64 loss=0.693147 ev=0.1234 tokens_per_s=1234.5``."""
-    return (f"{PREFIX} step={step}/{planned_steps} loss={_num(metrics.get('loss'), '.6f')} "
-            f"ev={_num(metrics.get('explained_variance'), '.4f')} "
-            f"tokens_per_s={_num(metrics.get('tokens_per_s'), '.1f')}")
+    return (
+        f"{PREFIX} step={step}/{planned_steps} loss={_num(metrics.get('loss'), '.6f')} "
+        f"ev={_num(metrics.get('explained_variance'), '.4f')} "
+        f"tokens_per_s={_num(metrics.get('tokens_per_s'), '.1f')}"
+    )
 
 
 def parse_progress(line: str) -> dict[str, Any] | None:
@@ -46,8 +47,13 @@ def parse_progress(line: str) -> dict[str, Any] | None:
     def num(text: str) -> float | None:
         return None if text == "n/a" else float(text)
 
-    return {"step": int(m.group(1)), "planned_steps": int(m.group(2)), "loss": num(m.group(3)),
-            "ev": num(m.group(4)), "tokens_per_s": num(m.group(5))}
+    return {
+        "step": int(m.group(1)),
+        "planned_steps": int(m.group(2)),
+        "loss": num(m.group(3)),
+        "ev": num(m.group(4)),
+        "tokens_per_s": num(m.group(5)),
+    }
 
 
 class TrainProgress:

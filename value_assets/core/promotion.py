@@ -16,16 +16,17 @@ the layout that other readers rely on.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from .contract_lookup import ContractRef
-from .errors import InputError
-from .hashing import sha256_bytes
-from .publish import publication_state, read_published, sha_sidecar
-from .report import decide_gate, report_manifest_sha
+from value_assets.core.contract_lookup import ContractRef
+from value_assets.core.errors import InputError
+from value_assets.core.hashing import sha256_bytes
+from value_assets.core.publish import publication_state, read_published, sha_sidecar
+from value_assets.core.report import decide_gate, report_manifest_sha
 
 PROMOTION_SCHEMA = "value-assets.promotion.v1"
 
@@ -66,8 +67,12 @@ def lineage_report_sha(records: Iterable[ReportRecord], *, contract_sha256: str,
     cannot originate one (older code recorded whatever file it found).
     """
     for record in records:
-        if (record.evaluated and record.contract_sha256 == contract_sha256
-                and str(record.report_path) == str(report_path) and isinstance(record.report_sha256, str)):
+        if (
+            record.evaluated
+            and record.contract_sha256 == contract_sha256
+            and str(record.report_path) == str(report_path)
+            and isinstance(record.report_sha256, str)
+        ):
             return record.report_sha256
     return None
 
@@ -86,9 +91,12 @@ def decide_reuse(report_path: Path, recorded_sha256: str | None) -> bool:
         what = f"holds a report (sha256 {sha}) that this lineage did not record (recorded: {recorded_sha256 or 'none'})"
     else:
         what = "holds a file this lineage cannot trust (a symlink, or a file that disagrees with its sidecar)"
-    raise InputError(str(report_path), f"{what}; a file that agrees with its own sidecar proves nothing, and reports "
-                                       f"are write-once, so it is neither reused nor replaced. Remove it and "
-                                       f"{sha_sidecar(Path(report_path)).name}, then re-run to evaluate again")
+    raise InputError(
+        str(report_path),
+        f"{what}; a file that agrees with its own sidecar proves nothing, and reports "
+        f"are write-once, so it is neither reused nor replaced. Remove it and "
+        f"{sha_sidecar(Path(report_path)).name}, then re-run to evaluate again",
+    )
 
 
 def verify_promotion(
@@ -114,15 +122,21 @@ def verify_promotion(
     if gate is None:
         raise PromotionRefused(f"partition {partition_key}: ev_gate has no evaluation; run it on the report first")
     if gate.partition_key != partition_key:
-        raise PromotionRefused(f"partition {partition_key}: the ev_gate evaluation given is partition "
-                               f"{gate.partition_key!r}'s; another manifest's result never stands for this one")
+        raise PromotionRefused(
+            f"partition {partition_key}: the ev_gate evaluation given is partition "
+            f"{gate.partition_key!r}'s; another manifest's result never stands for this one"
+        )
     if gate.blocking is not True:
-        raise PromotionRefused(f"partition {partition_key}: the ev_gate evaluation was not blocking (blocking={gate.blocking!r})")
+        raise PromotionRefused(
+            f"partition {partition_key}: the ev_gate evaluation was not blocking (blocking={gate.blocking!r})"
+        )
     if not gate.passed:
         raise PromotionRefused(f"partition {partition_key}: the latest ev_gate evaluation failed (run {gate.run_id})")
     if gate.report_sha256 != recorded_report_sha256:
-        raise PromotionRefused(f"partition {partition_key}: ev_gate passed on report {gate.report_sha256!r}, but "
-                               f"ev_report recorded {recorded_report_sha256}")
+        raise PromotionRefused(
+            f"partition {partition_key}: ev_gate passed on report {gate.report_sha256!r}, but "
+            f"ev_report recorded {recorded_report_sha256}"
+        )
     try:
         report, report_sha = read_published(report_path, "EV report", expected_sha=recorded_report_sha256)
     except InputError as exc:
@@ -132,11 +146,15 @@ def verify_promotion(
         raise PromotionRefused(f"{report_path}: the EV gate did not pass: {'; '.join(decision.failures)}")
     if report.get("contract_sha256") != contract.sha256:
         raise PromotionRefused(
-            f"{report_path}: names contract {report.get('contract_sha256')!r}, not the one being promoted {contract.sha256}")
+            f"{report_path}: names contract {report.get('contract_sha256')!r}, not the one being promoted "
+            f"{contract.sha256}"
+        )
     if report_manifest_sha(report) != manifest_sha256:
         raise PromotionRefused(f"{report_path}: names manifest {report_manifest_sha(report)!r}, not {manifest_sha256}")
     if contract.contract.get("source_manifest_sha256") != manifest_sha256:
-        raise PromotionRefused(f"{contract.path}: contract is for manifest {contract.contract.get('source_manifest_sha256')!r}")
+        raise PromotionRefused(
+            f"{contract.path}: contract is for manifest {contract.contract.get('source_manifest_sha256')!r}"
+        )
     if verify_checkpoint is not None:
         try:
             verify_checkpoint(contract.checkpoint_dir, contract.contract)
@@ -152,5 +170,5 @@ def verify_promotion(
         "report_sha256": report_sha,
         "manifest_sha256": manifest_sha256,
         "completed_steps": contract.contract.get("completed_steps"),
-        "promoted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }

@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any, cast
 
-from .errors import InputError
-from .hashing import is_sha, sha256_bytes
+from value_assets.core.errors import InputError
+from value_assets.core.hashing import is_sha, sha256_bytes
 
 
 class PublishError(OSError):
@@ -39,8 +39,9 @@ class PublishError(OSError):
 
     def __init__(self, path: Path, exc: OSError):
         cause = exc.strerror or str(exc)
-        super().__init__(exc.errno, f"{path}: could not publish ({cause}); nothing was published, "
-                                    f"retry once the cause is fixed")
+        super().__init__(
+            exc.errno, f"{path}: could not publish ({cause}); nothing was published, retry once the cause is fixed"
+        )
         self.path = Path(path)
 
     def __str__(self) -> str:
@@ -61,7 +62,7 @@ def _write_temp(folder: Path, name: str, data: bytes) -> Path:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -122,7 +123,7 @@ def publish_once(path: str | Path, data: bytes) -> str:
         # Everything that needs space first: both temps complete and fsynced before a name appears.
         temps.append(_write_temp(p.parent, p.name, data))
         temps.append(_write_temp(p.parent, side.name, line))
-        for tmp, dest in zip(temps, (p, side)):
+        for tmp, dest in zip(temps, (p, side), strict=True):
             try:
                 os.link(tmp, dest, follow_symlinks=False)
                 linked.append((tmp, dest))
@@ -151,16 +152,22 @@ def publish_once(path: str | Path, data: bytes) -> str:
 def _same_or_refuse(dest: Path, data: bytes | None, sha: str) -> None:
     """An existing `dest` is accepted only when it already holds what this call publishes."""
     if dest.is_symlink() or not dest.is_file():
-        raise InputError(str(dest), "refusing to publish: the destination exists and is not a regular file "
-                                    "(a symlink is never followed)")
+        raise InputError(
+            str(dest),
+            "refusing to publish: the destination exists and is not a regular file (a symlink is never followed)",
+        )
     if data is not None:
         existing = sha256_bytes(dest.read_bytes())
         if existing != sha:
-            raise InputError(str(dest), f"refusing to replace an existing file (sha256 {existing}); published files "
-                                        f"are write-once")
+            raise InputError(
+                str(dest), f"refusing to replace an existing file (sha256 {existing}); published files are write-once"
+            )
     elif read_sidecar(dest) != sha:
-        raise InputError(str(dest), f"refusing to replace an existing sha256 sidecar (records {read_sidecar(dest)}) "
-                                    f"with {sha}; remove it if its file is gone")
+        raise InputError(
+            str(dest),
+            f"refusing to replace an existing sha256 sidecar (records {read_sidecar(dest)}) "
+            f"with {sha}; remove it if its file is gone",
+        )
 
 
 def read_sidecar(side: str | Path) -> str | None:
@@ -182,7 +189,12 @@ def publication_state(path: str | Path) -> str:
     """
     p = Path(path)
     side = sha_sidecar(p)
-    if p.is_symlink() or side.is_symlink() or (p.exists() and not p.is_file()) or (side.exists() and not side.is_file()):
+    if (
+        p.is_symlink()
+        or side.is_symlink()
+        or (p.exists() and not p.is_file())
+        or (side.exists() and not side.is_file())
+    ):
         return "conflicting"
     if not p.exists():
         return "unfinished" if side.exists() else "absent"

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InputError
-from .hashing import is_sha, sha256_bytes, sha256_file
-from .publish import atomic_write, read_json_object
-from .strict_json import canonical_bytes
+from value_assets.core.errors import InputError
+from value_assets.core.hashing import is_sha, sha256_bytes, sha256_file
+from value_assets.core.publish import atomic_write, read_json_object
+from value_assets.core.strict_json import canonical_bytes
 
 if TYPE_CHECKING:
-    from .manifest import Manifest
+    from value_assets.core.manifest import Manifest
 
 REGISTRATION_SCHEMA = "value-assets.registration.v1"
 
@@ -72,17 +72,22 @@ def read_registration(partition_dir: Path, partition_key: str) -> Registration:
     return Registration(partition_key=partition_key, source_path=Path(obj["source_path"]), manifest_sha256=sha)
 
 
-def load_registered_manifest(partition_dir: Path, partition_key: str,
-                             data_roots: list[Path] | None = None) -> Manifest:
+def load_registered_manifest(partition_dir: Path, partition_key: str, data_roots: list[Path] | None = None) -> Manifest:
     """The partition's manifest, loaded from the watched file with the registered sha pinned."""
-    from .manifest import load_manifest
+    from value_assets.core.manifest import load_manifest
 
     reg = read_registration(partition_dir, partition_key)
     if not reg.source_path.exists():
-        raise InputError(str(reg.source_path), f"the manifest of partition {partition_key} was removed; "
-                         f"its registered bytes remain in {partition_dir / 'manifest.json'}")
+        raise InputError(
+            str(reg.source_path),
+            f"the manifest of partition {partition_key} was removed; "
+            f"its registered bytes remain in {partition_dir / 'manifest.json'}",
+        )
     current = sha256_file(reg.source_path)
     if current != reg.manifest_sha256:
-        raise InputError(str(reg.source_path), f"changed since partition {partition_key} was registered "
-                         f"(sha {current} != {reg.manifest_sha256}); the new content is its own partition")
+        raise InputError(
+            str(reg.source_path),
+            f"changed since partition {partition_key} was registered "
+            f"(sha {current} != {reg.manifest_sha256}); the new content is its own partition",
+        )
     return load_manifest(reg.source_path, pinned_sha256=reg.manifest_sha256, data_roots=data_roots)

@@ -12,15 +12,26 @@ without them (written before they existed) is decided by the default rule (`gate
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from .errors import InputError, show
-from .intervals import Interval, bootstrap_ev_interval, ev_of_sums
-from .stats import (GATE_CRITERIA, RankReport, SuffStats, WeightingGate, auroc, check_rank_reports, check_row_stats,
-                    gate_weighting, stats_row, sums_agree)
+from value_assets.core.errors import InputError, show
+from value_assets.core.intervals import Interval, bootstrap_ev_interval, ev_of_sums
+from value_assets.core.stats import (
+    GATE_CRITERIA,
+    RankReport,
+    SuffStats,
+    WeightingGate,
+    auroc,
+    check_rank_reports,
+    check_row_stats,
+    gate_weighting,
+    stats_row,
+    sums_agree,
+)
 
 SCHEMA = "value-assets.ev-report.v1"
 MIXED_ALGORITHM = "value-assets.mixed-label.v1"
@@ -29,13 +40,16 @@ WEIGHTINGS = ("token", "trajectory")
 CRITERIA = {**GATE_CRITERIA, "split": f"{GATE_SPLIT} rows only; train-split EV is a fit diagnostic, never the gate"}
 GATE_MODES = ("miles", "interval")  # "miles": the Miles-compatible rule above (the default); "interval": stricter
 GATE_MODE_DEFAULT = "miles"  # also the mode of a report written before reports stated theirs
-INTERVAL_CRITERION = ("the lower bound of the bootstrap 95% interval of the aggregate EV (over rows) is > 0, "
-                      "for both weightings")
+INTERVAL_CRITERION = (
+    "the lower bound of the bootstrap 95% interval of the aggregate EV (over rows) is > 0, for both weightings"
+)
 MIN_EV_DEFAULT = 0.0  # Miles' rule: any positive EV passes
 INTERVAL_LEVEL = 0.95
 INTERVAL_RESAMPLES = 2000
 INTERVAL_UNIT = "row"
-POSITION_DEFINITION = "response token j of a response of length L is in decile floor(10 j / L); token-weighted, active tokens"
+POSITION_DEFINITION = (
+    "response token j of a response of length L is in decile floor(10 j / L); token-weighted, active tokens"
+)
 
 
 def criteria(mode: str, min_ev: float = MIN_EV_DEFAULT) -> dict[str, str]:
@@ -50,8 +64,10 @@ def criteria(mode: str, min_ev: float = MIN_EV_DEFAULT) -> dict[str, str]:
 def check_min_ev(value: Any, name: str = "gate_min_ev") -> float:
     """A minimum EV: a finite number in [0, 1) (0 is Miles' rule)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value < 1:
-        raise InputError(name, f"must be a number in [0, 1) (the least aggregate EV that passes; 0 is Miles' rule), "
-                               f"got {show(value)}")
+        raise InputError(
+            name,
+            f"must be a number in [0, 1) (the least aggregate EV that passes; 0 is Miles' rule), got {show(value)}",
+        )
     return float(value)
 
 
@@ -77,7 +93,9 @@ class GateDecision:
     def to_json(self) -> dict[str, Any]:
         out = {
             "applies": self.applies,
-            "reason": None if self.applies else f"split {self.split!r} is a fit diagnostic; only the {GATE_SPLIT} split can gate",
+            "reason": None
+            if self.applies
+            else f"split {self.split!r} is a fit diagnostic; only the {GATE_SPLIT} split can gate",
             "passed": self.passed,
             "mode": self.mode,
             "min_ev": self.min_ev,
@@ -104,7 +122,10 @@ def _row_parts(batches: Any) -> tuple[dict[str, np.ndarray] | None, str | None]:
                     return None, f"batch {k} has no per-row {weighting}-weighted statistics"
                 parts = np.asarray(raw, dtype=np.float64).reshape(-1, 5)
                 if parts.shape[0] != len(rows):
-                    return None, f"batch {k}: {parts.shape[0]} per-row {weighting}-weighted statistics for {len(rows)} rows"
+                    return (
+                        None,
+                        f"batch {k}: {parts.shape[0]} per-row {weighting}-weighted statistics for {len(rows)} rows",
+                    )
                 total = np.asarray(stats_row(SuffStats.from_json(batch[weighting]["stats"])))
                 if not sums_agree(parts, total) or (weighting == "trajectory" and not np.all(parts[:, 0] == 1.0)):
                     return None, f"batch {k}: per-row {weighting}-weighted statistics do not sum to the batch's"
@@ -121,8 +142,15 @@ def _interval_seed(report: dict[str, Any]) -> int | None:
 
 def row_intervals(parts: dict[str, np.ndarray], seed: int) -> dict[str, Interval]:
     """Per weighting, the percentile bootstrap interval of the aggregate EV over rows (units)."""
-    return {w: bootstrap_ev_interval([SuffStats(*row) for row in parts[w].tolist()], resamples=INTERVAL_RESAMPLES,
-                                     level=INTERVAL_LEVEL, seed=seed) for w in WEIGHTINGS}
+    return {
+        w: bootstrap_ev_interval(
+            [SuffStats(*row) for row in parts[w].tolist()],
+            resamples=INTERVAL_RESAMPLES,
+            level=INTERVAL_LEVEL,
+            seed=seed,
+        )
+        for w in WEIGHTINGS
+    }
 
 
 def interval_json(iv: Interval, seed: int) -> dict[str, Any]:
@@ -171,7 +199,9 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
         failures.append(str(exc))
         min_ev = MIN_EV_DEFAULT
     if split != GATE_SPLIT:
-        failures.append(f"split is {split!r}: only {GATE_SPLIT} rows gate (a manifest without {GATE_SPLIT} is not promotable)")
+        failures.append(
+            f"split is {split!r}: only {GATE_SPLIT} rows gate (a manifest without {GATE_SPLIT} is not promotable)"
+        )
     batches = report.get("batches")
     for weighting in WEIGHTINGS:
         try:
@@ -184,16 +214,24 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
             continue
         weightings[weighting] = gate
         if not gate.passed:
-            failures.append(f"{weighting}-weighted: aggregate EV {gate.ev:.4g} (needs > 0), positive-EV batches "
-                            f"{gate.positive_batches} of {gate.batches} (needs a strict majority)")
+            failures.append(
+                f"{weighting}-weighted: aggregate EV {gate.ev:.4g} (needs > 0), positive-EV batches "
+                f"{gate.positive_batches} of {gate.batches} (needs a strict majority)"
+            )
         elif mode == "miles" and not gate.ev > min_ev:
-            failures.append(f"{weighting}-weighted: aggregate EV {gate.ev:.4g} is not above the minimum useful EV "
-                            f"{min_ev!r} (gate.min_ev)")
+            failures.append(
+                f"{weighting}-weighted: aggregate EV {gate.ev:.4g} is not above the minimum useful EV {min_ev!r} "
+                "(gate.min_ev)"
+            )
     aggregates = report.get("aggregates")
     if aggregates is not None:
         for weighting, gate in weightings.items():
             stated = ((aggregates if isinstance(aggregates, dict) else {}).get(weighting) or {}).get("ev")
-            if isinstance(stated, bool) or not isinstance(stated, (int, float)) or abs(stated - gate.ev) > 1e-9 * max(1.0, abs(gate.ev)):
+            if (
+                isinstance(stated, bool)
+                or not isinstance(stated, (int, float))
+                or abs(stated - gate.ev) > 1e-9 * max(1.0, abs(gate.ev))
+            ):
                 failures.append(f"{weighting}-weighted: report's aggregate EV {stated!r} != recomputed {gate.ev!r}")
     # Intervals are recomputed whenever the per-row statistics allow; missing ones fail the gate
     # only in interval mode or when the report states intervals it cannot back.
@@ -211,18 +249,29 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
     if mode == "interval":
         for weighting, iv in intervals.items():
             if iv.low is None or not iv.low > min_ev:
-                failures.append(f"{weighting}-weighted: lower bound of the {iv.level:.0%} interval of the aggregate EV "
-                                f"is {iv.low!r} (needs > {min_ev!r}; interval mode)")
+                failures.append(
+                    f"{weighting}-weighted: lower bound of the {iv.level:.0%} interval of the aggregate EV "
+                    f"is {iv.low!r} (needs > {min_ev!r}; interval mode)"
+                )
     if stated_intervals is not None:
         for weighting, iv in intervals.items():
             assert seed is not None  # intervals are recomputed only with a seed
             stated = (stated_intervals if isinstance(stated_intervals, dict) else {}).get(weighting)
             if not _same_interval(stated, interval_json(iv, seed)):
-                failures.append(f"{weighting}-weighted: report's interval {stated!r} != recomputed {interval_json(iv, seed)!r}")
+                failures.append(
+                    f"{weighting}-weighted: report's interval {stated!r} != recomputed {interval_json(iv, seed)!r}"
+                )
     if "passed" in report and report["passed"] is not (not failures):
         failures.append(f"report says passed={report['passed']!r}, recomputation says {not failures}")
-    return GateDecision(passed=not failures, split=split, mode=mode, weightings=weightings, intervals=intervals,
-                        failures=tuple(failures), min_ev=min_ev)
+    return GateDecision(
+        passed=not failures,
+        split=split,
+        mode=mode,
+        weightings=weightings,
+        intervals=intervals,
+        failures=tuple(failures),
+        min_ev=min_ev,
+    )
 
 
 def report_manifest_sha(report: dict[str, Any]) -> Any:
@@ -260,15 +309,35 @@ def position_table(deciles: np.ndarray) -> dict[str, Any]:
     rows = []
     for d in range(10):
         stats = SuffStats(*deciles[d].tolist())
-        rows.append({"decile": d, "range": [d / 10, (d + 1) / 10], "n": stats.n, "stats": stats.to_json(),
-                     "ev": None if np.isnan(evs[d]) else float(evs[d])})
+        rows.append(
+            {
+                "decile": d,
+                "range": [d / 10, (d + 1) / 10],
+                "n": stats.n,
+                "stats": stats.to_json(),
+                "ev": None if np.isnan(evs[d]) else float(evs[d]),
+            }
+        )
     return {"weighting": "token", "definition": POSITION_DEFINITION, "deciles": rows}
 
 
-def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, checkpoint: str, contract_sha256: str,
-                 dp: int, seed: int, global_batch_size: int, batches: Sequence[Sequence[int]],
-                 rank_reports: Sequence[Sequence[RankReport]], active_targets: Sequence[int],
-                 labels: Sequence[float], gate_mode: str = GATE_MODE_DEFAULT, gate_min_ev: float = MIN_EV_DEFAULT) -> dict[str, Any]:
+def build_report(
+    *,
+    manifest_sha256: str,
+    dataset_sha256: str,
+    split: str,
+    checkpoint: str,
+    contract_sha256: str,
+    dp: int,
+    seed: int,
+    global_batch_size: int,
+    batches: Sequence[Sequence[int]],
+    rank_reports: Sequence[Sequence[RankReport]],
+    active_targets: Sequence[int],
+    labels: Sequence[float],
+    gate_mode: str = GATE_MODE_DEFAULT,
+    gate_min_ev: float = MIN_EV_DEFAULT,
+) -> dict[str, Any]:
     """Check every batch's rank reports, compute EVs from summed statistics and decide the gate.
 
     `batches[k]` are the planned row indices of batch k, `rank_reports[k]` what the ranks returned
@@ -290,7 +359,7 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
     scores: list[float] = []
     score_labels: list[float] = []
     deciles = np.zeros((10, 5))
-    for k, (planned, reports, active) in enumerate(zip(batches, rank_reports, active_targets)):
+    for k, (planned, reports, active) in enumerate(zip(batches, rank_reports, active_targets, strict=True)):
         where = f"evaluation batch {k}"
         check_rank_reports(reports, dp=dp, planned_rows=planned, active_targets=active, where=where)
         for r in reports:
@@ -304,20 +373,29 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         reported: dict[int, list[tuple[list[float], list[float]]]] = {}
         for r in reports:
             assert r.row_token is not None and r.row_trajectory is not None  # check_row_stats refused None above
-            for i, t, j in zip(r.row_indices, r.row_token, r.row_trajectory):
+            for i, t, j in zip(r.row_indices, r.row_token, r.row_trajectory, strict=True):
                 reported.setdefault(i, []).append((t, j))
             deciles += np.asarray(r.row_deciles, dtype=np.float64).reshape(-1, 10, 5).sum(axis=0)
-            for i, v in zip(r.row_indices, r.row_values):
+            for i, v in zip(r.row_indices, r.row_values, strict=True):
                 scores.append(v)
                 score_labels.append(float(labels[i]))
         ordered = [reported[int(i)].pop(0) for i in planned]
-        per_batch.append({
-            "index": k,
-            "rows": list(planned),
-            "token": {"stats": tok.to_json(), "ev": tok.ev(f"{where} (token-weighted)"), "row_stats": [t for t, _ in ordered]},
-            "trajectory": {"stats": traj.to_json(), "ev": traj.ev(f"{where} (trajectory-weighted)"),
-                           "row_stats": [j for _, j in ordered]},
-        })
+        per_batch.append(
+            {
+                "index": k,
+                "rows": list(planned),
+                "token": {
+                    "stats": tok.to_json(),
+                    "ev": tok.ev(f"{where} (token-weighted)"),
+                    "row_stats": [t for t, _ in ordered],
+                },
+                "trajectory": {
+                    "stats": traj.to_json(),
+                    "ev": traj.ev(f"{where} (trajectory-weighted)"),
+                    "row_stats": [j for _, j in ordered],
+                },
+            }
+        )
     tok_all, traj_all = SuffStats.merge(tok_parts), SuffStats.merge(traj_parts)
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -327,8 +405,13 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
         "checkpoint": checkpoint,
         "contract_sha256": contract_sha256,
         "execution": {"forward_only": True, "optimizer_steps": 0, "dp": dp},
-        "batch_plan": {"algorithm": MIXED_ALGORITHM, "seed": seed, "global_batch_size": global_batch_size,
-                       "num_batches": len(batches), "batches": [list(b) for b in batches]},
+        "batch_plan": {
+            "algorithm": MIXED_ALGORITHM,
+            "seed": seed,
+            "global_batch_size": global_batch_size,
+            "num_batches": len(batches),
+            "batches": [list(b) for b in batches],
+        },
         "batches": per_batch,
         "gate": {"mode": gate_mode, "min_ev": gate_min_ev},
     }
@@ -338,7 +421,14 @@ def build_report(*, manifest_sha256: str, dataset_sha256: str, split: str, check
     tok_gate, traj_gate = decision.weightings["token"], decision.weightings["trajectory"]
 
     def agg(s: SuffStats, g: WeightingGate) -> dict[str, Any]:
-        return {"stats": s.to_json(), "ev": g.ev, "r2": s.r2(), "bias": s.bias(), "positive_batches": g.positive_batches, "batches": g.batches}
+        return {
+            "stats": s.to_json(),
+            "ev": g.ev,
+            "r2": s.r2(),
+            "bias": s.bias(),
+            "positive_batches": g.positive_batches,
+            "batches": g.batches,
+        }
 
     report["passed"] = decision.passed
     report["aggregates"] = {

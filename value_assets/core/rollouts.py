@@ -28,15 +28,16 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
-from .errors import InputError, show
-from .hashing import sha256_file
-from .manifest import SCHEMA
-from .objective import Objective
-from .strict_json import canonical_bytes, is_number, loads
+from value_assets.core.errors import InputError, show
+from value_assets.core.hashing import sha256_file
+from value_assets.core.manifest import SCHEMA
+from value_assets.core.objective import Objective
+from value_assets.core.strict_json import canonical_bytes, is_number, loads
 
 IMPORTER = "value-assets import-rollouts"
 
@@ -54,8 +55,13 @@ class Fields:
     group: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"prompt": self.prompt, "response": self.response, "reward": self.reward,
-                "sample_id": self.sample_id, "group": self.group}
+        return {
+            "prompt": self.prompt,
+            "response": self.response,
+            "reward": self.reward,
+            "sample_id": self.sample_id,
+            "group": self.group,
+        }
 
 
 # Field names of common rollout dumps.
@@ -101,7 +107,10 @@ def _text_of_response(value: Any, where: str, field_name: str) -> str:
         last = value[-1]
         if last.get("role") == "assistant" and isinstance(content := last.get("content"), str):
             return content
-    raise InputError(where, f"field {field_name!r} must be a response text (or messages ending with the assistant's), got {show(value)}")
+    raise InputError(
+        where,
+        f"field {field_name!r} must be a response text (or messages ending with the assistant's), got {show(value)}",
+    )
 
 
 def _prompt_value(value: Any, where: str, field_name: str) -> str | list[dict[str, str]]:
@@ -110,9 +119,14 @@ def _prompt_value(value: Any, where: str, field_name: str) -> str | list[dict[st
     if isinstance(value, list) and value:
         for i, m in enumerate(value):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise InputError(where, f"field {field_name!r}[{i}] must be a chat message {{'role': str, 'content': str}}, got {show(m)}")
+                raise InputError(
+                    where,
+                    f"field {field_name!r}[{i}] must be a chat message {{'role': str, 'content': str}}, got {show(m)}",
+                )
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise InputError(where, f"field {field_name!r} must be a prompt text or a non-empty list of chat messages, got {show(value)}")
+    raise InputError(
+        where, f"field {field_name!r} must be a prompt text or a non-empty list of chat messages, got {show(value)}"
+    )
 
 
 def _record(obj: Any, where: str, fields: Fields) -> TextRollout:
@@ -120,7 +134,11 @@ def _record(obj: Any, where: str, fields: Fields) -> TextRollout:
         raise InputError(where, f"a rollout record must be a JSON object, got {show(obj)}")
     for name in (fields.prompt, fields.response, fields.reward):
         if name not in obj:
-            raise InputError(where, f"missing field {name!r} (record keys: {sorted(obj)[:12]}); name the field with --prompt-field/--response-field/--reward-field or pick a --preset")
+            raise InputError(
+                where,
+                f"missing field {name!r} (record keys: {sorted(obj)[:12]}); name the field with "
+                "--prompt-field/--response-field/--reward-field or pick a --preset",
+            )
     reward = obj[fields.reward]
     if not is_number(reward) or not math.isfinite(float(reward)):
         raise InputError(where, f"field {fields.reward!r} must be a finite number, got {show(reward)}")
@@ -132,11 +150,18 @@ def _record(obj: Any, where: str, fields: Fields) -> TextRollout:
     if fields.group is not None:
         g = obj.get(fields.group)
         if g is None or isinstance(g, (dict, list)):
-            raise InputError(where, f"field {fields.group!r} must be a string or number naming the prompt group, got {show(g)}")
+            raise InputError(
+                where, f"field {fields.group!r} must be a string or number naming the prompt group, got {show(g)}"
+            )
         group = str(g)
-    return TextRollout(where=where, prompt=_prompt_value(obj[fields.prompt], where, fields.prompt),
-                       response=_text_of_response(obj[fields.response], where, fields.response),
-                       reward=float(reward), sample_id=sample_id, group=group)
+    return TextRollout(
+        where=where,
+        prompt=_prompt_value(obj[fields.prompt], where, fields.prompt),
+        response=_text_of_response(obj[fields.response], where, fields.response),
+        reward=float(reward),
+        sample_id=sample_id,
+        group=group,
+    )
 
 
 def read_rollouts(path: Path, fields: Fields) -> Iterator[TextRollout]:
@@ -249,24 +274,32 @@ def import_rollouts(
     if reward_range == "auto":
         low, high = min(rewards), max(rewards)
         if not low < high:
-            raise InputError("--reward-range auto", f"every reward equals {low!r}: a constant return has nothing to learn and no EV")
+            raise InputError(
+                "--reward-range auto", f"every reward equals {low!r}: a constant return has nothing to learn and no EV"
+            )
         source = "auto"
     elif reward_range is None:
         low, high, source = 0.0, 1.0, "default"
     else:
         low, high = float(reward_range[0]), float(reward_range[1])
         source = "given"
-    objective = Objective.from_json({"loss_type": loss_type, "num_bins": num_bins, "reward_range": [low, high]}, where="--reward-range/--loss-type/--num-bins")
+    objective = Objective.from_json(
+        {"loss_type": loss_type, "num_bins": num_bins, "reward_range": [low, high]},
+        where="--reward-range/--loss-type/--num-bins",
+    )
     if objective.loss_type == "classification":
         for r in records:
             if not (low <= r.reward <= high):
-                raise InputError(r.where, f"reward {r.reward!r} is outside the objective's reward_range [{low!r}, {high!r}]; "
-                                          f"give --reward-range LOW HIGH or --reward-range auto")
+                raise InputError(
+                    r.where,
+                    f"reward {r.reward!r} is outside the objective's reward_range [{low!r}, {high!r}]; "
+                    f"give --reward-range LOW HIGH or --reward-range auto",
+                )
 
     rows: list[_Row] = []
     seen: dict[str, str] = {}
     templated_any = False
-    for i, r in enumerate(records):
+    for r in records:
         text, templated = tokenizer.render_prompt(r.prompt, chat_template)
         templated_any |= templated
         prompt_ids = tokenizer.encode_prompt(text, templated)
@@ -278,7 +311,11 @@ def import_rollouts(
         tokens = [int(t) for t in prompt_ids] + [int(t) for t in response_ids]
         if max_seq_len is not None and len(tokens) > max_seq_len:
             raise InputError(r.where, f"{len(tokens)} tokens exceed --max-seq-len {max_seq_len}")
-        sid = r.sample_id if r.sample_id is not None else f"{Path(r.where.split(':')[0]).stem}:{r.where.rsplit(':', 1)[1].replace('row ', 'r')}"
+        sid = (
+            r.sample_id
+            if r.sample_id is not None
+            else f"{Path(r.where.split(':')[0]).stem}:{r.where.rsplit(':', 1)[1].replace('row ', 'r')}"
+        )
         if sid in seen:
             raise InputError(r.where, f"sample id {sid!r} repeats {seen[sid]}")
         seen[sid] = r.where
@@ -300,9 +337,19 @@ def import_rollouts(
             counts: dict[str, int] = {}
             with open(path, "wb") as f:
                 for row in split_rows:
-                    f.write(json.dumps({"sample_id": row.sample_id, "tokens": row.tokens, "response_length": row.response_length,
-                                        "returns": [row.reward] * row.response_length},
-                                       separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "sample_id": row.sample_id,
+                                "tokens": row.tokens,
+                                "response_length": row.response_length,
+                                "returns": [row.reward] * row.response_length,
+                            },
+                            separators=(",", ":"),
+                            ensure_ascii=False,
+                        ).encode()
+                        + b"\n"
+                    )
                     counts[_label(row.reward)] = counts.get(_label(row.reward), 0) + 1
                 f.flush()
                 os.fsync(f.fileno())
@@ -317,21 +364,31 @@ def import_rollouts(
             "provenance": {
                 "importer": IMPORTER,
                 "inputs": input_facts,
-                "tokenizer": {"path": tokenizer_path, "sha256": tokenizer.sha256, "chat_template_applied": templated_any},
+                "tokenizer": {
+                    "path": tokenizer_path,
+                    "sha256": tokenizer.sha256,
+                    "chat_template_applied": templated_any,
+                },
                 "fields": fields.to_json(),
                 "preset": preset,
                 "reward": {"broadcast": "the record's reward to every response token", "range_source": source},
-                "split": {"rule": "by prompt group: groups ordered by sha256(seed, key), first round(fraction x groups) held out",
-                          "group_key": fields.group or "rendered prompt text", "seed": seed, "heldout_fraction": heldout_fraction,
-                          "train_groups": n_groups["train"], "heldout_groups": n_groups["heldout"]},
+                "split": {
+                    "rule": "by prompt group: groups ordered by sha256(seed, key), first round(fraction x groups) held "
+                    "out",
+                    "group_key": fields.group or "rendered prompt text",
+                    "seed": seed,
+                    "heldout_fraction": heldout_fraction,
+                    "train_groups": n_groups["train"],
+                    "heldout_groups": n_groups["heldout"],
+                },
                 "label_counts": label_counts,
             },
         }
         manifest_path = tmp / f"{name}.json"
         manifest_path.write_bytes(canonical_bytes(manifest))
         # Everything written is checked by the same validator training uses, before it is published.
-        from .dataset import validate_dataset
-        from .manifest import load_manifest
+        from value_assets.core.dataset import validate_dataset
+        from value_assets.core.manifest import load_manifest
 
         loaded = load_manifest(manifest_path)
         for ref in loaded.splits():
@@ -342,6 +399,13 @@ def import_rollouts(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ImportResult(manifest=out / f"{name}.json", train_rows=len(splits["train"]), heldout_rows=len(splits["heldout"]),
-                        train_groups=n_groups["train"], heldout_groups=n_groups["heldout"], reward_range=(low, high),
-                        reward_range_source=source, label_counts=label_counts)
+    return ImportResult(
+        manifest=out / f"{name}.json",
+        train_rows=len(splits["train"]),
+        heldout_rows=len(splits["heldout"]),
+        train_groups=n_groups["train"],
+        heldout_groups=n_groups["heldout"],
+        reward_range=(low, high),
+        reward_range_source=source,
+        label_counts=label_counts,
+    )

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, show
-from .objective import MAX_ABS_VALUE, Objective
-from .strict_json import finite_float, is_int
+from value_assets.core.errors import InputError, show
+from value_assets.core.objective import MAX_ABS_VALUE, Objective
+from value_assets.core.strict_json import finite_float, is_int
 
 INT64_MAX = 2**63 - 1
 FIELDS = ("sample_id", "tokens", "response_length", "returns", "loss_mask")
@@ -52,7 +52,9 @@ def format_label(value: float) -> str:
     return repr(float(value))
 
 
-def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | None = None, max_seq_len: int | None = None) -> Row:
+def check_row(
+    obj: Any, where: str, objective: Objective, *, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> Row:
     """Apply docs/rules.md#dataset rules 3-7 to one parsed JSON row; raise InputError(where, ...) on the first break."""
     if not isinstance(obj, dict):
         raise InputError(where, f"row must be a JSON object, got {show(obj)}")
@@ -64,7 +66,9 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
     try:
         sid.encode("utf-8")  # receipts and reports write ids as UTF-8
     except UnicodeEncodeError:
-        raise InputError(where, f"sample_id {show(sid)} is not valid Unicode (a lone surrogate): it cannot be written as UTF-8") from None
+        raise InputError(
+            where, f"sample_id {show(sid)} is not valid Unicode (a lone surrogate): it cannot be written as UTF-8"
+        ) from None
     if "tokens" not in obj:
         raise InputError(where, "missing field 'tokens'")
     tokens = obj["tokens"]
@@ -89,7 +93,9 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
     if not is_int(rl) or rl < 1:
         raise InputError(where, f"response_length must be an int >= 1, got {show(rl)}")
     if rl >= len(tokens):
-        raise InputError(where, f"response_length = {rl} must be < len(tokens) = {len(tokens)} (at least one prompt token)")
+        raise InputError(
+            where, f"response_length = {rl} must be < len(tokens) = {len(tokens)} (at least one prompt token)"
+        )
     if "returns" not in obj:
         raise InputError(where, "missing field 'returns'")
     rets = obj["returns"]
@@ -106,18 +112,25 @@ def check_row(obj: Any, where: str, objective: Objective, *, vocab_size: int | N
         if classification and not (low <= value <= high):
             raise InputError(where, f"returns[{i}] = {show(r)} is outside reward_range [{low}, {high}]")
         if not classification and abs(value) > MAX_ABS_VALUE:
-            raise InputError(where, f"returns[{i}] = {show(r)} is beyond +-{MAX_ABS_VALUE:g}, the largest mse return accepted "
-                                    "((V - R)^2 is float32 on the GPU; rescale the rewards)")
+            raise InputError(
+                where,
+                f"returns[{i}] = {show(r)} is beyond +-{MAX_ABS_VALUE:g}, the largest mse return accepted "
+                "((V - R)^2 is float32 on the GPU; rescale the rewards)",
+            )
     if "loss_mask" in obj:
         mask = obj["loss_mask"]
         if not isinstance(mask, list):
-            raise InputError(where, f"loss_mask must be a list of 0/1 (absent means all ones; null is not absent), got {show(mask)}")
+            raise InputError(
+                where, f"loss_mask must be a list of 0/1 (absent means all ones; null is not absent), got {show(mask)}"
+            )
         if len(mask) != rl:
             raise InputError(where, f"loss_mask has {len(mask)} values, expected response_length = {rl}")
         for i, m in enumerate(mask):
             # As Miles' loader: 0/1, 0.0/1.0 and false/true, all read as 0/1 (docs/rules.md#dataset item 7).
             if type(m) not in _MASK_TYPES or m not in (0, 1):
-                raise InputError(where, f"loss_mask[{i}] must be 0 or 1 (0.0/1.0 and false/true are read as 0/1), got {show(m)}")
+                raise InputError(
+                    where, f"loss_mask[{i}] must be 0 or 1 (0.0/1.0 and false/true are read as 0/1), got {show(m)}"
+                )
         if not any(mask):
             raise InputError(where, "loss_mask has no 1: the row has no active target")
         mask_arr = np.asarray(mask, dtype=np.int8)

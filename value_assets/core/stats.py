@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from value_assets.core.errors import InputError
 
 VAR_FLOOR = 1e-8
 
@@ -28,12 +29,17 @@ class SuffStats:
     sum_e: float = 0.0
     sum_e2: float = 0.0
 
-    def __add__(self, other: "SuffStats") -> "SuffStats":
-        return SuffStats(self.n + other.n, self.sum_r + other.sum_r, self.sum_r2 + other.sum_r2,
-                         self.sum_e + other.sum_e, self.sum_e2 + other.sum_e2)
+    def __add__(self, other: SuffStats) -> SuffStats:
+        return SuffStats(
+            self.n + other.n,
+            self.sum_r + other.sum_r,
+            self.sum_r2 + other.sum_r2,
+            self.sum_e + other.sum_e,
+            self.sum_e2 + other.sum_e2,
+        )
 
     @staticmethod
-    def merge(parts: Iterable["SuffStats"]) -> "SuffStats":
+    def merge(parts: Iterable[SuffStats]) -> SuffStats:
         total = SuffStats()
         for p in parts:
             total = total + p
@@ -43,7 +49,7 @@ class SuffStats:
         return {"n": self.n, "sum_r": self.sum_r, "sum_r2": self.sum_r2, "sum_e": self.sum_e, "sum_e2": self.sum_e2}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "SuffStats":
+    def from_json(cls, obj: dict[str, Any]) -> SuffStats:
         return cls(*(float(obj[k]) for k in ("n", "sum_r", "sum_r2", "sum_e", "sum_e2")))
 
     def var_r(self) -> float:
@@ -146,7 +152,7 @@ class RankReport:
     row_deciles: list[list[list[float]]] | None = None
 
     @classmethod
-    def from_rows(cls, rank: int, rows: Sequence[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> "RankReport":
+    def from_rows(cls, rank: int, rows: Sequence[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> RankReport:
         """The report of `rows` = (row index, returns [L], values [L], loss mask [L]) over each row's
         response (L tokens; returns and values float64, mask 0/1)."""
 
@@ -163,18 +169,32 @@ class RankReport:
         return cls(rank, indices, tok, traj, values, row_tok, row_traj, row_dec)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "row_indices": list(self.row_indices), "token": self.token.to_json(),
-                "trajectory": self.trajectory.to_json(), "row_values": list(self.row_values),
-                "row_token": self.row_token, "row_trajectory": self.row_trajectory, "row_deciles": self.row_deciles}
+        return {
+            "rank": self.rank,
+            "row_indices": list(self.row_indices),
+            "token": self.token.to_json(),
+            "trajectory": self.trajectory.to_json(),
+            "row_values": list(self.row_values),
+            "row_token": self.row_token,
+            "row_trajectory": self.row_trajectory,
+            "row_deciles": self.row_deciles,
+        }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "RankReport":
+    def from_json(cls, obj: dict[str, Any]) -> RankReport:
         def floats(x: Any) -> Any:
             return None if x is None else np.asarray(x, dtype=np.float64).tolist()
 
-        return cls(int(obj["rank"]), [int(i) for i in obj["row_indices"]], SuffStats.from_json(obj["token"]),
-                   SuffStats.from_json(obj["trajectory"]), [float(v) for v in obj.get("row_values", [])],
-                   floats(obj.get("row_token")), floats(obj.get("row_trajectory")), floats(obj.get("row_deciles")))
+        return cls(
+            int(obj["rank"]),
+            [int(i) for i in obj["row_indices"]],
+            SuffStats.from_json(obj["token"]),
+            SuffStats.from_json(obj["trajectory"]),
+            [float(v) for v in obj.get("row_values", [])],
+            floats(obj.get("row_token")),
+            floats(obj.get("row_trajectory")),
+            floats(obj.get("row_deciles")),
+        )
 
 
 def sums_agree(parts: np.ndarray, total: np.ndarray, rtol: float = 1e-9) -> bool:
@@ -201,19 +221,28 @@ def check_row_stats(report: RankReport, where: str) -> None:
     except (TypeError, ValueError):
         raise InputError(where, f"rank {report.rank}: per-row statistics are not numeric arrays") from None
     if tok.shape != (rows, 5) or traj.shape != (rows, 5) or dec.shape != (rows, 10, 5):
-        raise InputError(where, f"rank {report.rank}: per-row statistics have shapes {tok.shape}, {traj.shape}, {dec.shape}; "
-                                f"expected ({rows}, 5), ({rows}, 5), ({rows}, 10, 5)")
+        raise InputError(
+            where,
+            f"rank {report.rank}: per-row statistics have shapes {tok.shape}, {traj.shape}, {dec.shape}; "
+            f"expected ({rows}, 5), ({rows}, 5), ({rows}, 10, 5)",
+        )
     if rows and not np.all(traj[:, 0] == 1.0):
         raise InputError(where, f"rank {report.rank}: a row's trajectory-weighted n is not 1")
     if not all(sums_agree(dec[i], tok[i]) for i in range(rows)):
-        raise InputError(where, f"rank {report.rank}: per-row decile statistics do not sum to the row's token statistics")
+        raise InputError(
+            where, f"rank {report.rank}: per-row decile statistics do not sum to the row's token statistics"
+        )
     if not sums_agree(tok, np.asarray(stats_row(report.token))):
         raise InputError(where, f"rank {report.rank}: per-row token statistics do not sum to the rank's token totals")
     if not sums_agree(traj, np.asarray(stats_row(report.trajectory))):
-        raise InputError(where, f"rank {report.rank}: per-row trajectory statistics do not sum to the rank's trajectory totals")
+        raise InputError(
+            where, f"rank {report.rank}: per-row trajectory statistics do not sum to the rank's trajectory totals"
+        )
 
 
-def check_rank_reports(reports: Sequence[RankReport], *, dp: int, planned_rows: Sequence[int], active_targets: int, where: str) -> None:
+def check_rank_reports(
+    reports: Sequence[RankReport], *, dp: int, planned_rows: Sequence[int], active_targets: int, where: str
+) -> None:
     """Refuse reports whose ranks are not exactly 0..dp-1, whose rows differ (as a multiset) from the
     plan, or whose token count differs from the active targets counted on the CPU."""
     ranks = sorted(r.rank for r in reports)
@@ -247,7 +276,7 @@ def auroc(scores: Sequence[float], labels: Sequence[float]) -> float | None:
         j = i
         while j + 1 < s.size and sorted_s[j + 1] == sorted_s[i]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
         i = j + 1
     n_pos, n_neg = int(pos.sum()), int((~pos).sum())
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
@@ -264,7 +293,12 @@ class WeightingGate:
         return self.ev > 0 and self.positive_batches * 2 > self.batches
 
     def to_json(self) -> dict[str, Any]:
-        return {"ev": self.ev, "positive_batches": self.positive_batches, "batches": self.batches, "passed": self.passed}
+        return {
+            "ev": self.ev,
+            "positive_batches": self.positive_batches,
+            "batches": self.batches,
+            "passed": self.passed,
+        }
 
 
 GATE_CRITERIA = {

@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any, TypeGuard
 
-from .errors import InputError, show
+from value_assets.core.errors import InputError, show
 
 
 class _StrictError(ValueError):
@@ -59,7 +59,9 @@ def _float(text: str) -> float:
 def _int(text: str) -> int:
     digits = len(text) - text.startswith("-")
     if digits > MAX_INT_DIGITS:
-        raise _StrictError(f"integer {show(text, 40)} has {digits} digits, more than the {MAX_INT_DIGITS} Python parses")
+        raise _StrictError(
+            f"integer {show(text, 40)} has {digits} digits, more than the {MAX_INT_DIGITS} Python parses"
+        )
     try:
         return int(text)
     except ValueError as exc:  # a lower sys.set_int_max_str_digits() limit
@@ -78,7 +80,7 @@ def _deeper_than(obj: Any, limit: int) -> bool:
     stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
     while stack:
         item, depth = stack.pop()
-        for child in (item.values() if isinstance(item, dict) else item):
+        for child in item.values() if isinstance(item, dict) else item:
             if isinstance(child, (dict, list)):
                 if depth >= limit:
                     return True
@@ -116,7 +118,9 @@ def loads(text: str | bytes, where: str) -> Any:
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InputError(where, f"invalid UTF-8 at byte {exc.start}: {exc.object[exc.start:exc.start + 4]!r}") from None
+            raise InputError(
+                where, f"invalid UTF-8 at byte {exc.start}: {exc.object[exc.start : exc.start + 4]!r}"
+            ) from None
     try:
         obj = _DECODER.decode(text)
     except _StrictError as exc:
@@ -131,8 +135,11 @@ def loads(text: str | bytes, where: str) -> Any:
     if _SURROGATE_ESCAPE.search(text):
         bad = _lone_surrogate(obj)
         if bad is not None:
-            raise InputError(where, f"invalid JSON: string {show(bad)} holds a lone surrogate escape "
-                                    "(not valid Unicode; it cannot be written as UTF-8)")
+            raise InputError(
+                where,
+                f"invalid JSON: string {show(bad)} holds a lone surrogate escape "
+                "(not valid Unicode; it cannot be written as UTF-8)",
+            )
     return obj
 
 
@@ -160,4 +167,6 @@ def finite_float(value: object) -> float | None:
 
 def canonical_bytes(obj: Any) -> bytes:
     """Canonical JSON (docs/rules.md#contract): sorted keys, compact separators, UTF-8, trailing newline."""
-    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False) + "\n").encode(
+        "utf-8"
+    )

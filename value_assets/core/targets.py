@@ -12,7 +12,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-from .objective import Objective
+from value_assets.core.objective import Objective
 
 _erf = np.frompyfunc(math.erf, 1, 1)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .errors import InputError, show
-from .job_configs import EvaluateJob, HandoffJob, TrainJob
+from value_assets.core.errors import InputError, show
+from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 
 # ---- assets (their keys in the graph) and checks
 
@@ -26,8 +26,17 @@ TRAINING_CONTRACT: Final = "training_contract"
 CANARY_RECEIPT: Final = "canary_receipt"
 EV_REPORT: Final = "ev_report"
 PROMOTED_CRITIC: Final = "promoted_critic"
-ASSETS: Final = (VALUE_MANIFEST, TRAIN_DATASET, HELDOUT_DATASET, BATCH_PLAN, CRITIC_CHECKPOINT, TRAINING_CONTRACT,
-                 CANARY_RECEIPT, EV_REPORT, PROMOTED_CRITIC)
+ASSETS: Final = (
+    VALUE_MANIFEST,
+    TRAIN_DATASET,
+    HELDOUT_DATASET,
+    BATCH_PLAN,
+    CRITIC_CHECKPOINT,
+    TRAINING_CONTRACT,
+    CANARY_RECEIPT,
+    EV_REPORT,
+    PROMOTED_CRITIC,
+)
 
 DATASET_INTEGRITY: Final = "dataset_integrity"
 CONTRACT_INTEGRITY: Final = "contract_integrity"
@@ -65,9 +74,11 @@ class Task:
     def check(self, config: Any) -> None:
         """Refuse a config of the wrong type, or a training config whose canary flag is the other task's."""
         if not isinstance(config, self.config):
-            raise InputError("config", f"task {self.name!r} takes a {self.config.__name__}, got {type(config).__name__}")
-        if self.canary is not None and getattr(config, "canary") != self.canary:
-            raise InputError("canary", f"is {str(getattr(config, 'canary')).lower()} in the config of a {self.name!r} task")
+            raise InputError(
+                "config", f"task {self.name!r} takes a {self.config.__name__}, got {type(config).__name__}"
+            )
+        if self.canary is not None and isinstance(config, TrainJob) and config.canary != self.canary:
+            raise InputError("canary", f"is {str(config.canary).lower()} in the config of a {self.name!r} task")
 
     def config_from_json(self, obj: Any) -> JobConfig:
         """The task's config from the extras' ``config`` object; an InputError names the bad key."""

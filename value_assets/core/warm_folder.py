@@ -32,11 +32,11 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
-from .errors import InputError
+from value_assets.core.errors import InputError
 
 HELPER_MODULE = "value_assets.gpu.workers.warm_helper"
 POOL_ENV = "VALUE_ASSETS_WORKER_POOL"
@@ -83,11 +83,17 @@ def private_folder(folder: Path) -> Path:
         if not stat.S_ISDIR(st.st_mode):
             raise InputError(str(level), "warm-cluster folder is not a folder (a symlink is never followed): remove it")
         if st.st_uid != os.getuid():
-            raise InputError(str(level), f"warm-cluster folder is owned by uid {st.st_uid}, not by this user "
-                             f"({os.getuid()}): refusing the Ray cluster it names; remove it or set another warm_dir")
+            raise InputError(
+                str(level),
+                f"warm-cluster folder is owned by uid {st.st_uid}, not by this user "
+                f"({os.getuid()}): refusing the Ray cluster it names; remove it or set another warm_dir",
+            )
         if st.st_mode & 0o022:
-            raise InputError(str(level), f"warm-cluster folder is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
-                             "refusing the Ray cluster it names; chmod go-w it or remove it")
+            raise InputError(
+                str(level),
+                f"warm-cluster folder is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                "refusing the Ray cluster it names; chmod go-w it or remove it",
+            )
     return folder
 
 
@@ -144,8 +150,16 @@ def _start(folder: Path, python: str, idle_s: float, num_cpus: int | None, timeo
         # The helper forks away and this child exits at once, printing the helper's pid: the helper
         # belongs to no launcher (never its zombie) and, in its own session, no Ctrl-C to a
         # launcher's group ends a cluster that other runs use.
-        forked = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
-                                check=True, timeout=60, text=True)
+        forked = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
+            check=True,
+            timeout=60,
+            text=True,
+        )
     helper = int(forked.stdout.split()[-1])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and pid_alive(helper):
@@ -154,12 +168,15 @@ def _start(folder: Path, python: str, idle_s: float, num_cpus: int | None, timeo
             return cluster
         time.sleep(0.2)
     tail = (folder / LOG_NAME).read_text(errors="replace")[-2000:]
-    raise RuntimeError(f"the warm Ray cluster did not start within {timeout_s:.0f} s; {folder / LOG_NAME} ends with:\n{tail}")
+    raise RuntimeError(
+        f"the warm Ray cluster did not start within {timeout_s:.0f} s; {folder / LOG_NAME} ends with:\n{tail}"
+    )
 
 
 @contextlib.contextmanager
-def use_warm_cluster(folder: Path, *, python: str, idle_s: float, num_cpus: int | None = None,
-                     start_timeout_s: float = 300.0) -> Iterator[WarmCluster]:
+def use_warm_cluster(
+    folder: Path, *, python: str, idle_s: float, num_cpus: int | None = None, start_timeout_s: float = 300.0
+) -> Iterator[WarmCluster]:
     """The folder's warm cluster (started if none serves), held in use for the `with` block."""
     private_folder(folder)
     with open(folder / USE_LOCK, "a+") as use:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .backbone import BackboneConfig
-from .errors import InputError, show
-from .memory import Layout, MemoryConfig
-from .objective import Objective
-from .strict_json import is_int
+from value_assets.core.backbone import BackboneConfig
+from value_assets.core.errors import InputError, show
+from value_assets.core.memory import Layout, MemoryConfig
+from value_assets.core.objective import Objective
+from value_assets.core.strict_json import is_int
 
 FREEZE = ("none", "attention", "backbone")
 

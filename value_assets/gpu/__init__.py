@@ -17,6 +17,8 @@ megatron (each Ray worker, each rank), although the critic calls at most one of 
 at its first call anyway.
 """
 
+from __future__ import annotations
+
 import functools as _functools
 import importlib.abc as _abc
 import sys as _sys
@@ -26,7 +28,9 @@ import warnings as _warnings
 def quiet_megatron_warnings() -> None:
     for category in (UserWarning, DeprecationWarning, FutureWarning):
         _warnings.filterwarnings("ignore", category=category, module=r"megatron")  # also megatron_fsdp
-    _warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
+    _warnings.filterwarnings(
+        "ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning
+    )
 
 
 def _compile_on_first_call(compile_fn):
@@ -50,9 +54,12 @@ def _compile_on_first_call(compile_fn):
                 out = candidate(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001  (any compiler failure)
                 out = fn(*args, **kwargs)
-                _warnings.warn(f"megatron's fused {fn.__module__}.{fn.__qualname__} runs uncompiled: torch.compile "
-                               f"failed here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
-                               RuntimeWarning, stacklevel=2)
+                _warnings.warn(
+                    f"megatron's fused {fn.__module__}.{fn.__qualname__} runs uncompiled: torch.compile "
+                    f"failed here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 compiled = fn
                 return out
             compiled = candidate

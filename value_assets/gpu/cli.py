@@ -12,10 +12,19 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
-from value_assets.core.job_configs import DATA_ROOTS_ENV, FREEZE, PLACEMENT_STRATEGIES, EvaluateJob, TrainJob, data_roots_from_env, field_doc
+from value_assets.core.job_configs import (
+    DATA_ROOTS_ENV,
+    FREEZE,
+    PLACEMENT_STRATEGIES,
+    EvaluateJob,
+    TrainJob,
+    data_roots_from_env,
+    field_doc,
+)
 from value_assets.core.report import GATE_MODES
 
 J = TypeVar("J", TrainJob, EvaluateJob)
@@ -24,7 +33,9 @@ J = TypeVar("J", TrainJob, EvaluateJob)
 EXIT_GATE_FAILED = 3
 
 
-def _flag(parser: argparse.ArgumentParser, cls: type, name: str, type: Callable[[str], Any] | None = None, **kw: Any) -> None:
+def _flag(
+    parser: argparse.ArgumentParser, cls: type, name: str, type: Callable[[str], Any] | None = None, **kw: Any
+) -> None:
     """`--name-with-dashes` for field `name` of job config `cls`: its default and its help come
     from the field, so the command line cannot disagree with the assets or the Pipes job. A field
     without a default is a required flag. Values are checked by the config, not by argparse."""
@@ -57,7 +68,14 @@ def cmd_train(args) -> int:
     from value_assets.gpu.drivers.train import train
 
     result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps(result.to_json() if args.json else {k: v for k, v in result.to_json().items() if k not in ("metrics", "losses")}, sort_keys=True))
+    print(
+        json.dumps(
+            result.to_json()
+            if args.json
+            else {k: v for k, v in result.to_json().items() if k not in ("metrics", "losses")},
+            sort_keys=True,
+        )
+    )
     return 0
 
 
@@ -67,13 +85,27 @@ def cmd_evaluate(args) -> int:
 
     res = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     agg = res.report["aggregates"]
-    print(json.dumps({"report": res.report_path, "sha256": res.report_sha256, "passed": res.passed,
-                      "token_ev": agg["token"]["ev"], "trajectory_ev": agg["trajectory"]["ev"], "auroc": agg["auroc"],
-                      "gate_mode": res.report["gate"]["mode"], "gate_min_ev": res.report["gate"]["min_ev"],
-                      "intervals": {w: [iv["low"], iv["high"]] for w, iv in res.report["intervals"].items()},
-                      "plots": res.plots}, sort_keys=True))
+    print(
+        json.dumps(
+            {
+                "report": res.report_path,
+                "sha256": res.report_sha256,
+                "passed": res.passed,
+                "token_ev": agg["token"]["ev"],
+                "trajectory_ev": agg["trajectory"]["ev"],
+                "auroc": agg["auroc"],
+                "gate_mode": res.report["gate"]["mode"],
+                "gate_min_ev": res.report["gate"]["min_ev"],
+                "intervals": {w: [iv["low"], iv["high"]] for w, iv in res.report["intervals"].items()},
+                "plots": res.plots,
+            },
+            sort_keys=True,
+        )
+    )
     if not res.passed:
-        print(f"value-assets: gate failed for {args.split} split; report published at {res.report_path}", file=sys.stderr)
+        print(
+            f"value-assets: gate failed for {args.split} split; report published at {res.report_path}", file=sys.stderr
+        )
         return EXIT_GATE_FAILED
     return 0
 
@@ -95,8 +127,11 @@ def cmd_export_miles(args) -> int:
 
 
 def _data_root_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-root", action="append",
-                        help=field_doc(TrainJob, "data_roots") + f" Repeatable; also ${DATA_ROOTS_ENV} ({os.pathsep}-separated).")
+    parser.add_argument(
+        "--data-root",
+        action="append",
+        help=field_doc(TrainJob, "data_roots") + f" Repeatable; also ${DATA_ROOTS_ENV} ({os.pathsep}-separated).",
+    )
 
 
 def _int_or_auto(text: str) -> int | str:
@@ -114,7 +149,15 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "backbone")
     _flag(t, TrainJob, "plan")
     _flag(t, TrainJob, "plan_sha256")
-    for name in ("global_batch_size", "epochs", "seed", "save_interval", "gpus", "tensor_parallel", "pipeline_parallel"):
+    for name in (
+        "global_batch_size",
+        "epochs",
+        "seed",
+        "save_interval",
+        "gpus",
+        "tensor_parallel",
+        "pipeline_parallel",
+    ):
         _flag(t, TrainJob, name, int)
     _flag(t, TrainJob, "micro_batch_tokens", _int_or_auto)
     _flag(t, TrainJob, "recompute", choices=("none", "selective", "full"))
@@ -126,8 +169,13 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "warmup_steps", int)
     _flag(t, TrainJob, "canary", bool)
     _flag(t, TrainJob, "manifest_sha256")
-    t.add_argument("--resume-from", dest="resume_from", action="append", metavar="SHA",
-                   help=field_doc(TrainJob, "resume_from") + " Repeatable.")
+    t.add_argument(
+        "--resume-from",
+        dest="resume_from",
+        action="append",
+        metavar="SHA",
+        help=field_doc(TrainJob, "resume_from") + " Repeatable.",
+    )
     _data_root_flag(t)
     _flag(t, TrainJob, "ray_address")
     _flag(t, TrainJob, "placement_strategy", choices=PLACEMENT_STRATEGIES)
@@ -138,7 +186,15 @@ def add_commands(sub) -> None:
     e = sub.add_parser("evaluate", help="forward-only EV report and gate (exit 3 when the gate fails)")
     for name in ("checkpoint", "manifest", "contract_sha256", "report", "split"):
         _flag(e, EvaluateJob, name)
-    for name in ("num_batches", "global_batch_size", "seed", "gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens"):
+    for name in (
+        "num_batches",
+        "global_batch_size",
+        "seed",
+        "gpus",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "micro_batch_tokens",
+    ):
         _flag(e, EvaluateJob, name, int)
     _data_root_flag(e)
     _flag(e, EvaluateJob, "ray_address")
@@ -150,17 +206,32 @@ def add_commands(sub) -> None:
     x = sub.add_parser("export-hf", help="export a critic checkpoint as a Hugging Face token-classification model")
     x.add_argument("--checkpoint", required=True, help="critic folder or one of its contracted iter_* saves")
     x.add_argument("--out", required=True, help="new (or empty) output folder")
-    x.add_argument("--format", choices=("token-classification", "scalar", "openrlhf"), default="token-classification",
-                   help="scalar: mse critics as num_labels=1 (verl reads logits[..., 0]); openrlhf: OpenRLHF's critic layout "
-                        "(default: %(default)s)")
+    x.add_argument(
+        "--format",
+        choices=("token-classification", "scalar", "openrlhf"),
+        default="token-classification",
+        help="scalar: mse critics as num_labels=1 (verl reads logits[..., 0]); openrlhf: OpenRLHF's critic layout "
+        "(default: %(default)s)",
+    )
     x.set_defaults(func=cmd_export_hf)
 
-    m = sub.add_parser("export-miles", help="export a critic checkpoint for Miles' --critic-load (docs/rules.md#hand-off); prints the contract sha")
+    m = sub.add_parser(
+        "export-miles",
+        help="export a critic checkpoint for Miles' --critic-load (docs/rules.md#hand-off); prints the contract sha",
+    )
     m.add_argument("--checkpoint", required=True, help="critic folder or one of its contracted iter_* saves")
     m.add_argument("--out", required=True, help="new (or empty) output folder: Miles' --critic-load")
-    m.add_argument("--model-identity", required=True, help="the name the RL run knows the critic by (the contract's model_identity)")
-    m.add_argument("--layer-spec", choices=("te", "local"), default="te",
-                   help="Megatron layer spec of the written weights: te (Transformer Engine) or local (default: %(default)s)")
+    m.add_argument(
+        "--model-identity",
+        required=True,
+        help="the name the RL run knows the critic by (the contract's model_identity)",
+    )
+    m.add_argument(
+        "--layer-spec",
+        choices=("te", "local"),
+        default="te",
+        help="Megatron layer spec of the written weights: te (Transformer Engine) or local (default: %(default)s)",
+    )
     m.set_defaults(func=cmd_export_miles)
 
     add_import_command(sub)
@@ -171,8 +242,13 @@ def cmd_import_rollouts(args) -> int:
     from value_assets.gpu.convert.tokenizer import HFTokenizer
 
     base = PRESETS[args.preset]
-    fields = Fields(prompt=args.prompt_field or base.prompt, response=args.response_field or base.response,
-                    reward=args.reward_field or base.reward, sample_id=args.id_field, group=args.group_field)
+    fields = Fields(
+        prompt=args.prompt_field or base.prompt,
+        response=args.response_field or base.response,
+        reward=args.reward_field or base.reward,
+        sample_id=args.id_field,
+        group=args.group_field,
+    )
     if args.reward_range is None:
         reward_range = None
     elif args.reward_range == ["auto"]:
@@ -187,42 +263,93 @@ def cmd_import_rollouts(args) -> int:
         except ValueError:
             from value_assets.core.errors import InputError
 
-            raise InputError("--reward-range", f"LOW and HIGH must be numbers, got {' '.join(args.reward_range)!r}") from None
+            raise InputError(
+                "--reward-range", f"LOW and HIGH must be numbers, got {' '.join(args.reward_range)!r}"
+            ) from None
     tok = HFTokenizer(args.tokenizer, append_eos=not args.no_eos)
-    res = import_rollouts(args.inputs, tok, args.out, fields=fields, preset=args.preset, chat_template=args.chat_template,
-                          heldout_fraction=args.heldout_fraction, seed=args.seed, reward_range=reward_range,
-                          loss_type=args.loss_type, num_bins=args.num_bins, name=args.name, tokenizer_path=str(args.tokenizer))
+    res = import_rollouts(
+        args.inputs,
+        tok,
+        args.out,
+        fields=fields,
+        preset=args.preset,
+        chat_template=args.chat_template,
+        heldout_fraction=args.heldout_fraction,
+        seed=args.seed,
+        reward_range=reward_range,
+        loss_type=args.loss_type,
+        num_bins=args.num_bins,
+        name=args.name,
+        tokenizer_path=str(args.tokenizer),
+    )
     if res.reward_range_source == "auto":
-        print(f"value-assets: reward range taken from the data: [{res.reward_range[0]!r}, {res.reward_range[1]!r}]", file=sys.stderr)
-    print(json.dumps({"manifest": str(res.manifest), "train_rows": res.train_rows, "heldout_rows": res.heldout_rows,
-                      "train_prompts": res.train_groups, "heldout_prompts": res.heldout_groups,
-                      "reward_range": list(res.reward_range), "reward_range_source": res.reward_range_source,
-                      "label_counts": res.label_counts}, sort_keys=True))
+        print(
+            f"value-assets: reward range taken from the data: [{res.reward_range[0]!r}, {res.reward_range[1]!r}]",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "manifest": str(res.manifest),
+                "train_rows": res.train_rows,
+                "heldout_rows": res.heldout_rows,
+                "train_prompts": res.train_groups,
+                "heldout_prompts": res.heldout_groups,
+                "reward_range": list(res.reward_range),
+                "reward_range_source": res.reward_range_source,
+                "label_counts": res.label_counts,
+            },
+            sort_keys=True,
+        )
+    )
     return 0
 
 
 def add_import_command(sub) -> None:
     from value_assets.core.rollouts import PRESETS
 
-    r = sub.add_parser("import-rollouts", help="tokenize text rollouts (JSONL/Parquet) into Miles-format datasets and a manifest")
+    r = sub.add_parser(
+        "import-rollouts", help="tokenize text rollouts (JSONL/Parquet) into Miles-format datasets and a manifest"
+    )
     r.add_argument("inputs", nargs="+", metavar="INPUT", help="rollout files (.jsonl or .parquet)")
     r.add_argument("--tokenizer", required=True, help="the actor's Hugging Face folder (tokenizer files; local only)")
     r.add_argument("--out", required=True, help="new output folder: train.jsonl, heldout.jsonl, NAME.json")
-    r.add_argument("--preset", choices=sorted(PRESETS), default="generic",
-                   help="field names of a known dump: " + "; ".join(f"{k}: {v.prompt}/{v.response}/{v.reward}" for k, v in sorted(PRESETS.items())) + " (default: %(default)s)")
+    r.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="generic",
+        help="field names of a known dump: "
+        + "; ".join(f"{k}: {v.prompt}/{v.response}/{v.reward}" for k, v in sorted(PRESETS.items()))
+        + " (default: %(default)s)",
+    )
     r.add_argument("--prompt-field", help="field holding the prompt text or chat messages (overrides the preset)")
     r.add_argument("--response-field", help="field holding the response text (overrides the preset)")
     r.add_argument("--reward-field", help="field holding the scalar reward (overrides the preset)")
     r.add_argument("--id-field", help="field holding a unique sample id (default: FILE-STEM:LINE)")
-    r.add_argument("--group-field", help="field naming the prompt group for the split (default: the rendered prompt text)")
-    r.add_argument("--chat-template", choices=("auto", "always", "never"), default="auto",
-                   help="auto: chat messages are rendered with the tokenizer's template, text is taken as is (default: %(default)s)")
+    r.add_argument(
+        "--group-field", help="field naming the prompt group for the split (default: the rendered prompt text)"
+    )
+    r.add_argument(
+        "--chat-template",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="auto: chat messages are rendered with the tokenizer's template, text is taken as is (default: "
+        "%(default)s)",
+    )
     r.add_argument("--no-eos", action="store_true", help="do not append the EOS token to each response")
-    r.add_argument("--heldout-fraction", type=float, default=0.1, help="fraction of prompt groups held out (default: %(default)s)")
+    r.add_argument(
+        "--heldout-fraction", type=float, default=0.1, help="fraction of prompt groups held out (default: %(default)s)"
+    )
     r.add_argument("--seed", type=int, default=0, help="seed of the by-prompt split (default: %(default)s)")
-    r.add_argument("--reward-range", nargs="+", metavar="LOW HIGH|auto",
-                   help="the objective's reward range; 'auto' takes [min, max] of the data (default: [0, 1])")
-    r.add_argument("--loss-type", choices=("classification", "mse"), default="classification", help="(default: %(default)s)")
+    r.add_argument(
+        "--reward-range",
+        nargs="+",
+        metavar="LOW HIGH|auto",
+        help="the objective's reward range; 'auto' takes [min, max] of the data (default: [0, 1])",
+    )
+    r.add_argument(
+        "--loss-type", choices=("classification", "mse"), default="classification", help="(default: %(default)s)"
+    )
     r.add_argument("--num-bins", type=int, default=51, help="value bins for classification (default: %(default)s)")
     r.add_argument("--name", default="rollouts", help="manifest stem (default: %(default)s)")
     r.set_defaults(func=cmd_import_rollouts)

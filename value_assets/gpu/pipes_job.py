@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dagster_pipes import open_dagster_pipes
 
@@ -23,7 +24,6 @@ from value_assets.core import vocabulary as v
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.progress import TrainProgress
-
 
 # The driver logs every step; those lines go to the job's stderr (the step's captured logs) and
 # the event log gets `TrainProgress`'s lines, every K steps, instead.
@@ -35,6 +35,7 @@ def _job_log(pipes) -> Callable[[str], None]:
         print(message, file=sys.stderr, flush=True)
         if not _STEP_LINE.match(message):
             pipes.log.info(message)
+
     return log
 
 
@@ -71,8 +72,11 @@ def _train(pipes, cfg: TrainJob) -> None:
         from value_assets.core.hashing import sha256_file
 
         sha = sha256_file(result.receipt)
-        pipes.report_asset_materialization(asset_key=v.CANARY_RECEIPT, data_version=sha,
-                                           metadata={**common, "receipt": result.receipt, v.RECEIPT_SHA256: sha, "executed_steps": 1})
+        pipes.report_asset_materialization(
+            asset_key=v.CANARY_RECEIPT,
+            data_version=sha,
+            metadata={**common, "receipt": result.receipt, v.RECEIPT_SHA256: sha, "executed_steps": 1},
+        )
         return
     sha = result.contract_sha256
     curve: dict[str, Any] = {}
@@ -85,10 +89,14 @@ def _train(pipes, cfg: TrainJob) -> None:
     if tensorboard.is_dir():
         curve["tensorboard"] = {"raw_value": str(tensorboard), "type": "path"}
     curve["metrics_log"] = {"raw_value": str(cfg.output / "metrics.jsonl"), "type": "path"}
-    pipes.report_asset_materialization(asset_key=v.CRITIC_CHECKPOINT, data_version=sha,
-                                       metadata={**common, **curve, v.CONTRACT_SHA256: sha})
-    pipes.report_asset_materialization(asset_key=v.TRAINING_CONTRACT, data_version=sha,
-                                       metadata={v.CONTRACT_SHA256: sha, "completed_steps": result.completed_steps})
+    pipes.report_asset_materialization(
+        asset_key=v.CRITIC_CHECKPOINT, data_version=sha, metadata={**common, **curve, v.CONTRACT_SHA256: sha}
+    )
+    pipes.report_asset_materialization(
+        asset_key=v.TRAINING_CONTRACT,
+        data_version=sha,
+        metadata={v.CONTRACT_SHA256: sha, "completed_steps": result.completed_steps},
+    )
 
 
 def _evaluate(pipes, cfg: EvaluateJob) -> None:
@@ -96,13 +104,17 @@ def _evaluate(pipes, cfg: EvaluateJob) -> None:
 
     res = evaluate(cfg, log=pipes.log.info)
     agg = res.report["aggregates"]
-    pipes.report_asset_materialization(asset_key=v.EV_REPORT, data_version=res.report_sha256, metadata={
-        v.REPORT_SHA256: res.report_sha256,
-        "passed": res.passed,
-        "token_ev": agg["token"]["ev"],
-        "trajectory_ev": agg["trajectory"]["ev"],
-        "auroc": agg["auroc"],
-    })
+    pipes.report_asset_materialization(
+        asset_key=v.EV_REPORT,
+        data_version=res.report_sha256,
+        metadata={
+            v.REPORT_SHA256: res.report_sha256,
+            "passed": res.passed,
+            "token_ev": agg["token"]["ev"],
+            "trajectory_ev": agg["trajectory"]["ev"],
+            "auroc": agg["auroc"],
+        },
+    )
 
 
 def _handoff(pipes, cfg: HandoffJob) -> None:
@@ -117,8 +129,9 @@ def _handoff(pipes, cfg: HandoffJob) -> None:
     if cfg.scalar_hf:
         export_checkpoint(cfg.checkpoint, cfg.out_dir / HF_BUNDLE, "scalar")
         pipes.log.info(f"wrote {cfg.out_dir / HF_BUNDLE} (scalar Hugging Face critic)")
-    pipes.report_asset_materialization(asset_key=v.PROMOTED_CRITIC, data_version=miles_sha,
-                                       metadata={v.MILES_CONTRACT_SHA256: miles_sha})
+    pipes.report_asset_materialization(
+        asset_key=v.PROMOTED_CRITIC, data_version=miles_sha, metadata={v.MILES_CONTRACT_SHA256: miles_sha}
+    )
 
 
 def main() -> int:

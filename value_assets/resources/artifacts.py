@@ -14,7 +14,6 @@
 ```
 """
 
-
 from pathlib import Path
 
 from dagster import ConfigurableResource
@@ -72,7 +71,8 @@ class ManifestInbox(ConfigurableResource):
     folder: str = Field(default="manifests", description="Folder scanned for `*.json` manifests.")
     data_roots: list[str] = Field(
         default_factory=list,
-        description="When non-empty, dataset paths outside these folders are refused (docs/rules.md#bad-input-and-safety).",
+        description="When non-empty, dataset paths outside these folders are refused "
+        "(docs/rules.md#bad-input-and-safety).",
     )
 
     @property

@@ -1,8 +1,9 @@
 """Launchers of the GPU job: one interface, three ways to run it, all through Dagster Pipes.
 
 The GPU job is ``python -m value_assets.gpu.pipes_job``. It opens Dagster Pipes, reads its task and
-job config (`TrainJob` / `EvaluateJob` as JSON, never an argument vector) from the Pipes extras, runs it, and reports materializations (metadata and data
-version) for the asset keys the extras name. The launcher decides only *where* it runs:
+job config (`TrainJob` / `EvaluateJob` / `HandoffJob` as JSON, never an argument vector) from the
+Pipes extras, runs it, and reports materializations (metadata and data version) for the asset keys
+the task names (`core/vocabulary.py`). The launcher decides only *where* it runs:
 
 - `SubprocessLauncher` (default): a child process of the step, through `PipesSubprocessClient`.
 - `RayJobLauncher`: a Ray job on an existing cluster (KubeRay or not), through dagster-ray's
@@ -13,16 +14,16 @@ Whatever the launcher, a job that exits without reporting a materialization for 
 step was asked to produce fails the step: silence is never success.
 """
 
-
 import abc
 import contextlib
 import json
 import os
 import shlex
-import warnings
 import sys
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 from dagster import (
     AssetCheckKey,
@@ -66,7 +67,9 @@ class GpuJobLauncher(ConfigurableResource):
     ) -> list[PipesResult]:
         task.check(config)  # the same rule the Pipes job applies to what it receives
         payload = {**(extras or {}), "task": task.name, "config": config.to_json()}
-        context.log.info(f"GPU job {task.name} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}")
+        context.log.info(
+            f"GPU job {task.name} via {type(self).__name__}: {json.dumps(payload['config'], sort_keys=True)}"
+        )
         tag_run(context, self.run_tags(config))
         invocation = self._invoke(context, task.name, payload)
         # Pipes would invent an empty materialization for every selected asset the job did not
@@ -149,12 +152,15 @@ class SubprocessLauncher(GpuJobLauncher):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the job.")
     cwd: str | None = Field(default=None, description="Working directory of the job.")
     warm_idle_s: float = Field(
-        default=120.0, ge=0,
-        description="Keep one local Ray cluster and its workers (torch and megatron imported) warm between GPU jobs for this "
-                    "many idle seconds; 0: every job starts and ends its own Ray.",
+        default=120.0,
+        ge=0,
+        description="Keep one local Ray cluster and its workers (torch and megatron imported) warm between GPU jobs "
+        "for this many idle seconds; 0: every job starts and ends its own Ray.",
     )
     warm_dir: str | None = Field(
-        default=None, description="Folder of the warm cluster's files; default: one per Dagster instance under the temp dir.")
+        default=None,
+        description="Folder of the warm cluster's files; default: one per Dagster instance under the temp dir.",
+    )
 
     def job_command(self) -> list[str]:
         return list(self.command) if self.command else [sys.executable, "-m", PIPES_MODULE]
@@ -175,12 +181,17 @@ class SubprocessLauncher(GpuJobLauncher):
     def _invoke(self, context: Any, task: str, extras: dict[str, Any]) -> PipesClientCompletedInvocation:
         command = self.job_command()
         folder = self.warm_folder(getattr(context, "instance", None))
-        warm_cluster = (use_warm_cluster(folder, python=command[0], idle_s=self.warm_idle_s) if folder is not None
-                        else contextlib.nullcontext())
+        warm_cluster = (
+            use_warm_cluster(folder, python=command[0], idle_s=self.warm_idle_s)
+            if folder is not None
+            else contextlib.nullcontext()
+        )
         with warm_cluster as warm:
             env = dict(self.env)
             if warm is not None:
-                context.log.info(f"GPU job {task} joins the warm Ray cluster {warm.address} (worker pool {warm.pool!r}, {folder})")
+                context.log.info(
+                    f"GPU job {task} joins the warm Ray cluster {warm.address} (worker pool {warm.pool!r}, {folder})"
+                )
                 env.update(warm.job_env())
             return PipesSubprocessClient(env=env, cwd=self.cwd).run(context=context, command=command, extras=extras)
 
@@ -188,8 +199,9 @@ class SubprocessLauncher(GpuJobLauncher):
 NO_AGENT_YET = "No available agent to submit job"  # Ray's answer while a cluster's job agents start
 
 
-def submit_when_ready(submit: Any, *, log: Any, deadline_s: float = 60.0, wait_s: float = 2.0,
-                      sleep: Any = None, clock: Any = None) -> Any:
+def submit_when_ready(
+    submit: Any, *, log: Any, deadline_s: float = 60.0, wait_s: float = 2.0, sleep: Any = None, clock: Any = None
+) -> Any:
     """`submit()`, again every `wait_s` for up to `deadline_s` while Ray answers that no job agent
     can take the job yet (a cluster whose agents are still starting: nothing was submitted, Ray
     says to try again later). Any other error, or that one past the deadline, is raised."""
@@ -215,7 +227,9 @@ class RayJobLauncher(GpuJobLauncher):
 
     address: str = Field(description="Ray dashboard address, e.g. http://raycluster-head-svc:8265.")
     python: str = Field(default="python", description="Interpreter on the cluster's image.")
-    command: list[str] | None = Field(default=None, description="Entrypoint argv; default: <python> -m value_assets.gpu.pipes_job.")
+    command: list[str] | None = Field(
+        default=None, description="Entrypoint argv; default: <python> -m value_assets.gpu.pipes_job."
+    )
     working_dir: str | None = Field(default=None, description="runtime_env working_dir, if the image lacks the code.")
     env: dict[str, str] = Field(default_factory=dict)
     entrypoint_num_cpus: float = 1.0
@@ -255,7 +269,9 @@ class K8sPodLauncher(GpuJobLauncher):
     image: str = Field(description="GPU job image (deploy/Dockerfile, target `gpu`).")
     namespace: str | None = None
     command: list[str] = Field(default_factory=lambda: ["python", "-m", PIPES_MODULE])
-    gpus: int = Field(default=1, description="nvidia.com/gpu per pod when the job config names no `gpus` (every job config does).")
+    gpus: int = Field(
+        default=1, description="nvidia.com/gpu per pod when the job config names no `gpus` (every job config does)."
+    )
     cpu: str = "8"
     memory: str = "64Gi"
     shm_size: str = Field(default="16Gi", description="/dev/shm for NCCL and data loaders.")

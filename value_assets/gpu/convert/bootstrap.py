@@ -53,8 +53,11 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
         from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
 
         cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))
-        ident = {"kind": "huggingface", "path": str(folder.resolve()),
-                 "sha256": _folder_digest(folder, ("config.json", "*.safetensors", "*.safetensors.index.json"))}
+        ident = {
+            "kind": "huggingface",
+            "path": str(folder.resolve()),
+            "sha256": _folder_digest(folder, ("config.json", "*.safetensors", "*.safetensors.index.json")),
+        }
         return cfg, {"kind": "hf", "path": str(folder.resolve())}, ident
     if (folder / BACKBONE_JSON).is_file():
         from value_assets.core.contract import CONTRACT_NAME, load_verified
@@ -74,11 +77,19 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
 
     if megatron_lm.is_megatron_lm_folder(folder):
         cfg, step_dir, it, layer_spec = megatron_lm.resolve(folder, Path(hf_config) if hf_config else None)
-        ident = {"kind": "megatron-lm", "path": str(folder.resolve()), "iteration": it, "layer_spec": layer_spec,
-                 "sha256": _folder_digest(step_dir, ("*",))}  # pathlib globs dotfiles too
+        ident = {
+            "kind": "megatron-lm",
+            "path": str(folder.resolve()),
+            "iteration": it,
+            "layer_spec": layer_spec,
+            "sha256": _folder_digest(step_dir, ("*",)),
+        }  # pathlib globs dotfiles too
         return cfg, {"kind": "megatron_lm", "path": str(step_dir.resolve()), "backbone": cfg.to_json()}, ident
-    raise InputError("--backbone", f"{spec!r} holds neither a Hugging Face checkpoint (config.json), a Megatron one "
-                     f"({BACKBONE_JSON}) nor a Megatron-LM one ({megatron_lm.TRACKER})")
+    raise InputError(
+        "--backbone",
+        f"{spec!r} holds neither a Hugging Face checkpoint (config.json), a Megatron one "
+        f"({BACKBONE_JSON}) nor a Megatron-LM one ({megatron_lm.TRACKER})",
+    )
 
 
 def write_backbone_json(folder: Path, cfg) -> None:
@@ -106,7 +117,9 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
         else:
             from value_assets.gpu.convert.megatron_lm import load_backbone_state
 
-            whole = load_backbone_state(source["path"], BackboneConfig.from_json(source["backbone"]), tp_rank=rank, tp_size=tp)
+            whole = load_backbone_state(
+                source["path"], BackboneConfig.from_json(source["backbone"]), tp_rank=rank, tp_size=tp
+            )
         # Whole-model names, sliced for this TP rank; then only this pipeline stage's layers.
         state = stage_state(module, whole)
         own = module.state_dict()
@@ -124,7 +137,9 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
         sd = module.sharded_state_dict(prefix="")
         backbone_sd = {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
         with checked_reads(source["path"], source.get("contract")) as strategies:
-            loaded = dist_checkpointing.load({"model": backbone_sd}, source["path"], strict=StrictHandling.LOG_UNEXPECTED, **strategies)
+            loaded = dist_checkpointing.load(
+                {"model": backbone_sd}, source["path"], strict=StrictHandling.LOG_UNEXPECTED, **strategies
+            )
         result = module.load_state_dict(loaded["model"], strict=False)
         _check_only_head_missing(result.missing_keys, result.unexpected_keys, source["path"])
         return {"loaded": len(loaded["model"])}
@@ -135,4 +150,6 @@ def _check_only_head_missing(missing, unexpected, where: str) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise InputError(where, f"backbone does not match the critic: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise InputError(
+            where, f"backbone does not match the critic: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )

@@ -60,9 +60,12 @@ def export_checkpoint(checkpoint: Path, out: Path, fmt: str = "token-classificat
     step_dir, contract, _ = contracted_step(checkpoint)
     objective = Objective.from_json(contract["objective"])
     if fmt != "token-classification" and objective.loss_type != "mse":
-        raise InputError("--format", f"{fmt!r} needs an mse critic; this one is a {objective.num_bins}-bin classification "
-                         "critic, whose value softmax(logits) . support is not linear in the hidden state, so no "
-                         "single linear scalar head reproduces it. Export it with --format token-classification.")
+        raise InputError(
+            "--format",
+            f"{fmt!r} needs an mse critic; this one is a {objective.num_bins}-bin classification "
+            "critic, whose value softmax(logits) . support is not linear in the hidden state, so no "
+            "single linear scalar head reproduces it. Export it with --format token-classification.",
+        )
     _empty_out(out)
     backbone, objective, state = _load_full_state(step_dir, contract)
     if fmt == "openrlhf":
@@ -76,8 +79,13 @@ def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: s
     """`export-miles`: docs/rules.md#hand-off's `OUT/latest_checkpointed_iteration.txt`, `OUT/iter_{N:07d}/` and
     `OUT/value_pretrain_contract.json` (written last: it is what publishes the hand-off).
     Returns (OUT, the Miles contract's sha)."""
-    from value_assets.core.miles import (MILES_CONTRACT_NAME, MILES_TRACKER_NAME, build_miles_contract,
-                                         miles_contract_bytes, miles_iter_dirname)
+    from value_assets.core.miles import (
+        MILES_CONTRACT_NAME,
+        MILES_TRACKER_NAME,
+        build_miles_contract,
+        miles_contract_bytes,
+        miles_iter_dirname,
+    )
     from value_assets.core.publish import atomic_write
     from value_assets.gpu.convert.megatron_lm import SPECS, write_critic
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed

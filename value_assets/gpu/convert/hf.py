@@ -43,8 +43,9 @@ Never unpickles: `.bin`/`.pt` checkpoints are refused; convert them to safetenso
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -165,7 +166,9 @@ def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "norm_epsilon": cfg["rms_norm_eps"],
         "qkv_bias": cfg["qkv_bias"],
         "qk_layernorm": cfg["qk_layernorm"],
-        "kv_channels": None if cfg["kv_channels"] * cfg["num_attention_heads"] == cfg["hidden_size"] else cfg["kv_channels"],
+        "kv_channels": None
+        if cfg["kv_channels"] * cfg["num_attention_heads"] == cfg["hidden_size"]
+        else cfg["kv_channels"],
         "rope_scaling_factor": float(cfg["rope_scaling_factor"]) if cfg["rope_scaling"] else None,
     }
 
@@ -286,7 +289,7 @@ def load_hf_backbone_state(
 
     out: dict[str, torch.Tensor] = {}
     for local, hf_names, rule, _ in rows(d):
-        t = _to_local(rule, [take(prefix + n, s) for n, s in zip(hf_names, rule.hf_shapes(d))], d)
+        t = _to_local(rule, [take(prefix + n, s) for n, s in zip(hf_names, rule.hf_shapes(d), strict=True)], d)
         if local == "embedding.word_embeddings.weight" and padded_vocab_size is not None:
             if padded_vocab_size < vocab:
                 raise InputError("padded_vocab_size", f"{padded_vocab_size} is smaller than vocab_size {vocab}")
@@ -303,7 +306,8 @@ def load_hf_backbone_state(
     if leftover:
         raise InputError(
             str(folder),
-            f"unexpected tensor(s) for a {cfg['family']} backbone: {leftover[:8]}" + (" ..." if len(leftover) > 8 else ""),
+            f"unexpected tensor(s) for a {cfg['family']} backbone: {leftover[:8]}"
+            + (" ..." if len(leftover) > 8 else ""),
         )
     want = megatron_backbone_names(cfg)
     assert list(out) == want, (list(out), want)  # internal consistency, not input validation
@@ -321,8 +325,10 @@ def load_hf_value_head(folder: str | Path, head_prefix: str = "output_layer") ->
         raise InputError(str(folder), f"has no value head: missing {missing} (not an exported critic?)")
     w, b = files.get("score.weight"), files.get("score.bias")
     if w.dim() != 2 or w.shape[1] != cfg["hidden_size"] or tuple(b.shape) != (w.shape[0],):
-        raise InputError(f"{folder}: score.weight", f"shapes {tuple(w.shape)} / {tuple(b.shape)} do not form a "
-                         f"[K, {cfg['hidden_size']}] head with a [K] bias")
+        raise InputError(
+            f"{folder}: score.weight",
+            f"shapes {tuple(w.shape)} / {tuple(b.shape)} do not form a [K, {cfg['hidden_size']}] head with a [K] bias",
+        )
     return {f"{head_prefix}.weight": w, f"{head_prefix}.bias": b}
 
 
@@ -332,7 +338,9 @@ def load_hf_value_head(folder: str | Path, head_prefix: str = "output_layer") ->
 def _hf_config_dict(cfg: Any, num_labels: int, dtype: torch.dtype) -> dict[str, Any]:
     family = _field(cfg, "family")
     if family not in HF_TOKEN_CLASSIFICATION:
-        raise InputError("backbone_config.family", f"{show(family)} is not supported; supported: {list(HF_TOKEN_CLASSIFICATION)}")
+        raise InputError(
+            "backbone_config.family", f"{show(family)} is not supported; supported: {list(HF_TOKEN_CLASSIFICATION)}"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_field(cfg, "rope_theta"))}
     if _field(cfg, "rope_scaling"):
         rope = {
@@ -359,7 +367,9 @@ def _hf_config_dict(cfg: Any, num_labels: int, dtype: torch.dtype) -> dict[str, 
         # Both layouts: transformers 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling.
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
-        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_scaling": None
+        if rope["rope_type"] == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
         "tie_word_embeddings": False,  # the critic's embeddings are untied (docs/rules.md#critic)
         "num_labels": num_labels,
         "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
@@ -426,19 +436,23 @@ def export_critic_to_hf(
 
     emb = get("embedding.word_embeddings.weight")
     if emb.shape[0] < vocab or emb.shape[1] != h:
-        raise InputError("embedding.word_embeddings.weight", f"shape {tuple(emb.shape)} does not cover vocab {vocab} x hidden {h}")
+        raise InputError(
+            "embedding.word_embeddings.weight", f"shape {tuple(emb.shape)} does not cover vocab {vocab} x hidden {h}"
+        )
     state["embedding.word_embeddings.weight"] = emb[:vocab]  # TP padding rows dropped
     d = dims_of(_field, backbone_config)
     hf: dict[str, torch.Tensor] = {}
     for local, hf_names, rule, _ in rows(d):
         t = get(local)
         _check_shape(local, t, rule.shape(d))
-        hf.update(zip(("model." + n for n in hf_names), _to_hf(rule, t, backbone_config)))
+        hf.update(zip(("model." + n for n in hf_names), _to_hf(rule, t, backbone_config), strict=True))
     hf["score.weight"] = get(head_names[0])
     hf["score.bias"] = get(head_names[1])
 
     out_folder.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in hf.items()}, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in hf.items()}, str(out_folder / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out_folder / "config.json").write_text(json.dumps(_hf_config_dict(backbone_config, k, dtype), indent=2) + "\n")
     head_info: dict[str, Any] = {
         "format": VALUE_HEAD_FORMAT,
@@ -450,7 +464,9 @@ def export_critic_to_hf(
     if objective is not None:
         low, high = objective.reward_range
         head_info["prediction"] = (
-            f"V = softmax(logits) . linspace({low}, {high}, {k})" if objective.loss_type == "classification" else "V = logits[..., 0]"
+            f"V = softmax(logits) . linspace({low}, {high}, {k})"
+            if objective.loss_type == "classification"
+            else "V = logits[..., 0]"
         )
         head_info["support"] = [low, high, k] if objective.loss_type == "classification" else None
     head_info["read_position"] = "value of response token j at absolute position prompt_len + j - 1"
@@ -476,8 +492,9 @@ def export_critic_to_openrlhf(
     folder (its `score.bias` is then freshly initialised: use the `scalar` format for verl)."""
     if objective is not None and objective.head_size != 1:
         raise InputError("objective", "OpenRLHF critics are scalar: export an mse critic")
-    out_folder = export_critic_to_hf(megatron_state, backbone_config, 1, out_folder, head_prefix=head_prefix,
-                                     objective=objective, dtype=dtype)
+    out_folder = export_critic_to_hf(
+        megatron_state, backbone_config, 1, out_folder, head_prefix=head_prefix, objective=objective, dtype=dtype
+    )
     files = _SafetensorsFolder(out_folder)
     tensors = {n: files.get(n).clone() for n in files.names()}  # clones: the file is rewritten below
     bias = tensors.pop("score.bias")

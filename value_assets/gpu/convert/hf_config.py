@@ -115,7 +115,9 @@ def parse_hf_config(cfg: dict[str, Any], where: str = "config.json") -> dict[str
         qkv_bias = True
     else:
         if cfg.get("attention_bias"):
-            raise InputError(f"{where}: attention_bias", "attention biases (q/k/v/o) are not supported for " f"{family}, got true")
+            raise InputError(
+                f"{where}: attention_bias", f"attention biases (q/k/v/o) are not supported for {family}, got true"
+            )
         qkv_bias = False
 
     num_layers = _int(cfg, "num_hidden_layers", where)

@@ -15,14 +15,15 @@ maps its separate norms onto them when it saves. The specs differ in the `_extra
 (no weights) their modules save (`names.EXTRA_STATE`). Unfused norm names are read too.
 
 Reading (`bootstrap`): the tensors are read with torch.distributed.checkpoint without a process
-group, its index through `safe_pickle` (docs/rules.md#bad-input-and-safety); only backbone tensors are taken, strictly: a
-missing or unexpected name is an error that lists them; the LM head (`output_layer.weight`) and a
+group, its index through `safe_pickle` (docs/rules.md#bad-input-and-safety); only backbone tensors are
+taken, strictly: a missing or unexpected name is an error that lists them; the LM head (`output_layer.weight`) and a
 critic head are read past (the critic adds its own), `_extra_state` objects and optimizer / RNG
 state are ignored. The architecture comes from the saved `args` where present, else from a
 Hugging Face `config.json` (`--hf-config`).
 
 Writing (`export-miles`): megatron-core's `dist_checkpointing.save` (so the index, the object
-encoding and `metadata.json` are megatron's own) of the critic at TP=1 under the checkpoint names (fused norm names), untied embeddings (padded to a multiple of 128 rows as Megatron-LM pads at TP=1), the head
+encoding and `metadata.json` are megatron's own) of the critic at TP=1 under the checkpoint names (fused norm
+names), untied embeddings (padded to a multiple of 128 rows as Megatron-LM pads at TP=1), the head
 as `output_layer.weight` [K, hidden] / `output_layer.bias` [K], and one `_extra_state`
 placeholder per module and layer that the spec's model requests (`names.EXTRA_STATE`; None for the
 local spec as megatron's own linears save it, for TE the byte tensor of `pickle.dumps(None)`, which
@@ -37,8 +38,9 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -120,8 +122,13 @@ def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None
     # Settings that change what the actor computes but leave no trace in its tensors: the critic
     # (rotate-half RoPE over the whole head, full causal attention, plain RMSNorm weights) would
     # load every tensor strictly and still compute something else, so these are refused here.
-    for key, plain in (("rotary_interleaved", False), ("rotary_percent", 1.0), ("apply_layernorm_1p", False),
-                       ("rotary_seq_len_interpolation_factor", None), ("window_size", None)):
+    for key, plain in (
+        ("rotary_interleaved", False),
+        ("rotary_percent", 1.0),
+        ("apply_layernorm_1p", False),
+        ("rotary_seq_len_interpolation_factor", None),
+        ("window_size", None),
+    ):
         value = get(key)
         if value is not None and value != plain:
             raise InputError(f"{where}: args.{key}", f"is {show(value)}; the critic computes with {plain!r} only")
@@ -165,7 +172,9 @@ def resolve(folder: Path, hf_config: Path | None = None):
     elif hf_cfg is not None:
         cfg = hf_cfg
     else:
-        raise InputError(str(step_dir), "has no saved arguments (common.pt 'args'); pass --hf-config with the actor's config.json")
+        raise InputError(
+            str(step_dir), "has no saved arguments (common.pt 'args'); pass --hf-config with the actor's config.json"
+        )
     has_fused_norms(tensor_shapes(step_dir), str(step_dir))  # a mixed index is refused before any launch
     return cfg, step_dir, it, layer_spec_of(args)
 
@@ -259,17 +268,24 @@ def load_backbone_state(step_dir: str | Path, cfg: Any, tp_rank: int = 0, tp_siz
     for k in model - numbered:
         available[k] = k
     for k in numbered:
-        rest = k[len(_LAYER):].split(".", 1)[1]
+        rest = k[len(_LAYER) :].split(".", 1)[1]
         available.setdefault(_LAYER + rest, "numbered")
     unexpected = sorted(set(available) - set(want) - set(HEAD))
     missing = sorted(set(want) - set(available))
-    missing += sorted(f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available.get(k) == "numbered"
-                      for i in range(d.layers) if f"{_LAYER}{i}.{k[len(_LAYER):]}" not in numbered)
+    missing += sorted(
+        f"{_LAYER}{i}.{k[len(_LAYER) :]}"
+        for k in want
+        if available.get(k) == "numbered"
+        for i in range(d.layers)
+        if f"{_LAYER}{i}.{k[len(_LAYER) :]}" not in numbered
+    )
     if unexpected or missing:
-        raise InputError(str(step_dir), f"is not a checkpoint of this {cfg.family} backbone: "
-                         f"unexpected {unexpected}, missing {missing}")
+        raise InputError(
+            str(step_dir),
+            f"is not a checkpoint of this {cfg.family} backbone: unexpected {unexpected}, missing {missing}",
+        )
     stacked = [k for k in want if available[k] != "numbered"]
-    per_layer = [f"{_LAYER}{i}.{k[len(_LAYER):]}" for k in want if available[k] == "numbered" for i in range(d.layers)]
+    per_layer = [f"{_LAYER}{i}.{k[len(_LAYER) :]}" for k in want if available[k] == "numbered" for i in range(d.layers)]
     tensors = _read(step_dir, stacked + per_layer)
     rules = {rule.local: rule for _, rule in names.HF_TABLE}
     out: dict[str, torch.Tensor] = {}
@@ -285,7 +301,7 @@ def load_backbone_state(step_dir: str | Path, cfg: Any, tp_rank: int = 0, tp_siz
             out[local] = shard_for_tp(rule, t, tp_rank, tp_size, local)
             continue
         if available[ck] == "numbered":
-            layers = [tensors[f"{_LAYER}{i}.{ck[len(_LAYER):]}"] for i in range(d.layers)]
+            layers = [tensors[f"{_LAYER}{i}.{ck[len(_LAYER) :]}"] for i in range(d.layers)]
         else:
             t = tensors[ck]
             if t.shape[0] != d.layers:
@@ -318,21 +334,40 @@ def megatron_lm_args(cfg: Any, padded_vocab: int, spec: str) -> argparse.Namespa
     """The saved-arguments namespace of a written critic: what Megatron-LM's loader reads
     (TP / PP sizes, `no_save_optim`, `no_save_rng`) and the architecture `backbone_from_args` reads."""
     return argparse.Namespace(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads, group_query_attention=cfg.num_query_groups != cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups, kv_channels=cfg.head_dim, vocab_size=cfg.vocab_size,
-        padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=VOCAB_DIVISOR,
-        max_position_embeddings=cfg.max_seq_len, rotary_base=cfg.rotary_base, norm_epsilon=cfg.norm_epsilon,
-        normalization="RMSNorm", swiglu=True, add_qkv_bias=cfg.qkv_bias, add_bias_linear=False,
-        qk_layernorm=cfg.qk_layernorm, position_embedding_type="rope", use_rope_scaling=cfg.rope_scaling,
-        rope_scaling_factor=cfg.rope_scaling_factor or 8.0, untie_embeddings_and_output_weights=True,
-        transformer_impl="transformer_engine" if spec == "te" else "local", ckpt_format="torch_dist",
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, no_save_optim=True, no_save_rng=True,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=VOCAB_DIVISOR,
+        max_position_embeddings=cfg.max_seq_len,
+        rotary_base=cfg.rotary_base,
+        norm_epsilon=cfg.norm_epsilon,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_qkv_bias=cfg.qkv_bias,
+        add_bias_linear=False,
+        qk_layernorm=cfg.qk_layernorm,
+        position_embedding_type="rope",
+        use_rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
+        untie_embeddings_and_output_weights=True,
+        transformer_impl="transformer_engine" if spec == "te" else "local",
+        ckpt_format="torch_dist",
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        no_save_optim=True,
+        no_save_rng=True,
     )
 
 
-def sharded_critic_state(state: Mapping[str, torch.Tensor], cfg: Any, spec: str,
-                         fused_norms: bool = True) -> dict[str, Any]:
+def sharded_critic_state(
+    state: Mapping[str, torch.Tensor], cfg: Any, spec: str, fused_norms: bool = True
+) -> dict[str, Any]:
     """megatron-core ShardedTensors / ShardedObjects of a whole (TP=1) local-spec critic `state`
     under the checkpoint names, layers stacked as `TransformerBlock` saves them, with the
     `_extra_state` objects `spec`'s model requests. `fused_norms=False` writes another writer's
@@ -373,13 +408,20 @@ def _extra_state_placeholder(spec: str) -> Any:
     return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8).clone()
 
 
-def write_critic(step_dir: Path, state: Mapping[str, torch.Tensor], cfg: Any, spec: str, iteration: int,
-                 *, fused_norms: bool = True) -> None:
+def write_critic(
+    step_dir: Path, state: Mapping[str, torch.Tensor], cfg: Any, spec: str, iteration: int, *, fused_norms: bool = True
+) -> None:
     """Save the critic into the existing empty `step_dir` (collective over the current process
     group; one process at TP=1 is enough)."""
     from megatron.core import dist_checkpointing
 
     padded = -(-cfg.vocab_size // VOCAB_DIVISOR) * VOCAB_DIVISOR
-    dist_checkpointing.save({"model": sharded_critic_state(state, cfg, spec, fused_norms),
-                             "args": megatron_lm_args(cfg, padded, spec),
-                             "iteration": int(iteration), "checkpoint_version": 3.0}, str(step_dir))
+    dist_checkpointing.save(
+        {
+            "model": sharded_critic_state(state, cfg, spec, fused_norms),
+            "args": megatron_lm_args(cfg, padded, spec),
+            "iteration": int(iteration),
+            "checkpoint_version": 3.0,
+        },
+        str(step_dir),
+    )

@@ -31,8 +31,9 @@ builds) are the hub: every other format maps onto them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 __all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "EXTRA_STATE", "Dims", "rows", "to_te", "dims_of"]
 
@@ -78,18 +79,52 @@ _QKV_ROWS = lambda d: (d.heads + 2 * d.groups) * d.hd  # noqa: E731
 HF_TABLE: tuple[tuple[str, Rule], ...] = (
     ("embed", Rule("embedding.word_embeddings.weight", ("embed_tokens.weight",), lambda d: (d.vocab, d.h), tp_dim=0)),
     ("layer", Rule("input_layernorm.weight", ("input_layernorm.weight",), lambda d: (d.h,))),
-    ("layer", Rule("self_attention.linear_qkv.weight",
-                   ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-                   lambda d: (_QKV_ROWS(d), d.h), kind=QKV, tp_dim=0)),
-    ("layer", Rule("self_attention.linear_qkv.bias",
-                   ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-                   lambda d: (_QKV_ROWS(d),), kind=QKV, tp_dim=0, when="qkv_bias")),
-    ("layer", Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), lambda d: (d.hd,), when="qk_layernorm")),
-    ("layer", Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), lambda d: (d.hd,), when="qk_layernorm")),
-    ("layer", Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), lambda d: (d.h, d.heads * d.hd), tp_dim=1)),
+    (
+        "layer",
+        Rule(
+            "self_attention.linear_qkv.weight",
+            ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+            lambda d: (_QKV_ROWS(d), d.h),
+            kind=QKV,
+            tp_dim=0,
+        ),
+    ),
+    (
+        "layer",
+        Rule(
+            "self_attention.linear_qkv.bias",
+            ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+            lambda d: (_QKV_ROWS(d),),
+            kind=QKV,
+            tp_dim=0,
+            when="qkv_bias",
+        ),
+    ),
+    (
+        "layer",
+        Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), lambda d: (d.hd,), when="qk_layernorm"),
+    ),
+    (
+        "layer",
+        Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), lambda d: (d.hd,), when="qk_layernorm"),
+    ),
+    (
+        "layer",
+        Rule(
+            "self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), lambda d: (d.h, d.heads * d.hd), tp_dim=1
+        ),
+    ),
     ("layer", Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), lambda d: (d.h,))),
-    ("layer", Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                   lambda d: (2 * d.ffn, d.h), kind=GATE_UP, tp_dim=0)),
+    (
+        "layer",
+        Rule(
+            "mlp.linear_fc1.weight",
+            ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            lambda d: (2 * d.ffn, d.h),
+            kind=GATE_UP,
+            tp_dim=0,
+        ),
+    ),
     ("layer", Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), lambda d: (d.h, d.ffn), tp_dim=1)),
     ("final", Rule("decoder.final_layernorm.weight", ("norm.weight",), lambda d: (d.h,))),
 )
@@ -129,7 +164,14 @@ def to_te(layer_name: str) -> str:
 
 def dims_of(field: Callable[[Any, str], Any], cfg: Any) -> Dims:
     """`Dims` from a config read through `field(cfg, name)` (hf.py's `_field`)."""
-    return Dims(h=field(cfg, "hidden_size"), ffn=field(cfg, "ffn_hidden_size"), hd=field(cfg, "kv_channels"),
-                heads=field(cfg, "num_attention_heads"), groups=field(cfg, "num_query_groups"),
-                vocab=field(cfg, "vocab_size"), layers=field(cfg, "num_layers"),
-                qkv_bias=bool(field(cfg, "qkv_bias")), qk_layernorm=bool(field(cfg, "qk_layernorm")))
+    return Dims(
+        h=field(cfg, "hidden_size"),
+        ffn=field(cfg, "ffn_hidden_size"),
+        hd=field(cfg, "kv_channels"),
+        heads=field(cfg, "num_attention_heads"),
+        groups=field(cfg, "num_query_groups"),
+        vocab=field(cfg, "vocab_size"),
+        layers=field(cfg, "num_layers"),
+        qkv_bias=bool(field(cfg, "qkv_bias")),
+        qk_layernorm=bool(field(cfg, "qk_layernorm")),
+    )

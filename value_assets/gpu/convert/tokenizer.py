@@ -18,8 +18,17 @@ from typing import Any
 from value_assets.core.errors import InputError
 
 # The files that decide how text becomes ids; their bytes make the tokenizer's sha.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def tokenizer_sha256(folder: Path) -> str:
@@ -46,7 +55,7 @@ class HFTokenizer:
         self.sha256 = tokenizer_sha256(self.folder)
         try:
             self.tok = AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
-        except Exception as exc:  # transformers raises many types for a broken folder
+        except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken folder
             raise InputError(str(folder), f"cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
         self.vocab_size = len(self.tok)
         self.append_eos = append_eos

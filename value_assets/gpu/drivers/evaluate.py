@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +27,8 @@ from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import EvaluateJob
 from value_assets.core.manifest import Manifest, load_manifest
-from value_assets.core.objective import Objective
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
+from value_assets.core.objective import Objective
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
 from value_assets.core.publish import publication_state, publish_once
 from value_assets.core.report import build_report
@@ -55,7 +56,9 @@ def _check_writable(report_path: Path) -> None:
         os.close(fd)
         probe.unlink()
     except OSError as exc:
-        raise InputError(str(report_path), f"cannot write the report: folder {folder} is not writable ({exc.strerror})") from None
+        raise InputError(
+            str(report_path), f"cannot write the report: folder {folder} is not writable ({exc.strerror})"
+        ) from None
 
 
 @dataclass
@@ -82,23 +85,39 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     contract, contract_sha = load_verified(step_dir, pinned_sha256=cfg.contract_sha256)
     manifest = load_manifest(cfg.manifest, data_roots=cfg.data_roots)
     if contract["source_manifest_sha256"] != manifest.sha256:
-        raise InputError(str(cfg.manifest), f"manifest sha256 {manifest.sha256} is not the one the contract binds ({contract['source_manifest_sha256']})")
+        raise InputError(
+            str(cfg.manifest),
+            f"manifest sha256 {manifest.sha256} is not the one the contract binds "
+            f"({contract['source_manifest_sha256']})",
+        )
     if contract["objective"] != manifest.objective.canonical():
         raise InputError(str(cfg.manifest), "objective differs from the contract's")
     ref = manifest.heldout if cfg.split == "heldout" else manifest.train
     if ref is None:
-        raise InputError(f"{manifest.path}: heldout", "the manifest has no heldout split: its critic can train but cannot be evaluated for promotion")
+        raise InputError(
+            f"{manifest.path}: heldout",
+            "the manifest has no heldout split: its critic can train but cannot be evaluated for promotion",
+        )
     backbone = BackboneConfig.from_json(contract["backbone_config"])
     ds = validate_dataset(ref, manifest.objective, vocab_size=backbone.vocab_size, max_seq_len=backbone.max_seq_len)
     no_label = np.flatnonzero(np.isnan(ds.labels))
     if no_label.size:
         i = int(no_label[0])
-        raise InputError(ds.location(i), "row has no single scalar active label (its active returns differ); EV batches need one label per row")
-    dp = data_parallel_size(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel)
+        raise InputError(
+            ds.location(i),
+            "row has no single scalar active label (its active returns differ); EV batches need one label per row",
+        )
+    dp = data_parallel_size(
+        total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel
+    )
     check_model_split(backbone, cfg.tensor_parallel, cfg.pipeline_parallel)
     g = cfg.global_batch_size or default_batch_size(len(ds), cfg.num_batches, dp)
     if g < 2 or g % dp:
-        raise InputError("global_batch_size", f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} batches)")
+        raise InputError(
+            "global_batch_size",
+            f"{g} must be >= 2 and divisible by the data-parallel size {dp} ({len(ds)} rows, {cfg.num_batches} "
+            "batches)",
+        )
     batches = mixed_label_batches(ds.labels.tolist(), g, cfg.num_batches, cfg.seed)
     report_path = cfg.report
     # A report without its sidecar is an unfinished publication: the identical result completes it.
@@ -107,7 +126,9 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     _check_writable(report_path)
     longest = int(ds.lengths.max()) - 1
     log(f"{cfg.split} data ok: {len(ds)} rows; {len(batches)} batches of {g} rows, data-parallel size {dp}")
-    return _Prepared(step_dir, contract, contract_sha, manifest, ds, dp, g, batches, max(cfg.micro_batch_tokens, longest))
+    return _Prepared(
+        step_dir, contract, contract_sha, manifest, ds, dp, g, batches, max(cfg.micro_batch_tokens, longest)
+    )
 
 
 def _bounds(interval: dict[str, Any]) -> str:
@@ -117,24 +138,41 @@ def _bounds(interval: dict[str, Any]) -> str:
 
 def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult:
     """`prepare` (every refusal), then forward passes on the reserved workers, then publication."""
-    from value_assets.gpu.workers.cluster import start_workers
-    from value_assets.gpu.drivers.train import row_payload
     from value_assets.gpu.drivers.plots import calibration_png, ev_by_position_png, ev_per_batch_png
+    from value_assets.gpu.drivers.train import row_payload
+    from value_assets.gpu.workers.cluster import start_workers
 
     prep = prepare(cfg, log)
-    step_dir, contract, contract_sha, manifest, ds = prep.step_dir, prep.contract, prep.contract_sha256, prep.manifest, prep.dataset
-    dp, g, batches, mbt, report_path = prep.dp, prep.global_batch_size, prep.batches, prep.micro_batch_tokens, cfg.report
+    step_dir, contract, contract_sha, manifest, ds = (
+        prep.step_dir,
+        prep.contract,
+        prep.contract_sha256,
+        prep.manifest,
+        prep.dataset,
+    )
+    dp, g, batches, mbt, report_path = (
+        prep.dp,
+        prep.global_batch_size,
+        prep.batches,
+        prep.micro_batch_tokens,
+        cfg.report,
+    )
 
     # --- forward-only on the cluster -------------------------------------------------------------
     rank_reports: list[list[RankReport]] = []
-    spec = cfg.worker_spec(BackboneConfig.from_json(contract["backbone_config"]), Objective.from_json(contract["objective"]))
-    with start_workers(spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy,
-                       log=log) as cluster:
+    spec = cfg.worker_spec(
+        BackboneConfig.from_json(contract["backbone_config"]), Objective.from_json(contract["objective"])
+    )
+    with start_workers(
+        spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy, log=log
+    ) as cluster:
         # The files may have changed since `prepare` verified them: the workers use only bytes that
         # match the contract (gpu/runtime/checkpoint.py).
         loaded = cluster.call_all("load", str(step_dir), False, contract)
         if sorted(set(loaded)) != [contract["completed_steps"]]:
-            raise InputError(str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}")
+            raise InputError(
+                str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}"
+            )
         for k, batch in enumerate(batches):
             per_dp = assign_to_ranks(batch, dp)
             calls = []
@@ -144,29 +182,54 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
             out = cluster.call_each("evaluate", calls)
             # One report per data-parallel rank: its last pipeline stage has the values, and
             # tensor-parallel peers there compute the same statistics.
-            reps = [RankReport.from_json(o) for o, info in zip(out, cluster.infos) if info["tp_rank"] == 0 and info["last_stage"]]
+            reps = [
+                RankReport.from_json(o)
+                for o, info in zip(out, cluster.infos, strict=True)
+                if info["tp_rank"] == 0 and info["last_stage"]
+            ]
             rank_reports.append(reps)
             log(f"evaluated batch {k + 1}/{len(batches)}")
-    report = build_report(manifest_sha256=manifest.sha256, dataset_sha256=ds.sha256, split=cfg.split, checkpoint=str(step_dir),
-                          contract_sha256=contract_sha, dp=dp, seed=cfg.seed, global_batch_size=g, batches=batches,
-                          rank_reports=rank_reports, active_targets=[int(ds.active_targets[list(b)].sum()) for b in batches],
-                          labels=ds.labels.tolist(), gate_mode=cfg.gate_mode, gate_min_ev=cfg.gate_min_ev)
+    report = build_report(
+        manifest_sha256=manifest.sha256,
+        dataset_sha256=ds.sha256,
+        split=cfg.split,
+        checkpoint=str(step_dir),
+        contract_sha256=contract_sha,
+        dp=dp,
+        seed=cfg.seed,
+        global_batch_size=g,
+        batches=batches,
+        rank_reports=rank_reports,
+        active_targets=[int(ds.active_targets[list(b)].sum()) for b in batches],
+        labels=ds.labels.tolist(),
+        gate_mode=cfg.gate_mode,
+        gate_min_ev=cfg.gate_min_ev,
+    )
     # --- publication: plots first, then the report that names them -----------------------------------
     values = [v for reps in rank_reports for r in reps for v in r.row_values]
     labels = [float(ds.labels[i]) for reps in rank_reports for r in reps for i in r.row_indices]
     stem = report_path.name[:-5] if report_path.name.endswith(".json") else report_path.name
     plots = {}
-    for name, data in (("ev_per_batch", ev_per_batch_png(report)),
-                       ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range))),
-                       ("ev_by_position", ev_by_position_png(report))):
+    for name, data in (
+        ("ev_per_batch", ev_per_batch_png(report)),
+        ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range))),
+        ("ev_by_position", ev_by_position_png(report)),
+    ):
         path = report_path.with_name(f"{stem}-{name}.png")
         plots[name] = {"file": path.name, "sha256": publish_once(path, data)}
     report["plots"] = plots
     sha = publish_once(report_path, canonical_bytes(report))
     agg = report["aggregates"]
     iv = report["intervals"]
-    log(f"report {report_path} sha256 {sha}: token EV {agg['token']['ev']:.4f} (95% {_bounds(iv['token'])}), trajectory EV "
-        f"{agg['trajectory']['ev']:.4f} (95% {_bounds(iv['trajectory'])}), gate ({report['gate']['mode']}) "
-        f"{'PASSED' if report['passed'] else 'FAILED'}")
-    return EvalResult(report_path=str(report_path), report_sha256=sha, passed=bool(report["passed"]), report=report,
-                      plots={k: str(report_path.with_name(v["file"])) for k, v in plots.items()})
+    log(
+        f"report {report_path} sha256 {sha}: token EV {agg['token']['ev']:.4f} (95% {_bounds(iv['token'])}), "
+        f"trajectory EV {agg['trajectory']['ev']:.4f} (95% {_bounds(iv['trajectory'])}), gate "
+        f"({report['gate']['mode']}) {'PASSED' if report['passed'] else 'FAILED'}"
+    )
+    return EvalResult(
+        report_path=str(report_path),
+        report_sha256=sha,
+        passed=bool(report["passed"]),
+        report=report,
+        plots={k: str(report_path.with_name(v["file"])) for k, v in plots.items()},
+    )

@@ -38,8 +38,11 @@ class MetricsLog:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             # an undefined in-batch EV is left out, never logged as 0
-            values = [Summary.Value(tag=f"train/{key}", simple_value=float(v))
-                      for key in SCALARS if (v := metrics.get(key)) is not None]
+            values = [
+                Summary.Value(tag=f"train/{key}", simple_value=float(v))
+                for key in SCALARS
+                if (v := metrics.get(key)) is not None
+            ]
             if values:
                 self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
                 self._tb.flush()

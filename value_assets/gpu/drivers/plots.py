@@ -5,7 +5,8 @@ PNG bytes; they draw what the report states and compute no statistic of their ow
 from __future__ import annotations
 
 import io
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,13 @@ def ev_per_batch_png(report: dict[str, Any]) -> bytes:
     ax.bar(x + w / 2, traj, w, label="trajectory-weighted")
     agg = report["aggregates"]
     ax.axhline(agg["token"]["ev"], color="C0", ls="--", lw=1, label=f"aggregate token EV {agg['token']['ev']:.3f}")
-    ax.axhline(agg["trajectory"]["ev"], color="C1", ls="--", lw=1, label=f"aggregate trajectory EV {agg['trajectory']['ev']:.3f}")
+    ax.axhline(
+        agg["trajectory"]["ev"],
+        color="C1",
+        ls="--",
+        lw=1,
+        label=f"aggregate trajectory EV {agg['trajectory']['ev']:.3f}",
+    )
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("evaluation batch")
     ax.set_ylabel("explained variance")
@@ -44,7 +51,9 @@ def ev_per_batch_png(report: dict[str, Any]) -> bytes:
     return data
 
 
-def calibration_png(values: Sequence[float], labels: Sequence[float], reward_range: tuple[float, float], bins: int = 10) -> bytes:
+def calibration_png(
+    values: Sequence[float], labels: Sequence[float], reward_range: tuple[float, float], bins: int = 10
+) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,7 +107,9 @@ def ev_by_position_png(report: dict[str, Any]) -> bytes:
     ax.axhline(agg, color="C0", ls="--", lw=1, label=f"aggregate token EV {agg:.3f}")
     iv = (report.get("intervals") or {}).get("token") or {}
     if iv.get("low") is not None:
-        ax.axhspan(iv["low"], iv["high"], color="C0", alpha=0.12, label=f"95% interval [{iv['low']:.3f}, {iv['high']:.3f}]")
+        ax.axhspan(
+            iv["low"], iv["high"], color="C0", alpha=0.12, label=f"95% interval [{iv['low']:.3f}, {iv['high']:.3f}]"
+        )
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xticks(x)
     ax.set_xticklabels([f"{10 * d['decile']}-{10 * d['decile'] + 10}%\n{int(d['n'])}" for d in deciles], fontsize=7)

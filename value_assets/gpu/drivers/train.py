@@ -10,23 +10,41 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from value_assets.core.backbone import CriticShape
 from value_assets.core.checkpoint_files import describe_folder
 from value_assets.core.contract import (
-    CONTRACT_NAME, build_contract, build_receipt, check_resume, check_resume_recorded, existing_iterations,
-    find_resume_point, iter_dirname, point_latest, read_latest, saved_line, write_contract,
+    CONTRACT_NAME,
+    build_contract,
+    build_receipt,
+    check_resume,
+    check_resume_recorded,
+    existing_iterations,
+    find_resume_point,
+    iter_dirname,
+    point_latest,
+    read_latest,
+    saved_line,
+    write_contract,
 )
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
-from value_assets.core.backbone import CriticShape
 from value_assets.core.memory import Layout, auto_micro_batch_tokens
-from value_assets.core.plan import BatchPlan, assign_to_ranks, build_plan, check_plan_covers, check_topology, load_published_plan
+from value_assets.core.plan import (
+    BatchPlan,
+    assign_to_ranks,
+    build_plan,
+    check_plan_covers,
+    check_topology,
+    load_published_plan,
+)
 from value_assets.core.publish import publish_once
 from value_assets.core.strict_json import canonical_bytes
 
@@ -81,19 +99,31 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
 
     manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
     backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed, hf_config=cfg.hf_config)
-    train = validate_dataset(manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len)
+    train = validate_dataset(
+        manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len
+    )
     log(f"train data ok: {len(train)} rows, {train.stats.tokens} tokens, {train.stats.active_targets} active targets")
     if cfg.plan is not None:
         # The published plan is the input (docs/rules.md#plan-artifact): read against the lineage's
         # sha, checked against this train split, trained on exactly.
         plan = load_published_plan(cfg.plan, cfg.plan_sha256)
-        check_plan_covers(plan, len(train), where=str(cfg.plan), global_batch_size=cfg.global_batch_size,
-                          epochs=cfg.epochs, seed=cfg.seed)
+        check_plan_covers(
+            plan,
+            len(train),
+            where=str(cfg.plan),
+            global_batch_size=cfg.global_batch_size,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+        )
         log(f"published plan {cfg.plan} ({plan.sha256[:12]}): {plan.num_steps} steps")
     else:
         plan = build_plan(len(train), cfg.global_batch_size, cfg.epochs, cfg.seed)
-    dp = check_topology(total_gpus=cfg.gpus, tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
-                        global_batch_size=cfg.global_batch_size)
+    dp = check_topology(
+        total_gpus=cfg.gpus,
+        tensor_parallel=cfg.tensor_parallel,
+        pipeline_parallel=cfg.pipeline_parallel,
+        global_batch_size=cfg.global_batch_size,
+    )
     check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
     cfg.memory.check_layout(tensor_parallel=cfg.tensor_parallel)
     cfg.memory.check_layers(num_layers=backbone_cfg.num_layers, pipeline_parallel=cfg.pipeline_parallel)
@@ -103,30 +133,61 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
         micro_batch_tokens = _auto_micro_batch_tokens(cfg, backbone_cfg, manifest, train, dp, longest)
         log(f"--micro-batch-tokens auto: {micro_batch_tokens}")
     elif cfg.micro_batch_tokens < longest:
-        raise InputError("micro_batch_tokens", f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, {train.location(int(train.lengths.argmax()))})")
+        raise InputError(
+            "micro_batch_tokens",
+            f"{cfg.micro_batch_tokens} is smaller than the longest row ({longest} model tokens, "
+            f"{train.location(int(train.lengths.argmax()))})",
+        )
     critic_dir = cfg.output
     contract = resume_dir = resume_sha = None
     start = 0
     if cfg.canary:
-        if read_latest(critic_dir) is not None or any((critic_dir / iter_dirname(i) / CONTRACT_NAME).exists() for i in existing_iterations(critic_dir)):
-            raise InputError(str(critic_dir), "refusing a canary run: the output folder already holds a contracted checkpoint")
+        if read_latest(critic_dir) is not None or any(
+            (critic_dir / iter_dirname(i) / CONTRACT_NAME).exists() for i in existing_iterations(critic_dir)
+        ):
+            raise InputError(
+                str(critic_dir), "refusing a canary run: the output folder already holds a contracted checkpoint"
+            )
         if (critic_dir / RECEIPT_NAME).exists() or (critic_dir / RECEIPT_NAME).is_symlink():
-            raise InputError(str(critic_dir / RECEIPT_NAME), "refusing a canary run: a receipt is already published here")
+            raise InputError(
+                str(critic_dir / RECEIPT_NAME), "refusing a canary run: a receipt is already published here"
+            )
     elif (found := find_resume_point(critic_dir, log)) is not None:
         # Verified file by file against its contract here, before anything is reserved, and again
         # right before the workers deserialize it.
         resume_dir, contract, resume_sha = found
         check_resume_recorded(resume_sha, cfg.resume_from, where=str(resume_dir))
-        start = check_resume(contract, where=str(resume_dir), manifest_sha256=manifest.sha256, train_sha256=train.sha256,
-                             objective=manifest.objective.canonical(), plan=plan, model=identity,
-                             loaded_iterations=[contract["completed_steps"]])
+        start = check_resume(
+            contract,
+            where=str(resume_dir),
+            manifest_sha256=manifest.sha256,
+            train_sha256=train.sha256,
+            objective=manifest.objective.canonical(),
+            plan=plan,
+            model=identity,
+            loaded_iterations=[contract["completed_steps"]],
+        )
         check_resume_execution(contract, cfg, where=str(resume_dir))
         log(f"resuming after step {start} from {resume_dir}")
-    return _Prepared(manifest, train, plan, dp, backbone_cfg, source, identity, contract, resume_dir, start,
-                     micro_batch_tokens, resume_sha)
+    return _Prepared(
+        manifest,
+        train,
+        plan,
+        dp,
+        backbone_cfg,
+        source,
+        identity,
+        contract,
+        resume_dir,
+        start,
+        micro_batch_tokens,
+        resume_sha,
+    )
 
 
-def _auto_micro_batch_tokens(cfg: TrainJob, backbone_cfg, manifest: Manifest, train: Dataset, dp: int, longest: int) -> int:
+def _auto_micro_batch_tokens(
+    cfg: TrainJob, backbone_cfg, manifest: Manifest, train: Dataset, dp: int, longest: int
+) -> int:
     """`--micro-batch-tokens auto` from the memory model and this machine's free memory (the
     first GPU's; without CUDA, the host's available memory shared by the CPU workers). Runs in
     `prepare`, before anything is reserved; refuses a row that cannot fit at all."""
@@ -141,8 +202,13 @@ def _auto_micro_batch_tokens(cfg: TrainJob, backbone_cfg, manifest: Manifest, tr
     where = f"the longest row ({train.location(int(train.lengths.argmax()))})"
     return auto_micro_batch_tokens(
         CriticShape(backbone_cfg, manifest.objective.head_size),
-        Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp), cfg.memory,
-        free_bytes=int(free), longest_row=longest, longest_row_where=where, bf16=bf16)
+        Layout(tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp),
+        cfg.memory,
+        free_bytes=int(free),
+        longest_row=longest,
+        longest_row_where=where,
+        bf16=bf16,
+    )
 
 
 def _free_gpu_bytes() -> int:
@@ -153,21 +219,36 @@ def _free_gpu_bytes() -> int:
     import sys
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         return int(float(out.split()[0]) * 2**20)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
-                             capture_output=True, text=True, timeout=120, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
         return int(out.split()[-1])
 
 
 def execution_facts(cfg: TrainJob, dp: int, micro_batch_tokens: int) -> dict[str, Any]:
     """How the steps were run (recorded in the contract). None of it changes the result (up to
     summation order) except `freeze`, the parameters that did not train, which resume must match."""
-    return {"tensor_parallel": cfg.tensor_parallel, "pipeline_parallel": cfg.pipeline_parallel,
-            "data_parallel": dp, "micro_batch_tokens": micro_batch_tokens, "memory": cfg.memory.to_json(),
-            "freeze": cfg.freeze}
+    return {
+        "tensor_parallel": cfg.tensor_parallel,
+        "pipeline_parallel": cfg.pipeline_parallel,
+        "data_parallel": dp,
+        "micro_batch_tokens": micro_batch_tokens,
+        "memory": cfg.memory.to_json(),
+        "freeze": cfg.freeze,
+    }
 
 
 def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: str) -> None:
@@ -177,37 +258,59 @@ def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: st
     facts = contract.get("execution") or {}
     frozen = facts.get("freeze", "none")  # contracts before the setting froze nothing
     if frozen != cfg.freeze:
-        raise InputError("freeze", (
-            f"{where} was trained with freeze {frozen!r}; this run asks for {cfg.freeze!r}. Resuming would change which "
-            f"parameters train mid-plan: run with --freeze {frozen}, or train a new critic"))
+        raise InputError(
+            "freeze",
+            (
+                f"{where} was trained with freeze {frozen!r}; this run asks for {cfg.freeze!r}. Resuming would change "
+                f"which parameters train mid-plan: run with --freeze {frozen}, or train a new critic"
+            ),
+        )
     saved = bool((facts.get("memory") or {}).get("distributed_optimizer", False))
     if saved != cfg.memory.distributed_optimizer:
-        raise InputError("distributed_optimizer", (
-            f"{where} was saved {'with' if saved else 'without'} the distributed optimizer; resuming needs the same "
-            f"optimizer state layout: run {'with' if saved else 'without'} --distributed-optimizer (evaluation loads "
-            "the weights at any setting)"))
+        raise InputError(
+            "distributed_optimizer",
+            (
+                f"{where} was saved {'with' if saved else 'without'} the distributed optimizer; resuming needs the "
+                f"same optimizer state layout: run {'with' if saved else 'without'} --distributed-optimizer "
+                "(evaluation loads the weights at any setting)"
+            ),
+        )
     if saved:
         for key in ("tensor_parallel", "pipeline_parallel"):
             if key in facts and facts[key] != getattr(cfg, key):
-                raise InputError(key, (
-                    f"{where} holds distributed-optimizer state for {key.replace('_', ' ')} {facts[key]}, got "
-                    f"{getattr(cfg, key)}; its optimizer state re-shards over data parallel only"))
+                raise InputError(
+                    key,
+                    (
+                        f"{where} holds distributed-optimizer state for {key.replace('_', ' ')} {facts[key]}, got "
+                        f"{getattr(cfg, key)}; its optimizer state re-shards over data parallel only"
+                    ),
+                )
 
 
 def check_model_split(backbone, tp: int, pp: int) -> None:
     """The backbone must split evenly over the model-parallel layout (megatron builds equal
     pipeline stages and equal tensor-parallel shards)."""
     if backbone.num_layers % pp:
-        raise InputError("pipeline_parallel", f"{pp} stages do not split the backbone's {backbone.num_layers} layers evenly")
+        raise InputError(
+            "pipeline_parallel", f"{pp} stages do not split the backbone's {backbone.num_layers} layers evenly"
+        )
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
         if getattr(backbone, name) % tp:
-            raise InputError("tensor_parallel", f"{tp} does not divide the backbone's {name} ({getattr(backbone, name)})")
+            raise InputError(
+                "tensor_parallel", f"{tp} does not divide the backbone's {name} ({getattr(backbone, name)})"
+            )
 
 
 def row_payload(ds: Dataset, index: int) -> dict[str, Any]:
     """One dataset row as a worker receives it (numpy arrays; `row_id` = the dataset index)."""
     r = ds.row(index)
-    return {"row_id": index, "tokens": r.tokens, "response_length": r.response_length, "returns": r.returns, "loss_mask": r.loss_mask}
+    return {
+        "row_id": index,
+        "tokens": r.tokens,
+        "response_length": r.response_length,
+        "returns": r.returns,
+        "loss_mask": r.loss_mask,
+    }
 
 
 def _lr_at(cfg: TrainJob, step: int) -> float:
@@ -221,8 +324,11 @@ def _check_data_unchanged(ds: Dataset) -> None:
     (Rows are also checked one by one as they are read; this covers the bytes no step read yet.)"""
     sha = sha256_file(ds.path)
     if sha != ds.sha256:
-        raise InputError(str(ds.path), f"the train dataset changed while the run read it (sha256 now {sha}, validated {ds.sha256}); "
-                                       "stopping without publishing another contract")
+        raise InputError(
+            str(ds.path),
+            f"the train dataset changed while the run read it (sha256 now {sha}, validated {ds.sha256}); "
+            "stopping without publishing another contract",
+        )
 
 
 def _save(cluster, critic_dir: Path, step: int, backbone_cfg) -> Path:
@@ -243,8 +349,11 @@ def _save(cluster, critic_dir: Path, step: int, backbone_cfg) -> Path:
             raise
         shutil.rmtree(step_dir, ignore_errors=True)  # never published: free what it took
         last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
-        raise InputError(str(step_dir), f"no space left on device (ENOSPC) while saving the checkpoint; nothing was published "
-                                        f"(the save failed with: {last})") from None
+        raise InputError(
+            str(step_dir),
+            f"no space left on device (ENOSPC) while saving the checkpoint; nothing was published "
+            f"(the save failed with: {last})",
+        ) from None
     return step_dir
 
 
@@ -263,9 +372,11 @@ def _disk_full(exc: BaseException, folder: Path) -> bool:
         return False
 
 
-def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    from value_assets.gpu.workers.cluster import start_workers
+def train(
+    cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None
+) -> TrainResult:
     from value_assets.gpu.drivers.metrics_log import MetricsLog
+    from value_assets.gpu.workers.cluster import start_workers
 
     prep = prepare(cfg, log)
     plan, train_ds, manifest = prep.plan, prep.train, prep.manifest
@@ -273,9 +384,18 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
     last_step = 1 if cfg.canary else plan.num_steps
     if cfg.stop_after is not None:
         last_step = min(last_step, prep.start_step + cfg.stop_after)
-    result = TrainResult(critic_dir=str(critic_dir), checkpoint=None, contract_sha256=None, receipt=None,
-                         completed_steps=prep.start_step, plan_steps=plan.num_steps, plan_sha256=plan.sha256,
-                         manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256, resumed_from=prep.start_step)
+    result = TrainResult(
+        critic_dir=str(critic_dir),
+        checkpoint=None,
+        contract_sha256=None,
+        receipt=None,
+        completed_steps=prep.start_step,
+        plan_steps=plan.num_steps,
+        plan_sha256=plan.sha256,
+        manifest_sha256=manifest.sha256,
+        train_sha256=train_ds.sha256,
+        resumed_from=prep.start_step,
+    )
     if prep.resume_dir is not None and read_latest(critic_dir) != (prep.resume_dir, prep.resume_sha256):
         point_latest(critic_dir, prep.resume_dir, prep.resume_sha256)  # recovered: the verified newest save
     if prep.start_step >= last_step:
@@ -284,15 +404,24 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
         return result
     objective_json = manifest.objective.canonical()
     spec = cfg.worker_spec(prep.backbone_cfg, manifest.objective)
-    with start_workers(spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy,
-                       log=log) as cluster:
+    with start_workers(
+        spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy, log=log
+    ) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
         if prep.resume_dir is not None:
             # The files may have changed since `prepare` verified them: the workers use only bytes
             # that match the contract (gpu/runtime/checkpoint.py).
             loaded = cluster.call_all("load", str(prep.resume_dir), True, prep.resume_contract)
-            check_resume(prep.resume_contract, where=str(prep.resume_dir), manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
-                         objective=objective_json, plan=plan, model=prep.backbone_identity, loaded_iterations=loaded)
+            check_resume(
+                prep.resume_contract,
+                where=str(prep.resume_dir),
+                manifest_sha256=manifest.sha256,
+                train_sha256=train_ds.sha256,
+                objective=objective_json,
+                plan=plan,
+                model=prep.backbone_identity,
+                loaded_iterations=loaded,
+            )
         else:
             cluster.call_all("bootstrap", prep.backbone_source)
         critic_dir.mkdir(parents=True, exist_ok=True)
@@ -303,14 +432,19 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                 per_dp = assign_to_ranks(batch, prep.dp)
                 payload = {d: [row_payload(train_ds, i) for i in rows] for d, rows in enumerate(per_dp)}
                 lr = _lr_at(cfg, step)
-                metrics = cluster.call_each("train_step", [((payload[d], plan.global_batch_size, prep.micro_batch_tokens, lr), {}) for d in dp_of_rank])[0]
+                metrics = cluster.call_each(
+                    "train_step",
+                    [((payload[d], plan.global_batch_size, prep.micro_batch_tokens, lr), {}) for d in dp_of_rank],
+                )[0]
                 metrics["step"] = step
                 result.losses.append(float(metrics["loss"]))
                 result.metrics.append(metrics)
                 metrics_log.write(step, metrics)
-                log(f"step {step}/{plan.num_steps} loss {metrics['loss']:.4f} acc {_fmt(metrics.get('value_accuracy'))} "
-                    f"ev {_fmt(metrics.get('explained_variance'))} grad {_fmt(metrics.get('grad_norm'))} "
-                    f"lr {lr:.2e} tok/s {_fmt(metrics.get('tokens_per_s'), '.0f')}")
+                log(
+                    f"step {step}/{plan.num_steps} loss {metrics['loss']:.4f} acc "
+                    f"{_fmt(metrics.get('value_accuracy'))} ev {_fmt(metrics.get('explained_variance'))} grad "
+                    f"{_fmt(metrics.get('grad_norm'))} lr {lr:.2e} tok/s {_fmt(metrics.get('tokens_per_s'), '.0f')}"
+                )
                 if on_step:
                     on_step(step, metrics)
                 due = cfg.save_interval and step % cfg.save_interval == 0
@@ -320,24 +454,39 @@ def train(cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[
                     result.checkpoint = str(step_dir)
                     result.completed_steps = step
                     if cfg.canary:
-                        receipt = build_receipt(manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256, plan=plan,
-                                                first_batch_sample_ids=[train_ds.row(i).sample_id for i in plan.batch(1)])
+                        receipt = build_receipt(
+                            manifest_sha256=manifest.sha256,
+                            train_sha256=train_ds.sha256,
+                            plan=plan,
+                            first_batch_sample_ids=[train_ds.row(i).sample_id for i in plan.batch(1)],
+                        )
                         path = critic_dir / RECEIPT_NAME
                         publish_once(path, canonical_bytes(receipt))
                         result.receipt = str(path)
                         log(f"canary: saved {step_dir}, receipt {path} (not promotable)")
                     else:
-                        contract = build_contract(manifest_sha256=manifest.sha256, train_sha256=train_ds.sha256,
-                                                  objective=objective_json, plan=plan, completed_steps=step,
-                                                  model=prep.backbone_identity, backbone_config=prep.backbone_cfg.to_json(),
-                                                  checkpoint=step_dir.name, checkpoint_files=describe_folder(step_dir),
-                                                  execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens))
+                        contract = build_contract(
+                            manifest_sha256=manifest.sha256,
+                            train_sha256=train_ds.sha256,
+                            objective=objective_json,
+                            plan=plan,
+                            completed_steps=step,
+                            model=prep.backbone_identity,
+                            backbone_config=prep.backbone_cfg.to_json(),
+                            checkpoint=step_dir.name,
+                            checkpoint_files=describe_folder(step_dir),
+                            execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens),
+                        )
                         try:
                             result.contract_sha256 = write_contract(critic_dir, contract)
                         except OSError as exc:
                             if not _disk_full(exc, step_dir):
                                 raise
-                            raise InputError(str(step_dir), f"no space left on device (ENOSPC) while publishing the contract; nothing was published ({exc})") from None
+                            raise InputError(
+                                str(step_dir),
+                                "no space left on device (ENOSPC) while publishing the contract; nothing was "
+                                f"published ({exc})",
+                            ) from None
                         log(saved_line(step_dir, result.contract_sha256))
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
             # fingerprint that resume tests compare.

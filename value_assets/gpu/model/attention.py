@@ -18,8 +18,8 @@ no compute on other sequences or padding), except for sequences of at least `LON
 tokens, which get one SDPA call each on cuDNN's attention (measured on an H200, 1.5B critic heads,
 forward + backward: 1.5x varlen at 8k tokens, 1.75x at 16k-32k, equal at 4k (the threshold), slower below;
 `bench/attention_kernels.py`); where cuDNN does not take the call, varlen runs it. Everywhere
-else (CPU, fp32) one causal SDPA call per packed sequence: exact, no cross-sequence compute, deterministic on CPU; the Python loop costs
-one kernel launch per sequence, which is negligible at critic batch sizes on CPU.
+else (CPU, fp32) one causal SDPA call per packed sequence: exact, no cross-sequence compute, deterministic on CPU;
+the Python loop costs one kernel launch per sequence, which is negligible at critic batch sizes on CPU.
 Output is [s, b, np*hn] (unpacked) or [t, np*hn] (packed). Dropout is not supported (a critic
 is pretrained with attention dropout 0); GQA is handled without materialising repeated K/V where
 the kernel allows.
@@ -30,19 +30,22 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from value_assets.gpu.model.rope import apply_rope
 
 # Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
 LONG_SEQUENCE = 4096
+
 
 @functools.cache
 def _varlen_kernel() -> tuple[Any, frozenset[str]]:
@@ -57,8 +60,14 @@ def _varlen_kernel() -> tuple[Any, frozenset[str]]:
 
 
 def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-    *, bounds: Optional[Sequence[int]] = None, max_seqlen: Optional[int] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    bounds: Sequence[int] | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence, none across.
 
@@ -72,14 +81,10 @@ def packed_causal_attention(
     if bounds[0] != 0 or bounds[-1] != q.shape[0]:
         raise ValueError(f"cu_seqlens must run from 0 to {q.shape[0]}, got {list(bounds)}")
     nq, nkv = q.shape[1], k.shape[1]
-    if (
-        q.is_cuda
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and _varlen_kernel()[0] is not None
-    ):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_kernel()[0] is not None:
         bounds = [int(b) for b in bounds]
         if max_seqlen is None:
-            max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+            max_seqlen = max(b - a for a, b in pairwise(bounds))
         if max_seqlen < LONG_SEQUENCE:
             return _varlen(q, k, v, cu_seqlens, max_seqlen, scale)
         outs = []
@@ -91,14 +96,12 @@ def packed_causal_attention(
                 outs.append(_long_sequence(q[a:b], k[a:b], v[a:b], scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         # SDPA wants [batch, heads, seq, dim]
         qs = q[a:b].transpose(0, 1).unsqueeze(0)
         ks = k[a:b].transpose(0, 1).unsqueeze(0)
         vs = v[a:b].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=nq != nkv
-        )
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=nq != nkv)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
 
@@ -109,7 +112,7 @@ def kernel_spans(bounds: Sequence[int], long: int) -> list[tuple[str, list[int]]
     ("long", [a, b]) for each sequence of at least `long` tokens."""
     spans: list[tuple[str, list[int]]] = []
     run = [bounds[0]]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         if b - a < long:
             run.append(b)
             continue
@@ -144,7 +147,7 @@ def _varlen_span(q, k, v, run: Sequence[int], scale: float) -> torch.Tensor:
     """varlen over the consecutive sequences whose host bounds are `run` (absolute offsets)."""
     a, b = run[0], run[-1]
     cu = torch.tensor([x - a for x in run], dtype=torch.int32).to(q.device, non_blocking=True)
-    return _varlen(q[a:b], k[a:b], v[a:b], cu, max(y - x for x, y in zip(run[:-1], run[1:])), scale)
+    return _varlen(q[a:b], k[a:b], v[a:b], cu, max(y - x for x, y in pairwise(run)), scale)
 
 
 def _long_sequence(q, k, v, scale: float) -> torch.Tensor:
@@ -152,7 +155,9 @@ def _long_sequence(q, k, v, scale: float) -> torch.Tensor:
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
     except RuntimeError:  # no cuDNN kernel for this case (GPU, head size, dtype)
         cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         return _varlen(q, k, v, cu, q.shape[0], scale)
@@ -168,9 +173,9 @@ class PackedCoreAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection: Any = None,
     ):
         super().__init__(config=config)
@@ -194,9 +199,9 @@ class PackedCoreAttention(MegatronModule):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
@@ -211,15 +216,15 @@ class PackedCoreAttention(MegatronModule):
                 raise ValueError(
                     "PackedCoreAttention needs the CriticPackedSeqParams of "
                     "value_assets.gpu.model.critic.packed_seq_params(..., position_ids=, model=) "
-                    "(host cu_seqlens and per-token RoPE; megatron's packed RoPE is off)")
+                    "(host cu_seqlens and per-token RoPE; megatron's packed RoPE is off)"
+                )
             if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
                 raise ValueError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv")
             if self.rope:
                 cos, sin = p.rope_for(query.dtype)
                 query = apply_rope(query, cos, sin)
                 key = apply_rope(key, cos, sin)
-            out = packed_causal_attention(query, key, value, cu_q, self.scale, bounds=bounds,
-                                          max_seqlen=p.max_seqlen_q)
+            out = packed_causal_attention(query, key, value, cu_q, self.scale, bounds=bounds, max_seqlen=p.max_seqlen_q)
             return out.reshape(out.shape[0], -1)
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)

@@ -14,18 +14,17 @@ Architecture only; parallel setup lives in `parallel.py`, training in `train.py`
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from value_assets.core.backbone import FAMILIES, BackboneConfig  # noqa: F401  (re-exported)
 from value_assets.core.memory import MemoryConfig
 from value_assets.core.objective import Objective
-
 from value_assets.gpu.model.attention import PackedCoreAttention
 from value_assets.gpu.model.rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
-
-from value_assets.core.backbone import FAMILIES, BackboneConfig  # noqa: F401  (re-exported)
 
 
 def recompute_settings(memory: MemoryConfig) -> dict[str, Any]:
@@ -40,14 +39,19 @@ def recompute_settings(memory: MemoryConfig) -> dict[str, Any]:
     if recompute == "selective":
         return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     if recompute == "full" and memory.recompute_layers is not None:
-        return {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": memory.recompute_layers}
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "block",
+            "recompute_num_layers": memory.recompute_layers,
+        }
     if recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
 
-def transformer_config(backbone: BackboneConfig, *, tp: int = 1, pp: int = 1,
-                       bf16: Optional[bool] = None, memory: Optional[MemoryConfig] = None) -> Any:
+def transformer_config(
+    backbone: BackboneConfig, *, tp: int = 1, pp: int = 1, bf16: bool | None = None, memory: MemoryConfig | None = None
+) -> Any:
     """megatron `TransformerConfig` for the backbone. bf16 defaults to "CUDA available";
     `memory` (default: none of the features) sets recompute and sequence parallelism."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -120,8 +124,9 @@ class ValueHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(head_size, hidden_size, generator=gen) * 0.02)
         self.bias = torch.nn.Parameter(torch.zeros(head_size))
 
-    def forward(self, hidden_states: torch.Tensor, weight: Any = None,
-                runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -142,9 +147,16 @@ class SequenceParallelRMSNorm:
         return norm
 
 
-def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1, pp: int = 1,
-                 bf16: Optional[bool] = None, head_seed: int = 0,
-                 memory: Optional[MemoryConfig] = None) -> torch.nn.Module:
+def build_critic(
+    backbone: BackboneConfig,
+    objective: Objective,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    bf16: bool | None = None,
+    head_seed: int = 0,
+    memory: MemoryConfig | None = None,
+) -> torch.nn.Module:
     """Build this rank's critic module (megatron parallel state must be initialised).
 
     Returns a `GPTModel` whose `output_layer` is a `ValueHead` on the last pipeline stage.
@@ -164,8 +176,9 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
 
         spec.submodules.input_layernorm = SequenceParallelRMSNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg),
-                                          layer_norm=SequenceParallelRMSNorm)
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=SequenceParallelRMSNorm
+        )
     pre = ps.is_pipeline_first_stage()
     post = ps.is_pipeline_last_stage()
     model = GPTModel(
@@ -180,15 +193,15 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
         position_embedding_type="rope",
         rope_scaling=backbone.rope_scaling,
         rope_scaling_factor=float(backbone.rope_scaling_factor or 8.0),
-        rotary_base=int(backbone.rotary_base) if float(backbone.rotary_base).is_integer()
-        else backbone.rotary_base,
+        rotary_base=int(backbone.rotary_base) if float(backbone.rotary_base).is_integer() else backbone.rotary_base,
     )
     # Packed forwards: megatron's per-sequence RoPE off, ours (PackedCoreAttention) on.
     install(model)
     if post:
         # The vocab projection is dropped before it ever reaches a device or an optimizer.
-        model.output_layer = ValueHead(backbone.hidden_size, objective.head_size, seed=head_seed,
-                                       sequence_parallel=cfg.sequence_parallel)
+        model.output_layer = ValueHead(
+            backbone.hidden_size, objective.head_size, seed=head_seed, sequence_parallel=cfg.sequence_parallel
+        )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if cfg.bf16:
@@ -199,9 +212,14 @@ def build_critic(backbone: BackboneConfig, objective: Objective, *, tp: int = 1,
     return model
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                      position_ids: Optional[torch.Tensor] = None, model: Any = None,
-                      cu_seqlens_host: Optional[torch.Tensor] = None) -> Any:
+def packed_seq_params(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    position_ids: torch.Tensor | None = None,
+    model: Any = None,
+    cu_seqlens_host: torch.Tensor | None = None,
+) -> Any:
     """`PackedSeqParams` (qkv_format 'thd') for one packed micro-batch of the critic.
 
     With `model` and `position_ids` [t] (restarting at 0 per sequence), also the per-token RoPE
@@ -211,9 +229,9 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, *,
     """
     host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens
     bounds = tuple(int(b) for b in host.tolist())  # host tensor: no device sync
-    if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+    if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in pairwise(bounds)):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0, got {list(bounds)}")
-    if max_seqlen < max(b - a for a, b in zip(bounds, bounds[1:])):
+    if max_seqlen < max(b - a for a, b in pairwise(bounds)):
         raise ValueError(f"max_seqlen {max_seqlen} below the longest sequence in {list(bounds)}")
     cos = sin = None
     if model is not None:
@@ -223,18 +241,31 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, *,
         if pos.numel() != bounds[-1]:
             raise ValueError(f"{pos.numel()} position_ids for {bounds[-1]} packed tokens")
         if not pos.is_cuda:  # cheap on the host: positions must restart at 0 per sequence
-            want = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+            want = torch.cat([torch.arange(b - a) for a, b in pairwise(bounds)])
             if not torch.equal(pos.cpu().long(), want):
                 raise ValueError("position_ids must restart at 0 for every packed sequence")
         cos, sin = packed_cos_sin(find_rotary(model), pos, max_seqlen)
-    return CriticPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                                 bounds=bounds, rope_cos=cos, rope_sin=sin)
+    return CriticPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        bounds=bounds,
+        rope_cos=cos,
+        rope_sin=sin,
+    )
 
 
-def critic_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
-                   cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                   cu_seqlens_host: Optional[torch.Tensor] = None) -> torch.Tensor:
+def critic_forward(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    cu_seqlens_host: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Run one packed micro-batch.
 
     tokens int64 [t], position_ids int64 [t] (restart at 0 per sequence), cu_seqlens int32 [n+1]
@@ -255,12 +286,15 @@ def critic_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     if pad:
         host = cu_seqlens_host if cu_seqlens_host is not None else cu_seqlens.cpu()
         tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-        position_ids = torch.cat([position_ids, torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)])
+        position_ids = torch.cat(
+            [position_ids, torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)]
+        )
         cu_seqlens_host = torch.cat([host, host.new_tensor([t + pad])])
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([t + pad])])
         max_seqlen = max(max_seqlen, pad)
-    params = packed_seq_params(cu_seqlens, max_seqlen, position_ids=position_ids, model=model,
-                               cu_seqlens_host=cu_seqlens_host)
+    params = packed_seq_params(
+        cu_seqlens, max_seqlen, position_ids=position_ids, model=model, cu_seqlens_host=cu_seqlens_host
+    )
     out = model(tokens.unsqueeze(0), position_ids.unsqueeze(0), None, packed_seq_params=params)
     if _unwrap(model).post_process:  # GPTModel returns [b=1, t, K] on the last stage
         return out[0, :t] if pad else out[0]
@@ -275,16 +309,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 # -- pipeline stages: local parameter names <-> the whole model's ------------------------------------
 
+
 def _layer_map(module: torch.nn.Module) -> dict[int, int]:
     """{local layer index: global layer index} of this stage's decoder layers."""
     return {i: layer.layer_number - 1 for i, layer in enumerate(_unwrap(module).decoder.layers)}
 
 
-def global_name(module: torch.nn.Module, name: str, layer_map: Optional[dict[int, int]] = None) -> str:
+def global_name(module: torch.nn.Module, name: str, layer_map: dict[int, int] | None = None) -> str:
     """The whole model's name of this stage's parameter `name` (decoder layers renumbered)."""
     if not name.startswith("decoder.layers."):
         return name
-    local, rest = name[len("decoder.layers."):].split(".", 1)
+    local, rest = name[len("decoder.layers.") :].split(".", 1)
     lm = layer_map if layer_map is not None else _layer_map(module)
     return f"decoder.layers.{lm[int(local)]}.{rest}"
 

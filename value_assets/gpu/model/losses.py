@@ -13,7 +13,6 @@ ranks; `finalize_metrics` divides once at the end. EV is None where undefined, n
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +92,8 @@ def loss_and_stats(
     objective: Objective,
     global_num_rows: int,
     per_token: bool = False,
-    global_num_active: Optional[int] = None,
-    host_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    global_num_active: int | None = None,
+    host_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss of one packed micro-batch, scaled so that summing over micro-batches and ranks gives
     the global-batch loss, plus its float64 statistics vector (order `STAT_KEYS`).
@@ -129,26 +128,33 @@ def loss_and_stats(
         if objective.loss_type == "classification":
             logp = F.log_softmax(head_out.float(), dim=-1)
             ent = -(logp.exp() * logp).sum(-1).to(torch.float64)
-            correct = (head_out.argmax(-1) == target_distribution(returns, objective).argmax(-1))
+            correct = head_out.argmax(-1) == target_distribution(returns, objective).argmax(-1)
             correct = correct.to(torch.float64)
         else:
             ent = torch.zeros_like(m)
             correct = torch.zeros_like(m)
-        stats = torch.stack([
-            loss.detach().to(torch.float64),
-            m.new_full((), float(cu_seqlens.numel() - 1)),  # a fill, not a host->device copy
-            m.sum(), (correct * m).sum(), (ent * m).sum(),
-            (r * m).sum(), (r * r * m).sum(), (e * m).sum(), (e * e * m).sum(),
-        ])
+        stats = torch.stack(
+            [
+                loss.detach().to(torch.float64),
+                m.new_full((), float(cu_seqlens.numel() - 1)),  # a fill, not a host->device copy
+                m.sum(),
+                (correct * m).sum(),
+                (ent * m).sum(),
+                (r * m).sum(),
+                (r * r * m).sum(),
+                (e * m).sum(),
+                (e * e * m).sum(),
+            ]
+        )
     return loss, stats
 
 
-def finalize_metrics(stats: torch.Tensor, objective: Objective) -> dict[str, Optional[float]]:
+def finalize_metrics(stats: torch.Tensor, objective: Objective) -> dict[str, float | None]:
     """Summed statistics -> metrics. accuracy/entropy are None for mse; the in-batch EV
     (token-weighted) is core's definition (`SuffStats.ev_or_none`): None where it is undefined."""
-    s = dict(zip(STAT_KEYS, stats.detach().cpu().to(torch.float64).tolist()))
+    s = dict(zip(STAT_KEYS, stats.detach().cpu().to(torch.float64).tolist(), strict=True))
     n = s["active"]
-    out: dict[str, Optional[float]] = {"loss": s["loss"], "rows": s["rows"], "active_targets": n}
+    out: dict[str, float | None] = {"loss": s["loss"], "rows": s["rows"], "active_targets": n}
     cls = objective.loss_type == "classification"
     out["value_accuracy"] = s["correct"] / n if (cls and n > 0) else None
     out["entropy"] = s["entropy"] / n if (cls and n > 0) else None

@@ -10,8 +10,8 @@ micro-batch of its own. No padding is added.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ class Row:
     tokens: np.ndarray  # int64 [L]
     response_length: int
     returns: np.ndarray  # float [r]
-    loss_mask: Optional[np.ndarray] = None  # int [r]; None means all ones
+    loss_mask: np.ndarray | None = None  # int [r]; None means all ones
 
     def __post_init__(self) -> None:
         L, r = len(self.tokens), self.response_length
@@ -63,7 +63,7 @@ class MicroBatch:
     def num_rows(self) -> int:
         return int(self.row_ids.numel())
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
+    def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         # Everything moves; callers keep the host MicroBatch and hand its cu_seqlens to
         # `critic_forward(..., cu_seqlens_host=)` so that no layer reads it back from the device.
@@ -128,5 +128,5 @@ def response_slices(mb: MicroBatch) -> list[tuple[int, slice]]:
     """(row_id, packed slice of the r prediction positions of that row's response tokens)."""
     return [
         (int(rid), slice(int(s), int(s) + int(r)))
-        for rid, s, r in zip(mb.row_ids.tolist(), mb.response_start.tolist(), mb.response_lengths.tolist())
+        for rid, s, r in zip(mb.row_ids.tolist(), mb.response_start.tolist(), mb.response_lengths.tolist(), strict=True)
     ]

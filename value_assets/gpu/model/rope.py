@@ -29,7 +29,7 @@ same `inv_freq` and positions, then cast to the activation dtype (mscale 1 for p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -42,8 +42,7 @@ class PackedRotaryEmbedding(RotaryEmbedding):
     """`RotaryEmbedding` that returns None for packed forwards (RoPE then happens in
     `PackedCoreAttention`), plus a cached float32 cos / signed-sin table for that."""
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group: Any = None):
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None):
         if packed_seq:
             return None
         return super().forward(max_seq_len, offset, packed_seq, cp_group)
@@ -91,8 +90,9 @@ def find_rotary(model: torch.nn.Module) -> PackedRotaryEmbedding:
     raise TypeError("model has no PackedRotaryEmbedding: build it with gpu.model.build_critic")
 
 
-def packed_cos_sin(rope: PackedRotaryEmbedding, position_ids: torch.Tensor,
-                   max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_cos_sin(
+    rope: PackedRotaryEmbedding, position_ids: torch.Tensor, max_seqlen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token float32 (cos, signed sin) [t, 1, d] for position_ids [t] (all < max_seqlen)."""
     cos, sin = rope.cos_sin_table(max_seqlen)
     pos = position_ids.reshape(-1)
@@ -121,9 +121,9 @@ class CriticPackedSeqParams(PackedSeqParams):
     device->host sync: `bounds` (host copy of cu_seqlens) and per-token float32 `rope_cos` /
     `rope_sin` [t, 1, d] (sin with rotate-half's sign folded in), cast per dtype once."""
 
-    bounds: Optional[tuple] = None
-    rope_cos: Optional[torch.Tensor] = None
-    rope_sin: Optional[torch.Tensor] = None
+    bounds: tuple | None = None
+    rope_cos: torch.Tensor | None = None
+    rope_sin: torch.Tensor | None = None
     _cast: dict = field(default_factory=dict, repr=False, compare=False)
 
     def rope_for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,10 @@ import dataclasses
 import hashlib
 import io
 import os
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -61,7 +62,9 @@ def _changed(path: Path, what: str) -> InputError:
     return InputError(str(path), f"{what}; the file changed after the checkpoint was verified, nothing of it was used")
 
 
-def read_checked(path: Path, pin: tuple[int, str] | None, spans: list[tuple[int, int]] | None = None) -> dict[tuple[int, int], bytes]:
+def read_checked(
+    path: Path, pin: tuple[int, str] | None, spans: list[tuple[int, int]] | None = None
+) -> dict[tuple[int, int], bytes]:
     """Read `path` whole, once, hashing it, and keep the (offset, length) `spans` (all of it, as
     span (0, -1), when None). With a `pin` (size, sha256) the kept bytes are returned only when
     what was read matches it; without one (a backbone the user names, not a contracted save) as read."""
@@ -84,7 +87,7 @@ def read_checked(path: Path, pin: tuple[int, str] | None, spans: list[tuple[int,
                     off, length = wanted[j]
                     lo, hi = max(off, pos), min(off + length, end)
                     if lo < hi:
-                        parts[wanted[j]].append(chunk[lo - pos:hi - pos])
+                        parts[wanted[j]].append(chunk[lo - pos : hi - pos])
                     j += 1
             pos = end
     if pin is not None:
@@ -227,14 +230,19 @@ def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -
 
     pins = None if contract is None else bound_files(contract, str(Path(path) / CONTRACT_NAME))
     if not hasattr(mcore_torch, "_get_filesystem_reader") or not hasattr(FileSystemReader, "_slice_file"):
-        raise RuntimeError("this megatron-core / torch reads torch_dist checkpoints through other functions than the "
-                           "checked reader replaces (strategies.torch._get_filesystem_reader, FileSystemReader._slice_file)")
+        raise RuntimeError(
+            "this megatron-core / torch reads torch_dist checkpoints through other functions than the "
+            "checked reader replaces (strategies.torch._get_filesystem_reader, FileSystemReader._slice_file)"
+        )
 
     def reader(checkpoint_dir: str | os.PathLike, *_args: Any, **_kwargs: Any) -> _CheckedReader:
         return _CheckedReader(checkpoint_dir, pins)
 
-    replaced = [(module, "_get_filesystem_reader", reader) for module in (mcore_torch, serialization)
-                if hasattr(module, "_get_filesystem_reader")]
+    replaced = [
+        (module, "_get_filesystem_reader", reader)
+        for module in (mcore_torch, serialization)
+        if hasattr(module, "_get_filesystem_reader")
+    ]
     if hasattr(serialization, "load_common"):  # 0.19: a legacy common.pt
         replaced.append((serialization, "load_common", lambda checkpoint_dir: _load_common(checkpoint_dir, pins)))
     kwargs: dict[str, Any] = {"sharded_strategy": mcore_torch.TorchDistLoadShardedStrategy()}
@@ -279,7 +287,9 @@ def _common_strategy(pins: Mapping[str, tuple[int, str]] | None) -> Any:
             return _load_common(checkpoint_dir, pins)
 
         def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path) -> Any:
-            raise InputError(str(checkpoint_dir), "this checkpoint stores objects as separate pickles; they are not read")
+            raise InputError(
+                str(checkpoint_dir), "this checkpoint stores objects as separate pickles; they are not read"
+            )
 
     return _CheckedCommon()
 
@@ -314,8 +324,7 @@ def _state(model: torch.nn.Module, optimizer: Any, iteration: int) -> dict[str, 
     return state
 
 
-def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
-                iteration: int = 0) -> None:
+def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None, iteration: int = 0) -> None:
     """Save model (and optimizer) to `path`, an existing empty folder. Collective."""
     from megatron.core import dist_checkpointing
 
@@ -330,8 +339,13 @@ def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
     torch.distributed.barrier()
 
 
-def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
-                strict: bool = True, contract: Mapping[str, Any] | None = None) -> int:
+def load_critic(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    strict: bool = True,
+    contract: Mapping[str, Any] | None = None,
+) -> int:
     """Load model (and optimizer when given) from `path` into the already-built modules, for any
     TP size. Returns the stored iteration. Collective. With the save's `contract`, every byte used
     is checked against it (see the module docstring)."""
@@ -345,8 +359,9 @@ def load_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIMIZER_METADATA)
     with checked_reads(path, contract) as strategies:
-        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED,
-                                         **strategies)
+        loaded = dist_checkpointing.load(
+            state, str(path), strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED, **strategies
+        )
     m.load_state_dict(loaded["model"], strict=strict)
     if optimizer is not None:
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
@@ -375,7 +390,9 @@ def _own_adam_steps(optimizer: Any) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, contract: Mapping[str, Any] | None = None) -> int:
+def load_model_weights(
+    path: str | os.PathLike, model: torch.nn.Module, contract: Mapping[str, Any] | None = None
+) -> int:
     """Load only the model's tensors (forward-only use, export); every one must be in the
     checkpoint, its optimizer state is left unread. Returns the stored iteration. Collective.
     `contract` as for `load_critic`."""

@@ -86,6 +86,7 @@ class _TorchProxy(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         attr = getattr(torch, name)
         if name in self._FACTORIES:
+
             def factory(*args: Any, **kwargs: Any) -> Any:
                 if "device" in kwargs:
                     kwargs["device"] = _cpu_device(kwargs["device"])
@@ -198,8 +199,10 @@ def check_megatron_version(version: str) -> None:
         major_minor = ()
     if major_minor not in SUPPORTED_MEGATRON:
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_MEGATRON)
-        raise RuntimeError(f"megatron-core {version}: the CPU compatibility layer patches megatron internals and "
-                           f"supports {supported} only; pin one of these for CPU runs (CUDA runs are unaffected)")
+        raise RuntimeError(
+            f"megatron-core {version}: the CPU compatibility layer patches megatron internals and "
+            f"supports {supported} only; pin one of these for CPU runs (CUDA runs are unaffected)"
+        )
 
 
 def _forked_results_queue(fs_async: types.ModuleType):
@@ -235,8 +238,8 @@ def apply_cpu_compat() -> bool:
     torch.cuda.default_stream = lambda *a, **k: _stream  # type: ignore[assignment]
 
     import megatron.core.distributed.param_and_grad_buffer as pgb
-    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tp_random

@@ -12,13 +12,15 @@ Apex's or Transformer Engine's kernel is in use, nothing changes.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 
-def foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Sequence[Sequence[torch.Tensor]],
-                    per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:
+def foreach_l2_norm(
+    chunk_size: int, noop_flag: Any, tensor_lists: Sequence[Sequence[torch.Tensor]], per_tensor: bool, *args: Any
+) -> tuple[torch.Tensor, None]:
     """Drop-in for `amp_C.multi_tensor_l2norm` as megatron calls it (`per_tensor=False`):
     the L2 norm over all tensors of `tensor_lists[0]` as a float32 tensor [1] on their device."""
     if per_tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
 
 import torch
 
@@ -27,11 +26,11 @@ def init_distributed(
     master_port: int = 29500,
     tp: int = 1,
     pp: int = 1,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     seed: int = 1234,
     timeout_s: float = 600.0,
-    local_rank: Optional[int] = None,
-    store: Optional["torch.distributed.TCPStore"] = None,
+    local_rank: int | None = None,
+    store: torch.distributed.TCPStore | None = None,
 ) -> None:
     """Join the process group and build megatron's parallel state (dp = world / (tp * pp)).
 
@@ -55,15 +54,16 @@ def init_distributed(
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
-            store = torch.distributed.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
-                                               wait_for_workers=False)
+            store = torch.distributed.TCPStore(
+                master_addr, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=False
+            )
         # Assigned, not defaulted: a pooled worker joins a new rendezvous for every job.
         os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(store.port)
-        torch.distributed.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-    )
+        torch.distributed.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     seed_model_parallel(seed)
 
 
@@ -78,13 +78,14 @@ def destroy() -> None:
             torch.distributed.destroy_process_group()
 
 
-def open_rendezvous(host: str, timeout_s: float) -> "torch.distributed.TCPStore":
+def open_rendezvous(host: str, timeout_s: float) -> torch.distributed.TCPStore:
     """Rank 0's rendezvous store, listening from now on a port the system picks (`.port`), for
     `init_distributed(store=...)`. Bound before its port is told to anyone, so no other process
     can take the port in between (as it could with `free_port`, whose port is free only until
     it is closed: seen as EADDRINUSE under load)."""
-    return torch.distributed.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                      wait_for_workers=False)
+    return torch.distributed.TCPStore(
+        host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

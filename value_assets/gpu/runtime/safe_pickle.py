@@ -31,8 +31,25 @@ from typing import Any
 
 from value_assets.core.errors import InputError
 
-_SAFE_BUILTINS = frozenset({"list", "dict", "set", "frozenset", "tuple", "int", "float", "complex", "str",
-                            "bytes", "bytearray", "bool", "slice", "range", "object"})
+_SAFE_BUILTINS = frozenset(
+    {
+        "list",
+        "dict",
+        "set",
+        "frozenset",
+        "tuple",
+        "int",
+        "float",
+        "complex",
+        "str",
+        "bytes",
+        "bytearray",
+        "bool",
+        "slice",
+        "range",
+        "object",
+    }
+)
 
 
 class Opaque:
@@ -91,16 +108,21 @@ class _Unpickler(pickle.Unpickler):
             obj = _torch_global(name)
             if obj is not None:
                 return obj
-        if self.allow_dcp and module in ("torch.distributed.checkpoint.metadata",
-                                         "torch.distributed.checkpoint.filesystem",
-                                         "torch.distributed.checkpoint.planner"):
+        if self.allow_dcp and module in (
+            "torch.distributed.checkpoint.metadata",
+            "torch.distributed.checkpoint.filesystem",
+            "torch.distributed.checkpoint.planner",
+        ):
             obj = super().find_class(module, name)
             if isinstance(obj, type):  # dataclasses and enums of torch's own checkpoint index
                 return obj
         if self.opaque:
             return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
-        raise InputError(self.where, f"refusing to unpickle {module}.{name}: only torch.distributed.checkpoint "
-                         "metadata classes, torch sizes/dtypes and plain builtins are allowed in a checkpoint index")
+        raise InputError(
+            self.where,
+            f"refusing to unpickle {module}.{name}: only torch.distributed.checkpoint "
+            "metadata classes, torch sizes/dtypes and plain builtins are allowed in a checkpoint index",
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         if not self.opaque:
@@ -124,7 +146,7 @@ def load_common(path: Path) -> Any:
         return _Unpickler(io.BytesIO(data), where, opaque=True, allow_dcp=False).load()
     except InputError:
         raise
-    except Exception as exc:  # a malformed pickle: name it, never run it
+    except Exception as exc:  # noqa: BLE001 - a malformed pickle: name it, never run it
         raise InputError(where, f"cannot be read: {type(exc).__name__}: {exc}") from None
 
 
@@ -144,5 +166,5 @@ def loads_dcp_metadata(data: bytes, where: str) -> Any:
         return _Unpickler(io.BytesIO(data), where, opaque=False, allow_dcp=True).load()
     except InputError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a malformed index: name it, never run it
         raise InputError(where, f"cannot be read: {type(exc).__name__}: {exc}") from None

@@ -1,8 +1,8 @@
 """One optimizer step per planned batch, and forward-only evaluation, for one rank.
 
 `wrap_for_training` puts the critic in megatron DDP and builds megatron's Adam (fp32 grads;
-optionally megatron's distributed optimizer); `optimizer_step` runs megatron's forward-backward schedule over this rank's
-packed micro-batches and steps (1F1B across pipeline stages); `evaluate_rows` returns per-row
+optionally megatron's distributed optimizer); `optimizer_step` runs megatron's forward-backward schedule
+over this rank's packed micro-batches and steps (1F1B across pipeline stages); `evaluate_rows` returns per-row
 predicted values aligned with the returns (on the last pipeline stage).
 
 Scaling (why the config sets `calculate_per_token_loss=True`): each micro-batch's loss is already
@@ -15,16 +15,16 @@ gives exactly both. Gradient finalisation is megatron's `finalize_model_grads` w
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from value_assets.core.objective import Objective
-
-from value_assets.gpu.model.losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
 from value_assets.gpu.model.critic import critic_forward
+from value_assets.gpu.model.losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
 from value_assets.gpu.model.packing import MicroBatch, response_slices
 
 
@@ -67,16 +67,26 @@ def wrap_for_training(
     ddp = DistributedDataParallel(
         config=cfg,
         ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer,
-            check_for_nan_in_grad=True, bucket_size=None,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed_optimizer,
+            check_for_nan_in_grad=True,
+            bucket_size=None,
         ),
         module=model,
     )
     opt = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-            adam_beta2=betas[1], adam_eps=eps, clip_grad=clip_grad, bf16=cfg.bf16,
-            params_dtype=cfg.params_dtype, use_distributed_optimizer=distributed_optimizer,
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
+            adam_eps=eps,
+            clip_grad=clip_grad,
+            bf16=cfg.bf16,
+            params_dtype=cfg.params_dtype,
+            use_distributed_optimizer=distributed_optimizer,
         ),
         [ddp],
     )
@@ -113,8 +123,9 @@ def _init_adam_state(optimizer: Any) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                          exp_avg_sq=torch.zeros_like(p))
+                    inner.state[p].update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                    )
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
@@ -148,8 +159,9 @@ def _forward_step(dev: torch.device, bind_loss):
     def forward_step(data_iterator, m):
         host = next(data_iterator)
         mb = host.to(dev)
-        out = critic_forward(m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen,
-                             cu_seqlens_host=host.cu_seqlens)
+        out = critic_forward(
+            m, mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, cu_seqlens_host=host.cu_seqlens
+        )
         return out, bind_loss(host, mb)
 
     return forward_step
@@ -180,7 +192,7 @@ def optimizer_step(
     objective: Objective,
     *,
     per_token: bool = False,
-    global_num_active: Optional[int] = None,
+    global_num_active: int | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches (rows of the global batch assigned to this
     dp rank, already packed). `global_num_rows` is the planned global batch size G.
@@ -200,15 +212,25 @@ def optimizer_step(
     stats_acc = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=dev)
 
     def loss_func(host: MicroBatch, mb: MicroBatch, head_out: torch.Tensor):
-        loss, stats = loss_and_stats(head_out, mb.returns, mb.mask, mb.cu_seqlens, objective,
-                                     global_num_rows, per_token, global_num_active,
-                                     host_mask=(host.mask, host.cu_seqlens))
+        loss, stats = loss_and_stats(
+            head_out,
+            mb.returns,
+            mb.mask,
+            mb.cu_seqlens,
+            objective,
+            global_num_rows,
+            per_token,
+            global_num_active,
+            host_mask=(host.mask, host.cu_seqlens),
+        )
         stats_acc.add_(stats.to(dev))
         # (loss, num_tokens, reporting): with calculate_per_token_loss the schedule backprops
         # `loss` unscaled; num_tokens is ignored by our finalize function.
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
-    _run_schedule(model, _forward_step(dev, lambda host, mb: partial(loss_func, host, mb)), microbatches, forward_only=False)
+    _run_schedule(
+        model, _forward_step(dev, lambda host, mb: partial(loss_func, host, mb)), microbatches, forward_only=False
+    )
     update_successful, grad_norm, _ = optimizer.step()
     tokens = torch.full((1,), float(sum(mb.num_tokens for mb in microbatches)), dtype=torch.float64, device=dev)
     _from_last_stage(stats_acc)

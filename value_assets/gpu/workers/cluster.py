@@ -17,8 +17,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import PLACEMENT_STRATEGIES
@@ -48,16 +49,22 @@ class Cluster:
 
     def placement(self) -> dict[str, Any]:
         """Where the ranks run (JSON): the rendezvous and each rank's node id and address."""
-        return {"rendezvous": self.rendezvous,
-                "ranks": [{k: info[k] for k in ("rank", "node_id", "node_address", "pid")} for info in self.infos]}
+        return {
+            "rendezvous": self.rendezvous,
+            "ranks": [{k: info[k] for k in ("rank", "node_id", "node_address", "pid")} for info in self.infos],
+        }
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` with the same arguments on every rank; results in rank order."""
         return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], None)
 
-    def call_each(self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None) -> list[Any]:
+    def call_each(
+        self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None
+    ) -> list[Any]:
         """Call `method` with rank-specific (args, kwargs)."""
-        return self._get([getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank)], deadline_s)
+        return self._get(
+            [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank, strict=True)], deadline_s
+        )
 
     def _get(self, refs, timeout_s):
         import ray
@@ -88,8 +95,13 @@ def _start_reaper() -> subprocess.Popen | None:
     except AttributeError:
         return None
     # Its own session: a Ctrl-C to the driver's process group must not stop it before it acts.
-    return subprocess.Popen([sys.executable, reaper.__file__, *pids], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, reaper.__file__, *pids],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _use_gpu() -> bool:
@@ -119,8 +131,9 @@ def rank_order(bundle_nodes: Sequence[str], node_addresses: dict[str, str]) -> l
 
     `bundle_nodes[i]` is the node id of bundle i; `node_addresses` maps node id to address.
     """
-    return sorted(range(len(bundle_nodes)),
-                  key=lambda b: (_address_key(node_addresses[bundle_nodes[b]]), bundle_nodes[b], b))
+    return sorted(
+        range(len(bundle_nodes)), key=lambda b: (_address_key(node_addresses[bundle_nodes[b]]), bundle_nodes[b], b)
+    )
 
 
 def _bundle_ranks(pg, world_size: int) -> list[int]:
@@ -133,7 +146,9 @@ def _bundle_ranks(pg, world_size: int) -> list[int]:
     return rank_order([table[b] for b in range(world_size)], addresses)
 
 
-def _reserve(world_size: int, bundle: dict[str, float], strategy: str, timeout_s: float, *, purpose: str = "", **pg_options: Any):
+def _reserve(
+    world_size: int, bundle: dict[str, float], strategy: str, timeout_s: float, *, purpose: str = "", **pg_options: Any
+):
     """A ready placement group of `world_size` x `bundle`; removed again, and a ClusterError, if it
     is not ready within `timeout_s`."""
     import ray
@@ -144,12 +159,16 @@ def _reserve(world_size: int, bundle: dict[str, float], strategy: str, timeout_s
     if not ready:
         with contextlib.suppress(Exception):
             remove_placement_group(pg)
-        raise ClusterError(f"could not reserve {world_size} x {bundle} ({strategy}){purpose} within {timeout_s:.0f} s "
-                           f"(cluster resources: {ray.cluster_resources()})")
+        raise ClusterError(
+            f"could not reserve {world_size} x {bundle} ({strategy}){purpose} within {timeout_s:.0f} s "
+            f"(cluster resources: {ray.cluster_resources()})"
+        )
     return pg
 
 
-def _place_workers(pg, world_size: int, bundle: dict[str, float], options=lambda rank: {}, kwargs=lambda rank: {}) -> list[Any]:
+def _place_workers(
+    pg, world_size: int, bundle: dict[str, float], options=lambda rank: {}, kwargs=lambda rank: {}
+) -> list[Any]:
     """One `CriticWorker` per bundle of `pg`, in rank order (`rank_order`), with per-rank actor
     `options` and constructor `kwargs`."""
     import ray
@@ -158,11 +177,17 @@ def _place_workers(pg, world_size: int, bundle: dict[str, float], options=lambda
     from value_assets.gpu.workers.worker import CriticWorker
 
     remote_cls = ray.remote(CriticWorker)
-    return [remote_cls.options(
-        num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index),
-        **options(rank),
-    ).remote(**kwargs(rank)) for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size))]
+    return [
+        remote_cls.options(
+            num_cpus=bundle.get("CPU", 1),
+            num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_index
+            ),
+            **options(rank),
+        ).remote(**kwargs(rank))
+        for rank, bundle_index in enumerate(_bundle_ranks(pg, world_size))
+    ]
 
 
 POOL_NAMESPACE = "value_assets_pools"
@@ -193,8 +218,11 @@ class WorkerPool:
         from ray._raylet import PlacementGroupID
         from ray.util.placement_group import PlacementGroup, placement_group_table
 
-        return [(PlacementGroup(PlacementGroupID.from_hex(pg_id)), info) for pg_id, info in placement_group_table().items()
-                if info.get("name") == f"{name}-pg" and info.get("state") != "REMOVED"]
+        return [
+            (PlacementGroup(PlacementGroupID.from_hex(pg_id)), info)
+            for pg_id, info in placement_group_table().items()
+            if info.get("name") == f"{name}-pg" and info.get("state") != "REMOVED"
+        ]
 
     @classmethod
     def destroy(cls, name: str) -> None:
@@ -225,16 +253,24 @@ class WorkerPool:
         except ValueError:  # no such actor
             return None
         bundles = table.get("bundles") or {}
-        shape_ok = (table.get("strategy") == strategy and table.get("state") == "CREATED" and len(bundles) == world_size
-                    and all({k: float(v) for k, v in b.items()} == {k: float(v) for k, v in bundle.items()} for b in bundles.values()))
+        shape_ok = (
+            table.get("strategy") == strategy
+            and table.get("state") == "CREATED"
+            and len(bundles) == world_size
+            and all(
+                {k: float(v) for k, v in b.items()} == {k: float(v) for k, v in bundle.items()}
+                for b in bundles.values()
+            )
+        )
         with contextlib.suppress(ValueError):
             ray.get_actor(f"{name}-w{world_size}", namespace=POOL_NAMESPACE)
             shape_ok = False  # a larger pool than this job's
         return actors if shape_ok else None
 
     @classmethod
-    def acquire(cls, name: str, *, world_size: int, bundle: dict[str, float], strategy: str, timeout_s: float,
-                log) -> "WorkerPool":
+    def acquire(
+        cls, name: str, *, world_size: int, bundle: dict[str, float], strategy: str, timeout_s: float, log
+    ) -> WorkerPool:
         """The pool for this job, made or reused, with its lease held (waiting up to `timeout_s`
         while another live job holds it)."""
         import socket
@@ -261,9 +297,23 @@ class WorkerPool:
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
                 log(f"worker pool {name} does not answer ({type(exc).__name__}): replaced")
         cls.destroy(name)
-        pg = _reserve(world_size, bundle, strategy, timeout_s, purpose=f" for worker pool {name}", name=f"{name}-pg", lifetime="detached")
-        actors = _place_workers(pg, world_size, bundle, options=lambda rank: dict(
-            name=f"{name}-w{rank}", namespace=POOL_NAMESPACE, lifetime="detached", max_restarts=0))
+        pg = _reserve(
+            world_size,
+            bundle,
+            strategy,
+            timeout_s,
+            purpose=f" for worker pool {name}",
+            name=f"{name}-pg",
+            lifetime="detached",
+        )
+        actors = _place_workers(
+            pg,
+            world_size,
+            bundle,
+            options=lambda rank: dict(
+                name=f"{name}-w{rank}", namespace=POOL_NAMESPACE, lifetime="detached", max_restarts=0
+            ),
+        )
         if not ray.get(actors[0].acquire_lease.remote(holder), timeout=timeout_s):
             raise ClusterError(f"worker pool {name}: a new pool refused its first lease")
         return cls(name, actors, holder["token"], reused=False)
@@ -284,8 +334,9 @@ class WorkerPool:
 
 
 @contextlib.contextmanager
-def start_workers(spec: WorkerSpec, *, timeout_s: float, placement_strategy: str, ray_address: str | None = None,
-                  log=print) -> Iterator[Cluster]:
+def start_workers(
+    spec: WorkerSpec, *, timeout_s: float, placement_strategy: str, ray_address: str | None = None, log=print
+) -> Iterator[Cluster]:
     """Workers for one job, each told `spec` and its rank, wired and set up; ended (or, with a
     pool, released) on exit.
 
@@ -329,8 +380,14 @@ def start_workers(spec: WorkerSpec, *, timeout_s: float, placement_strategy: str
         pool_name = os.environ.get(POOL_ENV) or None
         # A pool only on a cluster this driver did not start (one it started ends with it).
         if pool_name and not (started_ray and not ray_address):
-            pool = WorkerPool.acquire(pool_name, world_size=world_size, bundle=bundle, strategy=placement_strategy,
-                                      timeout_s=timeout_s, log=log)
+            pool = WorkerPool.acquire(
+                pool_name,
+                world_size=world_size,
+                bundle=bundle,
+                strategy=placement_strategy,
+                timeout_s=timeout_s,
+                log=log,
+            )
         if pool is not None:
             cluster = Cluster(workers=pool.actors, infos=[], timeout_s=timeout_s)
             cluster.call_each("configure", [((), {**job, "rank": rank}) for rank in range(world_size)], timeout_s)
@@ -343,8 +400,11 @@ def start_workers(spec: WorkerSpec, *, timeout_s: float, placement_strategy: str
         cluster.infos = cluster.call_all("setup", addr, port, timeout_s=timeout_s)
         nodes = len({info["node_id"] for info in cluster.infos})
         source = "" if pool is None else f", pool {pool.name} ({'reused' if pool.reused else 'new'})"
-        log(f"workers up: world {world_size}, dp {cluster.dp}, tp {spec.layout.tp}, pp {spec.layout.pp}, {'GPU' if use_gpu else 'CPU'} bundles "
-            f"on {nodes} node(s) ({placement_strategy}), rendezvous {addr}:{port}{source}")
+        log(
+            f"workers up: world {world_size}, dp {cluster.dp}, tp {spec.layout.tp}, pp {spec.layout.pp}, "
+            f"{'GPU' if use_gpu else 'CPU'} bundles "
+            f"on {nodes} node(s) ({placement_strategy}), rendezvous {addr}:{port}{source}"
+        )
         log("placement " + json.dumps(cluster.placement(), sort_keys=True))
         try:
             yield cluster

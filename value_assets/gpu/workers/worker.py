@@ -9,13 +9,13 @@ driver already assigned to this worker's data-parallel rank.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from value_assets.core.stats import RankReport
 from value_assets.core.worker_spec import WorkerSpec
-
 
 RENDEZVOUS_ADDR_ENV = "VALUE_ASSETS_RENDEZVOUS_ADDR"
 
@@ -82,24 +82,47 @@ class CriticWorker:
 
         spec = self._spec()
         store, self._rendezvous = (self._rendezvous if self.rank == 0 else None), None
-        init_distributed(self.rank, spec.world_size, master_addr, master_port, tp=spec.layout.tp, pp=spec.layout.pp,
-                         seed=spec.seed, timeout_s=timeout_s, store=store)
+        init_distributed(
+            self.rank,
+            spec.world_size,
+            master_addr,
+            master_port,
+            tp=spec.layout.tp,
+            pp=spec.layout.pp,
+            seed=spec.seed,
+            timeout_s=timeout_s,
+            store=store,
+        )
         from megatron.core import parallel_state as ps
 
         torch.manual_seed(spec.seed)
-        model = build_critic(spec.backbone, spec.objective, tp=spec.layout.tp, pp=spec.layout.pp, head_seed=spec.seed,
-                             memory=spec.memory)
+        model = build_critic(
+            spec.backbone, spec.objective, tp=spec.layout.tp, pp=spec.layout.pp, head_seed=spec.seed, memory=spec.memory
+        )
         if spec.optimizer is not None:
             from value_assets.gpu.runtime.step import wrap_for_training
 
             opt = spec.optimizer
-            self.model, self.optimizer = wrap_for_training(model, lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
-                                                           distributed_optimizer=spec.memory.distributed_optimizer, freeze=spec.freeze)
+            self.model, self.optimizer = wrap_for_training(
+                model,
+                lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                clip_grad=opt.clip_grad,
+                distributed_optimizer=spec.memory.distributed_optimizer,
+                freeze=spec.freeze,
+            )
         else:
             self.model = model
-        return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "pp_rank": ps.get_pipeline_model_parallel_rank(), "last_stage": int(ps.is_pipeline_last_stage()),
-                "dp_size": ps.get_data_parallel_world_size(), "pid": os.getpid(), **placement()}
+        return {
+            "rank": self.rank,
+            "dp_rank": ps.get_data_parallel_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "last_stage": int(ps.is_pipeline_last_stage()),
+            "dp_size": ps.get_data_parallel_world_size(),
+            "pid": os.getpid(),
+            **placement(),
+        }
 
     def _spec(self) -> WorkerSpec:
         if self.spec is None:
@@ -146,7 +169,9 @@ class CriticWorker:
         return h.hexdigest()
 
     # -- work -------------------------------------------------------------------------------
-    def train_step(self, rows: Sequence[dict[str, Any]], global_rows: int, micro_batch_tokens: int, lr: float) -> dict[str, Any]:
+    def train_step(
+        self, rows: Sequence[dict[str, Any]], global_rows: int, micro_batch_tokens: int, lr: float
+    ) -> dict[str, Any]:
         from value_assets.gpu.model.packing import pack_rows
         from value_assets.gpu.runtime.step import optimizer_step, set_lr
 
@@ -163,13 +188,28 @@ class CriticWorker:
         from value_assets.gpu.model.packing import pack_rows
         from value_assets.gpu.runtime.step import evaluate_rows
 
-        out = evaluate_rows(self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self._spec().objective) if rows else {}
+        out = (
+            evaluate_rows(
+                self.model, pack_rows([_packing_row(r) for r in rows], micro_batch_tokens), self._spec().objective
+            )
+            if rows
+            else {}
+        )
         if not ps.is_pipeline_last_stage():
             return None
         # Statistics use the dataset's float64 returns and mask; the model gives the values.
-        return RankReport.from_rows(dp_rank, [(int(r["row_id"]), np.asarray(r["returns"], dtype=np.float64),
-                                               out[int(r["row_id"])]["values"], np.asarray(r["loss_mask"], dtype=np.float64))
-                                              for r in rows]).to_json()
+        return RankReport.from_rows(
+            dp_rank,
+            [
+                (
+                    int(r["row_id"]),
+                    np.asarray(r["returns"], dtype=np.float64),
+                    out[int(r["row_id"])]["values"],
+                    np.asarray(r["loss_mask"], dtype=np.float64),
+                )
+                for r in rows
+            ],
+        ).to_json()
 
     def shutdown(self) -> None:
         from value_assets.gpu.runtime.parallel import destroy
@@ -230,5 +270,10 @@ def placement() -> dict[str, str]:
 def _packing_row(r: dict[str, Any]):
     from value_assets.gpu.model.packing import Row
 
-    return Row(row_id=int(r["row_id"]), tokens=np.asarray(r["tokens"], dtype=np.int64), response_length=int(r["response_length"]),
-               returns=np.asarray(r["returns"], dtype=np.float64), loss_mask=np.asarray(r["loss_mask"], dtype=np.int64))
+    return Row(
+        row_id=int(r["row_id"]),
+        tokens=np.asarray(r["tokens"], dtype=np.int64),
+        response_length=int(r["response_length"]),
+        returns=np.asarray(r["returns"], dtype=np.float64),
+        loss_mask=np.asarray(r["loss_mask"], dtype=np.int64),
+    )
