@@ -57,7 +57,7 @@ def main() -> int:
 
     from value_assets.core.checkpoint_files import describe_folder, verify_checkpoint
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime import checkpoint as ckpt
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed

@@ -314,7 +314,7 @@ def run_ours(
     modes: tuple[str, ...] = ("eval", "fwd", "train"),
     profile_n: int = 2,
 ) -> None:
-    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.gpt_critic import build_critic, critic_forward
     from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.packing import pack_rows
     from value_assets.gpu.runtime.step import evaluate_rows, optimizer_step, wrap_for_training
@@ -907,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.model.gpt_critic import BackboneConfig
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 
     args.mbt_auto = args.micro_batch_tokens == "auto"

@@ -21,7 +21,7 @@ PRELOAD = [
     "torch",
     "value_assets.gpu",
     "megatron.core",
-    "value_assets.gpu.model.critic",
+    "value_assets.gpu.model.gpt_critic",
     "value_assets.gpu.runtime.parallel",
 ]
 multiprocessing.set_forkserver_preload(PRELOAD)

@@ -117,9 +117,9 @@ def test_layers():
                 bad = top in HEAVY or (top == "value_assets" and inner == "gpu")
             else:
                 # The Dagster code location and the CLI stay light; only the CLI registers the GPU
-                # commands (value_assets.gpu.cli declares arguments and imports torch lazily).
+                # commands (value_assets.gpu.commands declares arguments and imports torch lazily).
                 allowed_gpu = mod == "value_assets.cli" and (
-                    imp == "value_assets.gpu" or imp.startswith("value_assets.gpu.cli")
+                    imp == "value_assets.gpu" or imp.startswith("value_assets.gpu.commands")
                 )
                 bad = top in HEAVY or (top == "value_assets" and inner == "gpu" and not allowed_gpu)
             if bad:
@@ -128,10 +128,10 @@ def test_layers():
 
 
 # The GPU package's sub-layers, lowest first (docs/architecture.md#the-gpu-package): a module may
-# import its own sub-layer and the ones before it, never one after it. The entry points (`gpu.cli`,
+# import its own sub-layer and the ones before it, never one after it. The entry points (`gpu.commands`,
 # `gpu.pipes_job`) sit above them all; the package's __init__ imports none of them.
 GPU_ORDER = ("model", "runtime", "convert", "workers", "drivers")
-GPU_ENTRY_POINTS = ("cli", "pipes_job")
+GPU_ENTRY_POINTS = ("commands", "pipes_job")
 
 
 def _gpu_rank(mod: str) -> int | None:
@@ -168,15 +168,15 @@ def test_gpu_sub_layers_import_only_downwards():
 def test_the_gpu_order_ranks_the_sub_layers():
     """The ranks the rule compares (runtime below convert: runtime -> convert was the breach this rule found)."""
     assert _gpu_rank("value_assets.gpu.runtime.checkpoint") < _gpu_rank("value_assets.gpu.workers.worker")
-    assert _gpu_rank("value_assets.gpu.model.critic") < _gpu_rank("value_assets.gpu.runtime.step")
+    assert _gpu_rank("value_assets.gpu.model.gpt_critic") < _gpu_rank("value_assets.gpu.runtime.step")
     assert _gpu_rank("value_assets.gpu.drivers.train") < _gpu_rank("value_assets.gpu.pipes_job")
     assert _gpu_rank("value_assets.core.plan") is None
 
 
-def test_gpu_cli_module_is_light():
-    """`value_assets.gpu.cli` is imported by the light CLI: it may not import torch/ray/megatron at
+def test_gpu_commands_module_is_light():
+    """`value_assets.gpu.commands` is imported by the light CLI: it may not import torch/ray/megatron at
     module level."""
-    tree = ast.parse((PKG / "gpu" / "cli.py").read_text())
+    tree = ast.parse((PKG / "gpu" / "commands.py").read_text())
     top_level = set()
     for node in tree.body:
         if isinstance(node, ast.Import):
@@ -208,3 +208,13 @@ def test_job_drivers_read_the_backbone_without_torch_and_jsonl_without_pyarrow(t
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_every_module_name_is_unique_in_the_package():
+    """A file name says which process a module serves: no two modules share one (three "jobs" once
+    meant Dagster jobs, job settings and job drivers; two `warm_cluster.py` the launcher's folder and
+    the helper process)."""
+    from collections import Counter
+
+    names = Counter(p.name for p in PKG.rglob("*.py") if p.name != "__init__.py")
+    assert [name for name, n in names.items() if n > 1] == []

@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_engine_commands(sub) -> None:
     """The GPU-job commands live in value_assets.gpu; they register only where it is importable."""
     try:
-        from value_assets.gpu.cli import add_commands
+        from value_assets.gpu.commands import add_commands
     except ImportError:
         return
     add_commands(sub)

@@ -205,7 +205,7 @@ def _subparser(command: str):
 
 @pytest.mark.parametrize("command, cls", [("train", TrainJob), ("evaluate", EvaluateJob)])
 def test_cli_defaults_are_the_configs(command, cls, monkeypatch):
-    from value_assets.gpu.cli import config_from_args
+    from value_assets.gpu.commands import config_from_args
 
     monkeypatch.delenv(DATA_ROOTS_ENV, raising=False)
     sp = _subparser(command)
@@ -256,7 +256,7 @@ def test_cli_refuses_negative_warmup_before_anything_runs(tmp_path, capsys):
 
 
 def test_cli_data_roots_reach_the_config(monkeypatch):
-    from value_assets.gpu.cli import config_from_args
+    from value_assets.gpu.commands import config_from_args
 
     monkeypatch.setenv(DATA_ROOTS_ENV, "/env")
     args = build_parser().parse_args(
@@ -288,14 +288,14 @@ def test_freeze_backbone_needs_one_pipeline_stage():
 
 
 def test_cli_freeze_flag_reaches_the_config():
-    from value_assets.gpu.cli import config_from_args
+    from value_assets.gpu.commands import config_from_args
 
     args = build_parser().parse_args(["train", "m.json", "--output", "critic", "--freeze", "backbone"])
     assert config_from_args(TrainJob, args) == make(TrainJob, freeze="backbone")
 
 
 def test_cli_recompute_layers_reach_the_memory_config():
-    from value_assets.gpu.cli import config_from_args
+    from value_assets.gpu.commands import config_from_args
 
     args = build_parser().parse_args(
         ["train", "m.json", "--output", "critic", "--recompute", "full", "--recompute-layers", "4"]

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from value_assets.core.objective import Objective
-from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward
+from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward
 from value_assets.gpu.model.packing import Row, pack_rows
 from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
@@ -146,7 +146,7 @@ def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_fil
     weights are compared with that state through `stage_state`."""
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.model.critic import init_layout_invariant, stage_state
+    from value_assets.gpu.model.gpt_critic import init_layout_invariant, stage_state
     from value_assets.gpu.runtime.checkpoint import save_critic
     from value_assets.gpu.runtime.step import evaluate_rows, wrap_for_training
 

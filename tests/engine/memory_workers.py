@@ -10,7 +10,7 @@ import torch
 
 from tests.engine.dist_workers import BACKBONE, OBJ, _reinit, make_rows, probe
 from value_assets.core.memory import MemoryConfig
-from value_assets.gpu.model.critic import build_critic, init_layout_invariant
+from value_assets.gpu.model.gpt_critic import build_critic, init_layout_invariant
 from value_assets.gpu.model.packing import pack_rows
 from value_assets.gpu.runtime.parallel import destroy, init_distributed
 

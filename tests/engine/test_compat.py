@@ -34,10 +34,10 @@ def fresh_gpu_process():
     from pathlib import Path
 
     modules = [
-        "value_assets.gpu.cli",
+        "value_assets.gpu.commands",
         "value_assets.gpu.workers.worker",
         "value_assets.gpu.runtime.step",
-        "value_assets.gpu.model.critic",
+        "value_assets.gpu.model.gpt_critic",
         "value_assets.gpu.runtime.checkpoint",
         "value_assets.gpu.convert.bootstrap",
     ]

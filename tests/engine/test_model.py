@@ -10,7 +10,7 @@ import torch
 
 from value_assets.core.objective import Objective
 from value_assets.gpu.model.attention import packed_causal_attention
-from value_assets.gpu.model.critic import BackboneConfig
+from value_assets.gpu.model.gpt_critic import BackboneConfig
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ def dist():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("qk_layernorm,loss_type", [(False, "classification"), (True, "mse")])
 def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_type):
-    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.gpt_critic import build_critic, critic_forward
 
     obj = Objective(loss_type=loss_type, num_bins=51 if loss_type == "classification" else 1)
     bb = BackboneConfig.tiny(
@@ -125,7 +125,7 @@ def test_packed_forward_equals_unpacked_per_sequence(dist, qk_layernorm, loss_ty
 def test_packed_forward_needs_restarting_positions_and_critic_params(dist):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.gpt_critic import build_critic, critic_forward
 
     model = build_critic(BackboneConfig.tiny(), Objective()).eval()
     toks = torch.arange(10, 17)
@@ -153,7 +153,7 @@ def test_packed_forward_needs_restarting_positions_and_critic_params(dist):
 def test_evaluate_rows_alignment(dist):
     import numpy as np
 
-    from value_assets.gpu.model.critic import build_critic
+    from value_assets.gpu.model.gpt_critic import build_critic
     from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime.step import evaluate_rows

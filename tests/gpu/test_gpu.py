@@ -106,14 +106,14 @@ def test_long_sequences_on_cudnn_match_varlen_forward_and_backward(monkeypatch):
 
 def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
 
     obj = Objective()
     model = build_critic(BackboneConfig.tiny(), obj)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    from value_assets.gpu.model.critic import critic_forward
+    from value_assets.gpu.model.gpt_critic import critic_forward
 
     out = critic_forward(
         model,
@@ -230,7 +230,7 @@ def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_ref
     from value_assets.core.checkpoint_files import describe_folder
     from value_assets.core.errors import InputError
     from value_assets.core.objective import Objective
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime.checkpoint import load_critic, load_model_weights, save_critic
     from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training

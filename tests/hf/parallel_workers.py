@@ -50,7 +50,7 @@ def pipeline_parallel(rank: int, world: int, cases: list[tuple[str, str, str]]) 
     from value_assets.core.objective import Objective
     from value_assets.gpu.convert.bootstrap import load_backbone_into
     from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward
 
     for folder, ids_path, out_path in cases:
         backbone = BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))

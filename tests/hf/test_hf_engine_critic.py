@@ -1,6 +1,6 @@
 """The engine's critic (`gpu.model.build_critic`) bootstrapped from an HF actor checkpoint.
 
-Skipped where `value_assets.gpu.model.critic` is absent. A fresh critic loads every backbone tensor
+Skipped where `value_assets.gpu.model.gpt_critic` is absent. A fresh critic loads every backbone tensor
 strictly (only the head is new); its per-token head outputs, after `export_critic_to_hf`, equal
 `AutoModelForTokenClassification` logits (float32, max abs diff < 1e-4).
 """
@@ -20,7 +20,7 @@ from value_assets.gpu.convert.hf import (
 )
 
 pytestmark = pytest.mark.unit
-model_mod = pytest.importorskip("value_assets.gpu.model.critic")
+model_mod = pytest.importorskip("value_assets.gpu.model.gpt_critic")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3-scaled"])

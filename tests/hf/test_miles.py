@@ -44,7 +44,7 @@ def _write_layout(folder: Path, state: dict, cfg, spec: str, iteration: int = 7)
 
 def _critic_values(cfg, source, ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
     from value_assets.gpu.convert.bootstrap import load_backbone_into
-    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.gpt_critic import build_critic, critic_forward
 
     model = build_critic(cfg, Objective(loss_type="mse"), bf16=False, head_seed=3).eval()
     load_backbone_into(model, source, tp=1)

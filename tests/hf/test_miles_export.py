@@ -29,7 +29,7 @@ def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = Non
     engine's values for `ids` and its whole state."""
     from value_assets.core.contract import build_contract, iter_dirname, write_contract
     from value_assets.core.plan import build_plan
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic, critic_forward, init_layout_invariant
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward, init_layout_invariant
     from value_assets.gpu.runtime.checkpoint import save_critic
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
@@ -83,7 +83,7 @@ def mse_critic(tmp_path_factory):
 def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys):
     from value_assets.core.miles import MILES_KEYS, read_miles_contract
     from value_assets.core.strict_json import canonical_bytes
-    from value_assets.gpu.cli import cmd_export_miles
+    from value_assets.gpu.commands import cmd_export_miles
     from value_assets.gpu.convert import megatron_lm
 
     root, cfg, ids, values, state = mse_critic
@@ -134,7 +134,7 @@ def test_export_miles_contract_and_round_trip(tmp_path, mse_critic, spec, capsys
         assert torch.equal(back[k], state[k].float()), k
     # ... and a critic bootstrapped from the export (head copied in) gives the engine's values.
     from value_assets.gpu.convert.bootstrap import load_backbone_into, resolve_backbone
-    from value_assets.gpu.model.critic import build_critic, critic_forward
+    from value_assets.gpu.model.gpt_critic import build_critic, critic_forward
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     boot_cfg, source, ident = resolve_backbone(str(out))
@@ -203,7 +203,7 @@ def test_scalar_export_refuses_a_classification_critic(tmp_path):
     from value_assets.core.contract import build_contract, iter_dirname, write_contract
     from value_assets.core.plan import build_plan
     from value_assets.gpu.convert.export import export_checkpoint
-    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.model.gpt_critic import BackboneConfig
 
     save = tmp_path / iter_dirname(STEPS)
     save.mkdir()

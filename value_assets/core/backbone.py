@@ -3,7 +3,7 @@ head (`CriticShape`).
 
 Torch-free, so that the job drivers (which only read, check and record it) and the memory model
 (`core/memory.py`) need neither torch nor megatron-core; the model is built from it in
-`gpu/model/critic.py`, on the workers.
+`gpu/model/gpt_critic.py`, on the workers.
 """
 
 from __future__ import annotations

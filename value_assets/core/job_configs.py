@@ -3,7 +3,7 @@
 This module is the one home of every job setting, its default, its documentation and every rule
 that a setting must follow on its own. Three entry points build the same classes:
 
-- the command line (`value_assets.gpu.cli`) from argparse: flags take their defaults and help
+- the command line (`value_assets.gpu.commands`) from argparse: flags take their defaults and help
   from the fields here;
 - the Dagster assets from their run config: a run-config field left unset (`None`) means the
   default here, and its description is the field's `doc`;

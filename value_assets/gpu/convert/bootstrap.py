@@ -100,14 +100,14 @@ def load_backbone_into(module, source: dict[str, Any], *, tp: int) -> dict[str, 
     """Load the backbone into a freshly built critic module on this rank; only the head stays new."""
     kind = source["kind"]
     if kind == "tiny":
-        from value_assets.gpu.model.critic import init_layout_invariant
+        from value_assets.gpu.model.gpt_critic import init_layout_invariant
 
         init_layout_invariant(module, int(source["seed"]))
         return {"loaded": 0}
     if kind in ("hf", "megatron_lm"):
         from megatron.core import parallel_state as ps
 
-        from value_assets.gpu.model.critic import BackboneConfig, stage_state
+        from value_assets.gpu.model.gpt_critic import BackboneConfig, stage_state
 
         rank = ps.get_tensor_model_parallel_rank()
         if kind == "hf":

@@ -32,7 +32,7 @@ def _empty_out(out: Path) -> None:
 
 def _load_full_state(step_dir: Path, contract: dict[str, Any]):
     """(backbone, objective, whole-model TP=1 state dict on CPU float32) of a contracted step."""
-    from value_assets.gpu.model.critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
     from value_assets.gpu.runtime.checkpoint import load_model_weights
     from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
 

@@ -106,7 +106,7 @@ def saved_args(step_dir: Path) -> dict[str, Any] | None:
 
 def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None = None):
     """`BackboneConfig` from Megatron-LM's saved arguments (dense Llama / Qwen2 / Qwen3 shapes)."""
-    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.model.gpt_critic import BackboneConfig
 
     def get(key: str, default: Any = None) -> Any:
         v = args.get(key, default)
@@ -157,7 +157,7 @@ def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None
 def resolve(folder: Path, hf_config: Path | None = None):
     """(BackboneConfig, step folder, iteration, layer spec named by the saved arguments or None)
     of a Megatron-LM checkpoint folder."""
-    from value_assets.gpu.model.critic import BackboneConfig
+    from value_assets.gpu.model.gpt_critic import BackboneConfig
 
     it, step_dir = read_tracker(folder)
     args = saved_args(step_dir)

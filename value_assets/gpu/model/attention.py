@@ -215,7 +215,7 @@ class PackedCoreAttention(MegatronModule):
             if bounds is None or getattr(p, "rope_cos", None) is None:
                 raise ValueError(
                     "PackedCoreAttention needs the CriticPackedSeqParams of "
-                    "value_assets.gpu.model.critic.packed_seq_params(..., position_ids=, model=) "
+                    "value_assets.gpu.model.gpt_critic.packed_seq_params(..., position_ids=, model=) "
                     "(host cu_seqlens and per-token RoPE; megatron's packed RoPE is off)"
                 )
             if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q.cpu(), cu_kv.cpu()):

@@ -17,7 +17,7 @@ The hook (the same in megatron-core 0.16.1 and 0.19.2, whose `GPTModel._preproce
   cp_group=...)` once per forward; `PackedRotaryEmbedding` (the class swapped onto that module by
   `install`) returns None when `packed_seq` is true, so `Attention.forward` skips its own RoPE
   (`if rotary_pos_emb is not None`). Unpacked forwards are unchanged.
-- `value_assets.gpu.model.critic.packed_seq_params` builds `CriticPackedSeqParams` (a `PackedSeqParams`
+- `value_assets.gpu.model.gpt_critic.packed_seq_params` builds `CriticPackedSeqParams` (a `PackedSeqParams`
   carrying the per-token cos / sin and a host copy of `cu_seqlens`), and `PackedCoreAttention`
   applies `apply_rope` to q and k before attention. Megatron's order is q/k projection ->
   q/k layernorm -> RoPE -> core attention, so applying it first thing in core attention is the same.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from value_assets.core.objective import Objective
-from value_assets.gpu.model.critic import critic_forward
+from value_assets.gpu.model.gpt_critic import critic_forward
 from value_assets.gpu.model.losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
 from value_assets.gpu.model.packing import MicroBatch, response_slices
 

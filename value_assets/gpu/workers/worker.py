@@ -77,7 +77,7 @@ class CriticWorker:
     def setup(self, master_addr: str, master_port: int, *, timeout_s: float) -> dict[str, Any]:
         import torch
 
-        from value_assets.gpu.model.critic import build_critic
+        from value_assets.gpu.model.gpt_critic import build_critic
         from value_assets.gpu.runtime.parallel import init_distributed
 
         spec = self._spec()
