@@ -245,3 +245,54 @@ def test_head_only_warmup_changes_only_the_head_and_the_loss_decreases(tmp_path)
 def test_frozen_attention_is_bitwise_unchanged_with_the_distributed_optimizer(tmp_path):
     spawn(2, [("train_frozen", 1, 1, ("attention", True, 4, 3, str(tmp_path / "r.pt")))], deadline_s=120)
     _check_frozen(torch.load(tmp_path / "r.pt"), "attention")
+
+
+@pytest.mark.timeout(120)
+def test_weights_loaded_after_the_optimizer_survive_the_first_bf16_step(monkeypatch):
+    """A training worker bootstraps (or warm-starts) its critic after the optimizer exists. Under
+    bf16 (every GPU run) megatron's optimizer steps fp32 master copies it took when it was built and
+    writes them back: without `reload_model_params` the first step put the random initial weights
+    back and the actor's backbone was gone (found by trying; the CPU suite trains in fp32, which has
+    no master copies). Shim, test only: megatron's bf16 optimizer accepts only CUDA tensor types, so
+    `Tensor.type()` names CPU tensors as their CUDA types here."""
+    import numpy as np
+
+    from value_assets.core.backbone import BackboneConfig
+    from value_assets.core.memory import Layout
+    from value_assets.core.objective import Objective
+    from value_assets.core.worker_spec import WorkerSpec
+    from value_assets.gpu.model.gpt_critic import build_critic, init_layout_invariant
+    from value_assets.gpu.model.packing import Row, pack_rows
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
+    from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
+    from value_assets.gpu.workers.worker import CriticWorker
+
+    plain_type = torch.Tensor.type
+
+    def cuda_named(self, *args, **kwargs):
+        name = plain_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and ".cuda." not in name else name
+
+    monkeypatch.setattr(torch.Tensor, "type", cuda_named)
+    backbone = BackboneConfig.tiny(num_layers=2, hidden_size=32, ffn_hidden_size=64, vocab_size=1000)
+    init_distributed(0, 1, master_port=free_port(), tp=1, pp=1, seed=1)
+    try:
+        worker = CriticWorker(WorkerSpec(backbone=backbone, objective=Objective(), layout=Layout(), seed=0), rank=0)
+        model = build_critic(backbone, Objective(), bf16=True)
+        worker.model, worker.optimizer = wrap_for_training(model, lr=1e-6, weight_decay=0.0, clip_grad=1.0)
+        inner = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+        assert {type(o).__name__ for o in inner} == {"Float16OptimizerWithFloat16Params"}
+        worker.bootstrap({"kind": "tiny", "seed": 7})  # another initialisation than the one the optimizer copied
+        expected = {n: p.detach().float().clone() for n, p in model.named_parameters() if "decoder" in n}
+        rng = np.random.default_rng(0)
+        rows = [
+            Row(row_id=i, tokens=rng.integers(0, 1000, 12), response_length=4, returns=np.ones(4)) for i in range(2)
+        ]
+        optimizer_step(worker.model, worker.optimizer, pack_rows(rows, 4096), 2, Objective())
+        # lr 1e-6 moves a weight by about 1e-6: each stays at its loaded value to bf16 precision
+        drift = max(
+            float((p.detach().float() - expected[n]).abs().max()) for n, p in model.named_parameters() if n in expected
+        )
+        assert drift < 1e-2, drift
+    finally:
+        destroy()

@@ -137,7 +137,17 @@ class CriticWorker:
         """Fresh critic: the backbone strictly from the actor checkpoint, only the head new."""
         from value_assets.gpu.convert.bootstrap import load_backbone_into
 
-        return load_backbone_into(self._module(), source, tp=self._spec().layout.tp)
+        loaded = load_backbone_into(self._module(), source, tp=self._spec().layout.tp)
+        self._weights_changed()
+        return loaded
+
+    def _weights_changed(self) -> None:
+        """The model's weights were replaced after the optimizer was built (bootstrap, a warm
+        start): give the optimizer the new ones. Under bf16 megatron's optimizer steps fp32 master
+        copies taken when it was built and writes them back after each step, so without this the
+        first step put the initial random weights back, discarding the actor's."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     def load(self, path: str, with_optimizer: bool, contract: dict[str, Any]) -> int:
         """Load a saved critic (model and, for a resume, optimizer); return its iteration. Only
@@ -146,10 +156,13 @@ class CriticWorker:
             from value_assets.gpu.runtime.checkpoint import load_critic
 
             return load_critic(path, self.model, self.optimizer, contract=contract)
-        # Forward-only: the model's tensors must all be there; the optimizer state is left unread.
+        # The model's tensors only (forward-only use, or a training run's warm start): they must all be
+        # there; the optimizer state is left unread.
         from value_assets.gpu.runtime.checkpoint import load_model_weights
 
-        return load_model_weights(path, self.model, contract=contract)
+        iteration = load_model_weights(path, self.model, contract=contract)
+        self._weights_changed()
+        return iteration
 
     def save(self, path: str, iteration: int) -> None:
         from value_assets.gpu.runtime.checkpoint import save_critic
