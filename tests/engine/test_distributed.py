@@ -261,7 +261,7 @@ def test_weights_loaded_after_the_optimizer_survive_the_first_bf16_step(monkeypa
     from value_assets.core.memory import Layout
     from value_assets.core.objective import Objective
     from value_assets.core.worker_spec import WorkerSpec
-    from value_assets.gpu.model.gpt_critic import build_critic, init_layout_invariant
+    from value_assets.gpu.model.gpt_critic import build_critic
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
     from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
