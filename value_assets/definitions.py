@@ -9,6 +9,7 @@ variables so the same image serves every deployment:
 | VALUE_ASSETS_ARTIFACTS | all | `artifacts/` in the project checkout (else the working directory) |
 | VALUE_ASSETS_MANIFESTS | all | `manifests/` likewise |
 | VALUE_ASSETS_DATA_ROOTS | all | unset: no restriction (`:`-separated folders) |
+| VALUE_ASSETS_DEFAULT_TRAINING | all | unset: a manifest without a `training` spec is refused (a spec file's path) |
 | VALUE_ASSETS_GPU_COMMAND | local | `<this python> -m value_assets.gpu.pipes_job`; e.g. a GPU venv's python |
 | RAY_ADDRESS | ray | required: the Ray dashboard address |
 | VALUE_ASSETS_GPU_IMAGE | kubernetes | required: the GPU job image |
@@ -30,6 +31,7 @@ from dagster import Definitions, EnvVar, ExecutorDefinition, multi_or_in_process
 
 from value_assets.assets import ALL_ASSETS
 from value_assets.checks import ALL_CHECKS
+from value_assets.core.training_spec import DEFAULT_TRAINING_ENV
 from value_assets.jobs import ALL_JOBS
 from value_assets.resources import ArtifactStore, K8sPodLauncher, ManifestInbox, RayJobLauncher, SubprocessLauncher
 from value_assets.sensors import ALL_SENSORS
@@ -59,6 +61,7 @@ def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[st
         "inbox": ManifestInbox(
             folder=env.get("VALUE_ASSETS_MANIFESTS") or str(project_root() / "manifests"),
             data_roots=[r for r in env.get("VALUE_ASSETS_DATA_ROOTS", "").split(":") if r],
+            default_training=env.get(DEFAULT_TRAINING_ENV) or None,
         ),
     }
     return {

@@ -27,6 +27,16 @@ def _values(metadata: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Champion:
+    """A family's champion: the critic its latest promotion (in any partition) promoted."""
+
+    partition_key: str
+    contract_sha256: str
+    checkpoint: Path
+    registry_record_sha256: str | None
+
+
+@dataclass(frozen=True)
 class PublishedPlan:
     """Where the lineage's batch plan was published and the sha its materialization recorded."""
 
@@ -137,6 +147,33 @@ class Lineage:
                 f"records were pinned): materialize {v.PROMOTED_CRITIC} again",
             )
         return sha
+
+    def champion(self, family: str | None) -> Champion | None:
+        """The family's champion (docs/rules.md#champion): the critic of the newest promoted_critic
+        materialization, in another partition, that recorded this family; None when the family has
+        none yet (or no family is named)."""
+        if family is None:
+            return None
+        records_filter = AssetRecordsFilter(asset_key=AssetKey(v.PROMOTED_CRITIC))
+        cursor = None
+        while True:
+            result = self.instance.fetch_materializations(records_filter, limit=100, cursor=cursor, ascending=False)
+            for record in result.records:
+                materialization = record.asset_materialization
+                if materialization is None or materialization.partition == self.partition_key:
+                    continue
+                meta = _values(materialization.metadata)
+                if meta.get(v.FAMILY) != family or not is_sha(meta.get(v.CONTRACT_SHA256)):
+                    continue
+                return Champion(
+                    partition_key=str(materialization.partition),
+                    contract_sha256=meta[v.CONTRACT_SHA256],
+                    checkpoint=Path(str(meta.get("checkpoint"))),
+                    registry_record_sha256=meta.get(v.REGISTRY_RECORD_SHA256),
+                )
+            if not result.has_more:
+                return None
+            cursor = result.cursor
 
     def saves(self, critic_dir: Path) -> tuple[str, ...]:
         """The contract shas of the saves into `critic_dir` that this partition's runs logged as they

@@ -41,6 +41,9 @@ def write_dataset(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
+TINY_SPEC = {"schema": "value-assets.training.v1", "backbone": "tiny"}
+
+
 def write_manifest(
     folder: Path,
     name: str,
@@ -50,8 +53,10 @@ def write_manifest(
     standin: dict | None = None,
     data_dir: Path | None = None,
     objective: dict | None = None,
+    training: dict | None = TINY_SPEC,
 ) -> Path:
-    """A manifest with datasets in `data_dir` (default: beside it, referenced by relative paths)."""
+    """A manifest with datasets in `data_dir` (default: beside it, referenced by relative paths) and
+    the training spec `training` (default: the tiny backbone; None: none)."""
     data_dir = data_dir or folder / "data" / name
     train = write_dataset(data_dir / "train.jsonl", rows, seed=0)
     manifest = {
@@ -60,6 +65,10 @@ def write_manifest(
         "objective": objective or {"loss_type": "classification", "num_bins": 11},
         "provenance": {"producer": "tests", "standin": standin or {}},
     }
+    if training is not None:
+        manifest["training"] = training
+    if training is not None:
+        manifest["training"] = training
     if heldout_rows:
         held = write_dataset(data_dir / "heldout.jsonl", heldout_rows, seed=1)
         manifest["heldout"] = {

@@ -23,7 +23,14 @@ from pathlib import Path
 from dagster_pipes import open_dagster_pipes
 
 from value_assets.core.checkpoint_files import describe_folder
-from value_assets.core.contract import build_contract, build_receipt, iter_dirname, write_contract
+from value_assets.core.contract import (
+    build_contract,
+    build_receipt,
+    iter_dirname,
+    load_verified,
+    resolve_step_dir,
+    write_contract,
+)
 from value_assets.core.dataset import validate_dataset
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.manifest import load_manifest
@@ -31,7 +38,7 @@ from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.plan import build_plan, load_published_plan
 from value_assets.core.progress import TrainProgress
 from value_assets.core.publish import atomic_write, publish_once
-from value_assets.core.report import build_report
+from value_assets.core.report import ChampionScores, build_report
 from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
 
@@ -84,6 +91,11 @@ def train(pipes, config, canary: bool):
         )
         return
     steps = plan.num_steps
+    warm_start = None
+    if a.warm_start_checkpoint is not None:  # like the real job: the champion only against its pinned contract
+        step_dir, _ = resolve_step_dir(a.warm_start_checkpoint)
+        _, their_sha = load_verified(step_dir, pinned_sha256=a.warm_start_contract_sha256)
+        warm_start = {"contract_sha256": their_sha, "checkpoint": str(step_dir)}
     save = out / iter_dirname(steps)
     save.mkdir(parents=True, exist_ok=True)
     (save / "model.safetensors").write_bytes(b"stand-in weights")
@@ -106,6 +118,8 @@ def train(pipes, config, canary: bool):
         backbone_config={"name": "stand-in"},
         checkpoint=str(save),
         checkpoint_files=describe_folder(save),
+        training_spec_sha256=a.training_spec_sha256,
+        warm_start=warm_start,
     )
     sha = write_contract(out, contract)
     pipes.report_asset_materialization(
@@ -173,7 +187,34 @@ def evaluate(pipes, config):
             ]
         )
         active.append(int(sum(data.active_targets[i] for i in batch)))
+    champion = None
+    if a.champion_checkpoint is not None:
+        # Like the real job: the champion's save only against its pinned contract; its values are
+        # V = a'R + (1-a')/2 with a' from the `ev` knob of the manifest it was trained on.
+        step_dir, _ = resolve_step_dir(a.champion_checkpoint)
+        their_contract, their_sha = load_verified(step_dir, pinned_sha256=a.champion_contract_sha256)
+        their_slope = 1.0 - math.sqrt(1.0 - float(knobs(their_contract["model"]["manifest"]).get("ev", 0.4)))
+        champion = ChampionScores(
+            partition=a.champion_partition,
+            contract_sha256=their_sha,
+            checkpoint=str(step_dir),
+            tolerance=a.champion_tolerance,
+            rank_reports=[
+                [
+                    RankReport.from_rows(
+                        0,
+                        [
+                            (i, row.returns, their_slope * row.returns + (1.0 - their_slope) / 2, row.loss_mask)
+                            for i, row in zip(batch, data.rows(batch), strict=True)
+                        ],
+                    )
+                ]
+                for batch in batches
+            ],
+        )
     report = build_report(
+        champion=champion,
+        training_spec_sha256=a.training_spec_sha256,
         manifest_sha256=manifest.sha256,
         dataset_sha256=data.sha256,
         split=a.split,

@@ -1,6 +1,7 @@
 """The Dagster run configs stand for the job configs: no second default, no second rule; and the
 job config, not an argument vector, is what crosses the Pipes boundary."""
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,22 +34,27 @@ def test_run_config_fields_are_job_fields_unset_by_default(run_config, job):
 PUBLISHED = PublishedPlan(Path("/a/plan.json"), "ef" * 32)
 
 
-def test_empty_run_config_gives_the_job_defaults_and_the_published_plan():
+def _spec(**sections):
+    from value_assets.core.training_spec import parse_training_spec
+
+    raw = {"schema": "value-assets.training.v1", "backbone": "tiny", **sections}
+    return parse_training_spec(raw, base=Path("/manifests"), where="m.json: training")
+
+
+def test_the_lineage_spec_gives_the_job_its_settings_and_the_published_plan():
     manifest = SimpleNamespace(path=Path("/m.json"), sha256=SHA)
-    g, epochs, seed = plan_settings(PlanConfig())
+    spec = _spec()
+    g, epochs, seed = plan_settings(dict(spec.plan), PlanConfig())
     assert (g, epochs, seed) == tuple(field_default(TrainJob, n) for n in ("global_batch_size", "epochs", "seed"))
-    job = train_job(TrainRunConfig(), manifest, Path("/out"), PUBLISHED, build_plan(64, g, epochs, seed))
+    job = train_job(TrainRunConfig(), spec, manifest, Path("/out"), PUBLISHED, build_plan(64, g, epochs, seed))
     assert job == TrainJob(
-        manifest="/m.json", output="/out", manifest_sha256=SHA, plan="/a/plan.json", plan_sha256="ef" * 32
-    )
+        manifest="/m.json", output="/out", manifest_sha256=SHA, plan="/a/plan.json", plan_sha256="ef" * 32,
+        training_spec_sha256=spec.sha256,
+    )  # fmt: skip
+    spec = _spec(plan={"global_batch_size": 4, "epochs": 2, "seed": 17}, train={"lr": 3e-4, "gpus": 2})
+    plan = build_plan(8, *plan_settings(dict(spec.plan), PlanConfig()))
     set_ = train_job(
-        TrainRunConfig(lr=3e-4, gpus=2),
-        manifest,
-        Path("/out"),
-        PUBLISHED,
-        build_plan(8, 4, 2, 17),
-        [Path("/data")],
-        canary=True,
+        TrainRunConfig(lr=3e-4), spec, manifest, Path("/out"), PUBLISHED, plan, [Path("/data")], canary=True
     )
     assert (set_.lr, set_.gpus, set_.global_batch_size, set_.epochs, set_.seed, set_.canary) == (
         3e-4,
@@ -64,20 +70,40 @@ def test_empty_run_config_gives_the_job_defaults_and_the_published_plan():
     assert err.value.where == "plan_sha256"
 
 
-def test_run_config_values_are_checked_by_the_job_config():
+def test_a_run_config_may_restate_the_spec_but_not_change_it():
     manifest = SimpleNamespace(path=Path("/m.json"), sha256=SHA)
-    with pytest.raises(InputError, match="got -5") as err:
-        train_job(TrainRunConfig(warmup_steps=-5), manifest, Path("/out"), PUBLISHED, build_plan(4, 4, 1, 0))
-    assert err.value.where == "warmup_steps"
-    with pytest.raises(InputError) as err:
-        EvaluateJob(
-            checkpoint="c",
-            manifest="m",
-            contract_sha256=SHA,
-            report="r",
-            **given(EvaluateRunConfig(global_batch_size=1)),
-        )
-    assert err.value.where == "global_batch_size"
+    spec = _spec(train={"lr": 3e-4})
+    for changed in (TrainRunConfig(lr=1e-3), TrainRunConfig(gpus=2)):  # set in the spec / left to its default
+        with pytest.raises(InputError, match="differs from the lineage's training spec") as err:
+            train_job(changed, spec, manifest, Path("/out"), PUBLISHED, build_plan(32, 32, 1, 0))
+        assert err.value.where.startswith("run config ")
+    with pytest.raises(InputError, match="run config global_batch_size: 8 differs"):
+        plan_settings(dict(spec.plan), PlanConfig(global_batch_size=8))
+
+
+def test_spec_values_are_checked_by_the_job_configs_and_named_as_the_specs():
+    from value_assets.core.training_spec import parse_training_spec
+
+    base = {"schema": "value-assets.training.v1", "backbone": "tiny"}
+    cases = [
+        ({"train": {"warmup_steps": -5}}, "m.json: training.train.warmup_steps", "got -5"),
+        ({"plan": {"epochs": 0}}, "m.json: training.plan.epochs", ""),
+        ({"evaluate": {"global_batch_size": 1}}, "m.json: training.evaluate.global_batch_size", ""),
+        ({"gate": {"mode": "vibes"}}, "m.json: training.gate.mode", "vibes"),
+        ({"train": {"lr": 1e-3, "lrate": 1}}, "m.json: training.train", "unknown setting(s) ['lrate']"),
+        ({"champion": {"tolerance": 0.01}}, "m.json: training.champion", "needs a family"),
+        ({"backbone": {"path": "a", "sha256": "nope"}}, "m.json: training.backbone.sha256", "nope"),
+        ({"schema": "v0"}, "m.json: training.schema", "v0"),
+    ]
+    for extra, where, fragment in cases:
+        with pytest.raises(InputError, match=re.escape(fragment)) as err:
+            parse_training_spec({**base, **extra}, base=Path("/m"), where="m.json: training")
+        assert err.value.where == where, (extra, err.value.where)
+    with pytest.raises(InputError, match="is required") as err:
+        parse_training_spec({"schema": "value-assets.training.v1"}, base=Path("/m"), where="w")
+    assert err.value.where == "w.backbone"
+    spec = parse_training_spec({**base, "backbone": {"path": "actors/qwen"}}, base=Path("/m"), where="w")
+    assert spec.backbone.spec == "/m/actors/qwen"  # relative to the manifest's folder, like datasets
 
 
 def job_config(task, config):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from value_assets.core.demo_data import make_demo_data
+from value_assets.core.contract import load_contract, read_latest
+from value_assets.core.demo_data import DEMO_TRAINING, make_demo_data
 from value_assets.core.hashing import sha256_file
 from value_assets.core.progress import parse_progress, report_every
 from value_assets.core.publish import verify_published
@@ -50,22 +51,23 @@ def real_resources(tmp_path, manifests_dir, monkeypatch):
 
 
 def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_control(
-    instance, real_resources, manifests_dir, register, tmp_path, capfd
+    instance, real_resources, manifests_dir, register, tick, tmp_path, capfd
 ):
     from value_assets.definitions import make_definitions
 
     defs = make_definitions(real_resources)
-    good = make_demo_data(manifests_dir, rows=ROWS, seed=0)
+    family = {**DEMO_TRAINING, "family": "demo-critics"}
+    good = make_demo_data(manifests_dir, rows=ROWS, seed=0, training=family)
     bad = make_demo_data(manifests_dir, rows=ROWS, seed=0, shuffle_labels=True)
     good_key, bad_key = register(instance, real_resources, good, bad)
     artifacts = Path(real_resources["artifacts"].root)
 
-    run_config = {"ops": {"ev_report": {"config": {"gate_mode": "interval"}}}}
+    # The demo manifests' training spec gates in interval mode (core/demo_data.DEMO_TRAINING).
     bad_run = defs.resolve_job_def("full").execute_in_process(
-        instance=instance, partition_key=bad_key, raise_on_error=False, run_config=run_config
+        instance=instance, partition_key=bad_key, raise_on_error=False
     )
     good_run = defs.resolve_job_def("full").execute_in_process(
-        instance=instance, partition_key=good_key, raise_on_error=False, run_config=run_config
+        instance=instance, partition_key=good_key, raise_on_error=False
     )
 
     gate = {
@@ -158,13 +160,44 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     assert Lineage(instance, good_key).metadata("promoted_critic")["miles_contract_sha256"] == miles_sha
     assert not (artifacts / bad_key / "handoff" / "miles").exists()
 
+    # A challenger of the same family (docs/rules.md#champion), on the real engine: it warm-starts from
+    # the promoted critic's weights (its first step already has a trained critic's loss, not a fresh
+    # head's ~ln 51) and is evaluated beside it on its own held-out rows, both loaded by the workers
+    # only against their contracts.
+    challenger = make_demo_data(
+        manifests_dir, rows=256, seed=0, name="demo-again",
+        training={**family, "champion": {"warm_start": True, "tolerance": 0.05}},
+    )  # fmt: skip
+    (request,) = [r for r in tick(instance, real_resources).run_requests if "demo-again" in r.partition_key]
+    again_run = defs.resolve_job_def("full").execute_in_process(
+        instance=instance, partition_key=request.partition_key, run_config=request.run_config, raise_on_error=False
+    )
+    assert again_run.success, [e.message for e in again_run.all_events if e.is_failure]
+    again = Lineage(instance, request.partition_key)
+    step_dir, sha = read_latest(artifacts / request.partition_key / "critic")
+    contract, _ = load_contract(step_dir, sha)
+    champion_sha = Lineage(instance, good_key).metadata("training_contract")["contract_sha256"]
+    assert contract["warm_start"]["contract_sha256"] == champion_sha
+    first_loss = json.loads(
+        (artifacts / request.partition_key / "critic" / "metrics.jsonl").read_text().splitlines()[0]
+    )
+    fresh_first = json.loads((artifacts / good_key / "critic" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first_loss["loss"] < 0.8 * fresh_first["loss"], (first_loss["loss"], fresh_first["loss"])
+    shown = again.metadata("ev_report")
+    assert shown["champion_partition"] == good_key and shown["champion_contract_sha256"] == champion_sha
+    assert (
+        shown["vs_champion_token_ev_delta_low"] >= -0.05
+        and again.metadata("promoted_critic")["family"] == "demo-critics"
+    )
+    assert challenger.is_file()
+
     # A resume starts only from a save the lineage recorded (docs/rules.md#resume): training again
     # finds the save its first run logged and has nothing to do; the same save rewritten in the folder
     # (other weights, a contract binding them, `latest` pointing at it) is refused before anything loads it.
     from dagster import AssetKey
 
     from value_assets.core.checkpoint_files import describe_folder
-    from value_assets.core.contract import load_contract, write_contract
+    from value_assets.core.contract import write_contract
 
     def train_again():
         return defs.get_implicit_global_asset_job_def().execute_in_process(
@@ -192,19 +225,19 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
 
     # One warm Ray cluster served every GPU step of both runs, and the second and later Ray jobs
     # took the first one's worker processes (no Ray start, no torch/megatron import).
-    messages = [e.user_message for run in (bad_run, good_run) for e in instance.all_logs(run.run_id)]
+    messages = [e.user_message for run in (bad_run, good_run, again_run) for e in instance.all_logs(run.run_id)]
     joined = {
         m.split("warm Ray cluster ", 1)[1].split(" ", 1)[0] for m in messages if "joins the warm Ray cluster" in m
     }
     assert len(joined) == 1, joined
     ups = [m for m in messages if m.startswith("workers up:")]
-    assert len(ups) == 4 and "pool warm (new)" in ups[0] and all("pool warm (reused)" in m for m in ups[1:]), ups
+    assert len(ups) == 6 and "pool warm (new)" in ups[0] and all("pool warm (reused)" in m for m in ups[1:]), ups
     pids = {
         json.dumps(json.loads(m[len("placement ") :])["ranks"], sort_keys=True)
         for m in messages
         if m.startswith("placement ")
     }
-    assert len(pids) == 1  # the same ranks, nodes and worker processes in all four Ray jobs
+    assert len(pids) == 1  # the same ranks, nodes and worker processes in all six Ray jobs
     launcher = real_resources["launcher"]
     warm = read_live(launcher.warm_folder())
     assert warm is not None and launcher.stop_warm_cluster() and read_live(launcher.warm_folder()) is None

@@ -67,18 +67,18 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(
     # Re-promotion of the same contract: nothing exported again, same record content and version.
     first_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
     before = {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")}
+    record_mtime = record_path.stat().st_mtime_ns
     again = run(test_defs, instance, key, ["promoted_critic"])
     assert again.success, [e.message for e in again.all_events if e.is_failure]
     assert Lineage(instance, key).metadata("promoted_critic")["handoff_reused"] is True
     assert {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")} == before
     second = json.loads((artifacts / "registry" / f"{key}.json").read_text())
-    assert {k: v for k, v in second.items() if k != "promoted_at"} == {
-        k: v for k, v in record.items() if k != "promoted_at"
-    }
+    assert second == record and "promoted_at" not in record  # the time is the metadata's, not the record's
     second_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
     assert second_version["dagster/data_version"] == first_version["dagster/data_version"]
-    # the record was written again (promoted_at, to the second): the pin is the newest promotion's
-    assert Lineage(instance, key).promoted_record_sha() == sha256_file(record_path)
+    # The pin handed to the RL side stays valid: the record was left as it was, byte for byte.
+    assert Lineage(instance, key).promoted_record_sha() == sha256_file(record_path) == meta["registry_record_sha256"]
+    assert record_path.stat().st_mtime_ns == record_mtime
 
 
 def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(

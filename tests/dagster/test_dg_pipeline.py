@@ -9,11 +9,17 @@ import json
 import pytest
 from dagster import AssetKey
 
+from tests.dagster.conftest import tick
 from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.core.progress import parse_progress, report_every
 from value_assets.lineage import Lineage
 
 pytestmark = pytest.mark.integration
+
+
+def spec(**sections):
+    """A training spec of the tiny backbone with these sections (docs/rules.md#training-spec)."""
+    return {"schema": "value-assets.training.v1", "backbone": "tiny", **sections}
 
 
 def run(defs, job, instance, key, config=None):
@@ -92,11 +98,11 @@ def test_full_job_trains_evaluates_gates_and_promotes(
 def test_training_progress_reaches_the_event_log_and_the_run_is_tagged(
     instance, test_defs, test_resources, manifests_dir, write_manifest, register
 ):
-    path = write_manifest(manifests_dir, "long", standin={"ev": 0.3})
-    (key,) = register(instance, test_resources, path)
-    result = run(
-        test_defs, "full", instance, key, {"ops": {"batch_plan": {"config": {"global_batch_size": 1, "epochs": 3}}}}
+    path = write_manifest(
+        manifests_dir, "long", standin={"ev": 0.3}, training=spec(plan={"global_batch_size": 1, "epochs": 3})
     )
+    (key,) = register(instance, test_resources, path)
+    result = run(test_defs, "full", instance, key)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     plan_steps = Lineage(instance, key).metadata("batch_plan")["steps"]
     every = report_every(plan_steps)
@@ -202,16 +208,34 @@ def test_evaluation_job_reuses_the_published_report(
     assert second["reused"] is True and second["report_sha256"] == first["report_sha256"]
 
 
-def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifests_dir, write_manifest, register):
-    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32))
-    config = {
-        "ops": {
-            "batch_plan": {"config": {"global_batch_size": 4, "epochs": 2, "seed": 17}},
-            "critic_training": {"config": {"save_interval": 2, "lr": 3e-4}},
-            "ev_report": {"config": {"gate_mode": "interval", "gate_min_ev": 0.001}},
-        }
+def test_the_training_spec_reaches_the_job_and_a_run_config_may_only_restate_it(
+    instance, test_defs, test_resources, manifests_dir, write_manifest, register
+):
+    """docs/rules.md#training-spec: the lineage's spec decides the plan, the training and the gate;
+    the sensor's run request states it as run config; a run config that differs is refused by name
+    before anything is launched."""
+    training = spec(
+        plan={"global_batch_size": 4, "epochs": 2, "seed": 17},
+        train={"save_interval": 2, "lr": 3e-4},
+        gate={"mode": "interval", "min_ev": 0.001},
+    )
+    write_manifest(manifests_dir, "cfg", rows=16, heldout_rows=32, training=training)
+    result_of_tick = tick(instance, test_resources)
+    (request,) = result_of_tick.run_requests
+    key = request.partition_key
+    assert request.run_config["ops"]["critic_training"]["config"] == {
+        "save_interval": 2,
+        "lr": 3e-4,
+        "backbone": "tiny",
     }
-    result = run(test_defs, "full", instance, key, config)
+    changed = {"ops": {"critic_training": {"config": {"lr": 1e-3}}}}
+    refused = run(test_defs, "full", instance, key, {"ops": {**request.run_config["ops"], **changed["ops"]}})
+    failure = next(e for e in refused.all_events if e.is_step_failure and e.step_key == "critic_training")
+    assert "run config lr: 0.001 differs from the lineage's training spec (0.0003)" in str(
+        failure.event_specific_data.error
+    )
+    assert not (test_resources["artifacts"].critic_dir(key)).exists()
+    result = run(test_defs, "full", instance, key, request.run_config)
     assert result.success
     # The stricter gate mode reached the evaluation, and ev_gate decided in it.
     report = Lineage(instance, key).metadata("ev_report")
@@ -219,7 +243,7 @@ def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifes
     assert Lineage(instance, key).metadata("batch_plan")["steps"] == 8
     checkpoint = Lineage(instance, key).metadata("critic_checkpoint")
     assert checkpoint["completed_steps"] == 8
-    # The job received the run config as a TrainJob (set fields as given, the rest its defaults).
+    # The job received the spec's settings as a TrainJob (set fields as given, the rest its defaults).
     job = TrainJob.from_json(checkpoint["standin_config"])
     assert (job.global_batch_size, job.epochs, job.seed, job.save_interval, job.lr) == (4, 2, 17, 2, 3e-4)
     assert job.manifest_sha256 == Lineage(instance, key).metadata("value_manifest")["manifest_sha256"]
@@ -234,13 +258,13 @@ def test_run_config_reaches_the_job(instance, test_defs, test_resources, manifes
 def test_invalid_run_config_fails_before_launch(
     instance, test_defs, test_resources, manifests_dir, write_manifest, register, tmp_path
 ):
-    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "badcfg"))
-    config = {"ops": {"critic_training": {"config": {"warmup_steps": -5}}}}
-    result = run(test_defs, "full", instance, key, config)
-    assert not result.success
-    failure = next(e for e in result.all_events if e.is_step_failure and e.step_key == "critic_training")
-    assert "warmup_steps: must be an integer >= 0, got -5" in str(failure.event_specific_data.error)
-    assert not (tmp_path / "artifacts" / key / "critic").exists()
+    """A spec with a bad value never becomes a lineage: the sensor refuses it by name, with the
+    job config's own rule."""
+    path = write_manifest(manifests_dir, "badcfg", training=spec(train={"warmup_steps": -5}))
+    result = tick(instance, test_resources)
+    assert not result.run_requests
+    assert f"{path}: training.train.warmup_steps: must be an integer >= 0, got -5" in result.skip_reason.skip_message
+    assert not (tmp_path / "artifacts").exists()
 
 
 @pytest.mark.parametrize("tamper", ["steps", "steps-and-sidecar"])
@@ -254,14 +278,15 @@ def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_
     from value_assets.core.hashing import sha256_bytes
     from value_assets.core.publish import sha_sidecar
 
-    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "planned", rows=16, heldout_rows=32))
-    plan_only = {"ops": {"batch_plan": {"config": {"global_batch_size": 4, "seed": 3}}}}
+    path = write_manifest(
+        manifests_dir, "planned", rows=16, heldout_rows=32, training=spec(plan={"global_batch_size": 4, "seed": 3})
+    )
+    (key,) = register(instance, test_resources, path)
     assert (
         test_defs.resolve_job_def("full")
         .execute_in_process(
             instance=instance,
             partition_key=key,
-            run_config=plan_only,
             asset_selection=[AssetKey("batch_plan"), AssetKey("value_manifest"), AssetKey("train_dataset")],
         )
         .success
@@ -289,8 +314,11 @@ def test_training_trains_on_the_published_plan_and_refuses_a_changed_one_before_
 def test_the_contract_names_the_published_plan_the_job_was_given(
     instance, test_defs, test_resources, manifests_dir, write_manifest, register
 ):
-    (key,) = register(instance, test_resources, write_manifest(manifests_dir, "bound", rows=16, heldout_rows=32))
-    assert run(test_defs, "full", instance, key, {"ops": {"batch_plan": {"config": {"global_batch_size": 8}}}}).success
+    path = write_manifest(
+        manifests_dir, "bound", rows=16, heldout_rows=32, training=spec(plan={"global_batch_size": 8})
+    )
+    (key,) = register(instance, test_resources, path)
+    assert run(test_defs, "full", instance, key).success
     lineage = Lineage(instance, key)
     job = TrainJob.from_json(lineage.metadata("critic_checkpoint")["standin_config"])
     assert (job.plan, job.plan_sha256) == (lineage.plan().path, lineage.plan().sha256)

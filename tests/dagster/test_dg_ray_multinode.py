@@ -162,7 +162,13 @@ def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(
     from value_assets.lineage import Lineage
     from value_assets.resources import RayJobLauncher
 
-    manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0)
+    training = {
+        "schema": "value-assets.training.v1",
+        "backbone": "tiny",
+        "plan": {"global_batch_size": G, "epochs": 1, "seed": 0},
+        "train": {"gpus": 2, "placement_strategy": "SPREAD"},
+    }
+    manifest = make_demo_data(manifests_dir, rows=ROWS, heldout_rows=8, seed=0, training=training)
 
     # One node: the same settings, PACK, on this test process's Ray (the session's `ray_cluster`, whose
     # worker pool later job tests reuse), before the two-node cluster starts.
@@ -201,12 +207,6 @@ def test_ray_launcher_spreads_a_job_over_two_nodes_and_runs_the_full_job(
             resources=resources,
             partition_key=key,
             raise_on_error=False,
-            run_config={
-                "ops": {
-                    "batch_plan": {"config": {"global_batch_size": G, "epochs": 1, "seed": 0}},
-                    "critic_training": {"config": {"gpus": 2, "placement_strategy": "SPREAD"}},
-                }
-            },
         )
         assert result.success, [e.message for e in result.all_events if e.is_failure]
         placement = _placement(instance, result.run_id)

@@ -184,3 +184,71 @@ def test_symlinked_manifest_is_judged_by_its_target_folder(
     other = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), data_roots=[str(manifests_dir)])}
     refused = tick(instance, other, cursor=None)
     assert not refused.run_requests and "data roots" in refused.skip_reason.skip_message
+
+
+def test_a_manifest_without_a_training_spec_is_refused_by_name_never_trained_on_tiny(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
+    """docs/rules.md#training-spec: no spec of its own and no deployment default: nothing starts,
+    and the reason names the manifest and the setting (the random tiny backbone is never a silent
+    default for a real manifest)."""
+    path = write_manifest(manifests_dir, "nospec", training=None)
+    result = tick(instance, test_resources)
+    assert not result.run_requests and instance.get_dynamic_partitions("manifests") == []
+    message = result.skip_reason.skip_message
+    assert f"{path.resolve()}: training" in message and "VALUE_ASSETS_DEFAULT_TRAINING" in message
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_the_deployment_default_spec_is_snapshotted_when_the_manifest_registers(
+    tick, write_manifest, instance, test_resources, manifests_dir, tmp_path
+):
+    """A manifest without a spec takes the deployment's default (a spec file; its relative backbone
+    paths resolve against that file's folder). The spec in force is written into the registration:
+    a later change of the default changes no registered lineage."""
+    from value_assets.core.registration import load_registered_spec
+    from value_assets.resources import ManifestInbox
+
+    default = tmp_path / "deploy" / "default-training.json"
+    default.parent.mkdir()
+    spec = {
+        "schema": "value-assets.training.v1",
+        "backbone": "tiny",
+        "plan": {"global_batch_size": 8},
+        "gate": {"mode": "interval"},
+    }
+    default.write_text(json.dumps(spec))
+    resources = {**test_resources, "inbox": ManifestInbox(folder=str(manifests_dir), default_training=str(default))}
+    write_manifest(manifests_dir, "nospec", training=None)
+    (request,) = tick(instance, resources).run_requests
+    key = request.partition_key
+    assert request.run_config["ops"]["batch_plan"] == {"config": {"global_batch_size": 8}}
+    assert request.run_config["ops"]["ev_report"]["config"]["gate_mode"] == "interval"
+    partition = tmp_path / "artifacts" / key
+    default.write_text(json.dumps({**spec, "plan": {"global_batch_size": 16}}))  # the deployment changes its default
+    registered = load_registered_spec(partition, key)
+    assert dict(registered.plan) == {"global_batch_size": 8} and registered.base == default.parent
+    assert json.loads((partition / "registration.json").read_text())["training_spec_sha256"] == registered.sha256
+    # an invalid default is the reason the next spec-less manifest is skipped
+    default.write_text(json.dumps({**spec, "plan": {"epochs": 0}}))
+    write_manifest(manifests_dir, "nospec2", training=None)
+    again = tick(instance, resources)
+    assert not again.run_requests and f"{default}: training" not in again.skip_reason.skip_message
+    assert f"{default}.plan.epochs" in again.skip_reason.skip_message
+
+
+def test_a_partition_some_run_already_ran_is_not_started_again(
+    tick, write_manifest, instance, test_resources, test_defs, manifests_dir
+):
+    """`make demo` then `make ui`: the daemon's sensor never saw the demo's runs (the demo ticks its
+    own context). A partition the instance already ran, by any run, gets no second run request."""
+    write_manifest(manifests_dir, "once", standin={"ev": 0.3})
+    (request,) = tick(instance, test_resources).run_requests
+    assert (
+        test_defs.resolve_job_def("full")
+        .execute_in_process(instance=instance, partition_key=request.partition_key, run_config=request.run_config)
+        .success
+    )
+    fresh_cursor = tick(instance, test_resources)  # as a daemon with no cursor would tick
+    assert not fresh_cursor.run_requests
+    assert f"{request.partition_key}: already run" in fresh_cursor.skip_reason.skip_message

@@ -38,6 +38,36 @@ def partition_manifest(context, artifacts, inbox):
     return load_registered_manifest(artifacts.partition_dir(key), key, inbox.roots())
 
 
+def partition_spec(context, artifacts):
+    """The training spec the context's partition registered (docs/rules.md#training-spec)."""
+    from value_assets.core.registration import load_registered_spec
+
+    key = context.partition_key
+    return load_registered_spec(artifacts.partition_dir(key), key)
+
+
+def spec_settings(spec_settings: dict[str, Any], config: Config, job_config: type) -> dict[str, Any]:
+    """The lineage spec's settings for one job. A run config may restate them, never change them:
+    the lineage trains and is gated as its spec says, fixed before any result exists
+    (docs/rules.md#training-spec). A set run-config field that differs is refused by name."""
+    for name, value in given(config).items():
+        expected = spec_settings[name] if name in spec_settings else _default(job_config, name)
+        if value != expected:
+            raise InputError(
+                f"run config {name}",
+                f"{value!r} differs from the lineage's training spec ({expected!r}): a lineage trains and is gated as "
+                "its spec says; register a manifest with another spec for other settings",
+            )
+    return dict(spec_settings)
+
+
+def _default(job_config: type, name: str) -> Any:
+    try:
+        return field_default(job_config, name)
+    except KeyError:
+        return None
+
+
 def job_setting(job_config: type, name: str) -> Any:
     """A Dagster run-config field standing for field `name` of a job config (`TrainJob`,
     `EvaluateJob`): unset (None) means the job config's default, and the description is the job

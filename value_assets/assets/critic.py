@@ -9,6 +9,7 @@ files on disk, not only from what the job said.
 
 import shlex
 import shutil
+from datetime import UTC, datetime
 from typing import Any
 
 from dagster import (
@@ -26,13 +27,14 @@ from dagster import (
 from value_assets.assets.common import (
     OWNERS,
     fail_on_bad_input,
-    given,
     job_setting,
     partition_manifest,
+    partition_spec,
     plot_metadata,
+    spec_settings,
     to_metadata_value,
 )
-from value_assets.assets.data import batch_plan, heldout_dataset, train_dataset, value_manifest
+from value_assets.assets.data import PLAN_SETTINGS, batch_plan, heldout_dataset, train_dataset, value_manifest
 from value_assets.core import vocabulary as v
 from value_assets.core.checkpoint_files import verify_checkpoint
 from value_assets.core.contract_lookup import ContractRef, resolve_latest_contract
@@ -48,7 +50,7 @@ from value_assets.core.handoff import (
     record_rl_settings,
     reusable_handoff,
 )
-from value_assets.core.hashing import sha256_bytes
+from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.job_configs import EvaluateJob, HandoffJob, TrainJob
 from value_assets.core.miles import build_miles_contract
 from value_assets.core.plan import BatchPlan, load_published_plan
@@ -56,7 +58,8 @@ from value_assets.core.promotion import decide_reuse, lineage_report_sha, verify
 from value_assets.core.publish import read_published
 from value_assets.core.report import ev_summary, report_manifest_sha
 from value_assets.core.strict_json import canonical_bytes
-from value_assets.lineage import Lineage, PublishedPlan
+from value_assets.core.training_spec import TrainingSpec
+from value_assets.lineage import Champion, Lineage, PublishedPlan
 from value_assets.partitions import manifests_partitions
 from value_assets.resources import ArtifactStore, GpuJobLauncher, ManifestInbox
 
@@ -67,8 +70,9 @@ TRAIN_KINDS = {"pytorch", "megatron", "ray"}
 
 
 class TrainRunConfig(Config):
-    """Run config of `critic_training` and `canary_receipt`: the `TrainJob` settings a run may set
-    (unset: `TrainJob`'s defaults). The batch plan is the published one (`batch_plan`)."""
+    """Run config of `critic_training` and `canary_receipt`: the `TrainJob` settings of the lineage's
+    training spec, which a run may restate but not change (docs/rules.md#training-spec; unset:
+    the spec's). The batch plan is the published one (`batch_plan`)."""
 
     backbone: str | None = job_setting(TrainJob, "backbone")
     gpus: int | None = job_setting(TrainJob, "gpus")
@@ -86,6 +90,9 @@ class TrainRunConfig(Config):
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
     freeze: str | None = job_setting(TrainJob, "freeze")
     placement_strategy: str | None = job_setting(TrainJob, "placement_strategy")
+    weight_decay: float | None = job_setting(TrainJob, "weight_decay")
+    clip_grad: float | None = job_setting(TrainJob, "clip_grad")
+    timeout_s: float | None = job_setting(TrainJob, "timeout_s")
 
 
 def published_plan(lineage: Lineage) -> tuple[PublishedPlan, BatchPlan]:
@@ -97,6 +104,7 @@ def published_plan(lineage: Lineage) -> tuple[PublishedPlan, BatchPlan]:
 
 def train_job(
     config: TrainRunConfig,
+    spec: TrainingSpec,
     manifest,
     output_dir,
     published: PublishedPlan,
@@ -104,11 +112,17 @@ def train_job(
     data_roots=None,
     canary: bool = False,
     resume_from: tuple[str, ...] | None = None,
+    champion: Champion | None = None,
 ) -> TrainJob:
-    """The training job of a partition. The manifest sha is pinned, so the job trains on the very
-    bytes this partition registered; the published plan is the job's plan (path and sha; the job
-    reads it again and trains on exactly it); a resume may start only from a save the lineage
-    recorded (`resume_from`)."""
+    """The training job of a partition: the lineage spec's settings (a run config may only restate
+    them). The manifest sha is pinned, so the job trains on the very bytes this partition
+    registered; the published plan is the job's plan (path and sha; the job reads it again and
+    trains on exactly it); a resume may start only from a save the lineage recorded
+    (`resume_from`); the spec's sha is recorded in the contract. With the spec's
+    `champion.warm_start`, a fresh run starts from `champion`'s weights (docs/rules.md#champion)."""
+    settings = spec_settings(
+        {k: val for k, val in spec.train_settings().items() if k not in PLAN_SETTINGS}, config, TrainJob
+    )
     return TrainJob(
         manifest=manifest.path,
         manifest_sha256=manifest.sha256,
@@ -121,7 +135,11 @@ def train_job(
         data_roots=data_roots,
         canary=canary,
         resume_from=resume_from,
-        **given(config),
+        backbone_sha256=spec.backbone.sha256,
+        training_spec_sha256=spec.sha256,
+        warm_start_checkpoint=champion.checkpoint if champion and spec.champion.warm_start else None,
+        warm_start_contract_sha256=champion.contract_sha256 if champion and spec.champion.warm_start else None,
+        **settings,
     )
 
 
@@ -202,7 +220,16 @@ def critic_training(
     with fail_on_bad_input("critic_training"):
         manifest = partition_manifest(context, artifacts, inbox)
         published, plan = published_plan(lineage)
-        job = train_job(config, manifest, output, published, plan, inbox.roots(), resume_from=lineage.saves(output))
+        spec = partition_spec(context, artifacts)
+        champion = lineage.champion(spec.family) if spec.champion.warm_start else None
+        if champion is not None:
+            context.log.info(
+                f"warm start from the {spec.family} champion {champion.partition_key} ({champion.contract_sha256[:12]})"
+            )
+        job = train_job(
+            config, spec, manifest, output, published, plan, inbox.roots(), resume_from=lineage.saves(output),
+            champion=champion,
+        )  # fmt: skip
     results = launcher.launch(context, v.TRAIN, job, _job_extras(context, manifest))
     with fail_on_bad_input("critic_training: published contract"):
         ref = resolve_latest_contract(output)
@@ -242,7 +269,8 @@ def canary_receipt(
     with fail_on_bad_input(v.CANARY_RECEIPT):
         manifest = partition_manifest(context, artifacts, inbox)
         published, plan = published_plan(Lineage(context.instance, key))
-        job = train_job(config, manifest, output, published, plan, inbox.roots(), canary=True)
+        spec = partition_spec(context, artifacts)
+        job = train_job(config, spec, manifest, output, published, plan, inbox.roots(), canary=True)
     result = materialization_of(launcher.launch(context, v.CANARY, job, _job_extras(context, manifest)), v.CANARY.name)
     return MaterializeResult(
         data_version=result.data_version,
@@ -251,8 +279,10 @@ def canary_receipt(
 
 
 class EvaluateRunConfig(Config):
-    """Run config of `ev_report`: the `EvaluateJob` settings a run may set (unset: `EvaluateJob`'s
-    defaults). Checkpoint, contract, manifest, split and report path are the partition's."""
+    """Run config of `ev_report`: the `EvaluateJob` settings and gate policy of the lineage's training
+    spec, which a run may restate but not change (the gate is fixed before any report exists:
+    docs/rules.md#training-spec). Checkpoint, contract, manifest, split and report path are the
+    partition's."""
 
     num_batches: int | None = job_setting(EvaluateJob, "num_batches")
     global_batch_size: int | None = job_setting(EvaluateJob, "global_batch_size")
@@ -263,6 +293,8 @@ class EvaluateRunConfig(Config):
     gate_mode: str | None = job_setting(EvaluateJob, "gate_mode")
     gate_min_ev: float | None = job_setting(EvaluateJob, "gate_min_ev")
     placement_strategy: str | None = job_setting(EvaluateJob, "placement_strategy")
+    micro_batch_tokens: int | None = job_setting(EvaluateJob, "micro_batch_tokens")
+    timeout_s: float | None = job_setting(EvaluateJob, "timeout_s")
 
 
 def report_metadata(report: dict[str, Any], report_sha: str, report_path) -> dict[str, Any]:
@@ -319,6 +351,10 @@ def ev_report(
     else:
         split = "heldout" if manifest.heldout is not None else "train"
         with fail_on_bad_input("ev_report: config"):
+            spec = partition_spec(context, artifacts)
+            champion = lineage.champion(spec.family)
+            if champion is not None:
+                context.log.info(f"the {spec.family} champion {champion.partition_key} is scored beside this critic")
             job = EvaluateJob(
                 checkpoint=ref.checkpoint_dir,
                 manifest=manifest.path,
@@ -326,7 +362,12 @@ def ev_report(
                 report=report_path,
                 split=split,
                 data_roots=inbox.roots(),
-                **given(config),
+                training_spec_sha256=spec.sha256,
+                champion_checkpoint=champion.checkpoint if champion else None,
+                champion_contract_sha256=champion.contract_sha256 if champion else None,
+                champion_partition=champion.partition_key if champion else None,
+                champion_tolerance=spec.champion.tolerance,
+                **spec_settings(spec.evaluate_settings(), config, EvaluateJob),
             )
         result = materialization_of(
             launcher.launch(context, v.EVALUATE, job, _job_extras(context, manifest)), v.EVALUATE.name
@@ -448,6 +489,7 @@ def promoted_critic(
     lineage = Lineage(context.instance, key)
     with fail_on_bad_input("promoted_critic refused"):
         manifest = partition_manifest(context, artifacts, inbox)
+        spec = partition_spec(context, artifacts)
         ref = resolve_latest_contract(artifacts.critic_dir(key), pinned_sha256=lineage.contract_sha())
         report_path = artifacts.report_path(key, ref.sha256)
         record = verify_promotion(
@@ -467,11 +509,24 @@ def promoted_critic(
     record["handoff"], reused = export_handoff(
         context, artifacts, launcher, ref, previous, _job_extras(context, manifest)
     )
-    record_sha256 = atomic_write(registry_path, canonical_bytes(record))
-    identity = sha256_bytes(canonical_bytes({k: v for k, v in record.items() if k != "promoted_at"}))
+    if spec.family is not None:
+        record["family"] = spec.family
+    record["training_spec_sha256"] = spec.sha256
+    data = canonical_bytes(record)
+    # The record's bytes depend only on what was promoted (no timestamp: it is the metadata's), so
+    # promoting the same contract and report again leaves the pinned record as it is and its pin
+    # valid (docs/rules.md#hand-off). A file that is not the pinned record is replaced.
+    if previous is not None and canonical_bytes(previous) == data and sha256_file(registry_path) == sha256_bytes(data):
+        record_sha256 = sha256_bytes(data)
+        context.log.info(f"{registry_path} already holds this promotion's record: left as it is")
+    else:
+        record_sha256 = atomic_write(registry_path, data)
     return MaterializeResult(
-        data_version=DataVersion(identity),
+        data_version=DataVersion(record_sha256),
         metadata={
+            "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            v.FAMILY: spec.family,
+            v.TRAINING_SPEC_SHA256: spec.sha256,
             "registry_record": MetadataValue.path(str(registry_path)),
             # The pin that makes the record (and through it every bundle byte) trustworthy: the
             # artifacts folder alone cannot vouch for itself (docs/rules.md#hand-off).

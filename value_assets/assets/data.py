@@ -16,7 +16,14 @@ from dagster import (
     asset,
 )
 
-from value_assets.assets.common import OWNERS, fail_on_bad_input, given, job_setting, partition_manifest
+from value_assets.assets.common import (
+    OWNERS,
+    fail_on_bad_input,
+    job_setting,
+    partition_manifest,
+    partition_spec,
+    spec_settings,
+)
 from value_assets.core import vocabulary as v
 from value_assets.core.job_configs import TrainJob, field_default
 from value_assets.partitions import manifests_partitions
@@ -119,17 +126,20 @@ PLAN_SETTINGS = ("global_batch_size", "epochs", "seed")
 
 
 class PlanConfig(Config):
-    """The batch plan (docs/rules.md#batch-plan): `TrainJob`'s plan settings (unset: its defaults). Training trains
-    on the published plan file itself (read against the sha recorded here), never on its own config."""
+    """The batch plan (docs/rules.md#batch-plan): the lineage spec's plan settings (`TrainJob`'s, unset: its
+    defaults); a run may restate them, not change them. Training trains on the published plan file itself
+    (read against the sha recorded here), never on its own config."""
 
     global_batch_size: int | None = job_setting(TrainJob, "global_batch_size")
     epochs: int | None = job_setting(TrainJob, "epochs")
     seed: int | None = job_setting(TrainJob, "seed")
 
 
-def plan_settings(config: PlanConfig) -> tuple[int, int, int]:
-    """(G, epochs, seed): the run config's, else `TrainJob`'s defaults (checked by `build_plan`)."""
-    settings = {name: field_default(TrainJob, name) for name in PLAN_SETTINGS} | given(config)
+def plan_settings(spec_plan: dict, config: PlanConfig) -> tuple[int, int, int]:
+    """(G, epochs, seed): the lineage spec's, else `TrainJob`'s defaults (checked by `build_plan`);
+    the run config may only restate them (`spec_settings`)."""
+    defaults = {name: field_default(TrainJob, name) for name in PLAN_SETTINGS}
+    settings = defaults | spec_settings(spec_plan, config, TrainJob)
     return settings["global_batch_size"], settings["epochs"], settings["seed"]
 
 
@@ -150,7 +160,7 @@ def batch_plan(
 
     with fail_on_bad_input(v.BATCH_PLAN):
         manifest = partition_manifest(context, artifacts, inbox)
-        g, epochs, seed = plan_settings(config)
+        g, epochs, seed = plan_settings(dict(partition_spec(context, artifacts).plan), config)
         plan = build_plan(manifest.train.num_samples, g, epochs, seed)
         path = artifacts.plan_path(context.partition_key)
         # Write-once; the identical plan again is a no-op, a different one for this partition is

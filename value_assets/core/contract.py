@@ -70,6 +70,8 @@ def build_contract(
     checkpoint: str,
     checkpoint_files: Sequence[Mapping[str, Any]],
     execution: Mapping[str, Any] | None = None,
+    training_spec_sha256: str | None = None,
+    warm_start: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`checkpoint_files` is `checkpoint_files.describe_folder(step_dir)`, taken once the save is
     complete. `execution`: optional execution facts (parallel layout, memory features, micro-batch
@@ -90,6 +92,10 @@ def build_contract(
     }
     if execution is not None:
         contract["execution"] = dict(execution)
+    if training_spec_sha256 is not None:
+        contract["training_spec_sha256"] = training_spec_sha256  # docs/rules.md#training-spec
+    if warm_start is not None:
+        contract["warm_start"] = dict(warm_start)  # the champion whose weights it started from
     return contract
 
 

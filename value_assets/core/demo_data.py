@@ -92,6 +92,12 @@ def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
         raise ValueError(f"unknown format {fmt!r}")
 
 
+# The demo's training spec: the tiny random backbone is the demo's explicit choice (a real manifest
+# names its actor), and the stricter gate mode makes the shuffled control's refusal rest on its
+# EV interval reaching below 0, not on the sign of a near-zero EV.
+DEMO_TRAINING: dict[str, Any] = {"schema": "value-assets.training.v1", "backbone": "tiny", "gate": {"mode": "interval"}}
+
+
 def make_demo_data(
     out_dir: str | Path,
     *,
@@ -101,10 +107,13 @@ def make_demo_data(
     shuffle_labels: bool = False,
     fmt: str = "jsonl",
     name: str | None = None,
+    training: dict[str, Any] | None = None,
 ) -> Path:
     """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path.
 
     `name` defaults to "demo" ("demo-shuffled" for the negative control), so both fit one watched folder.
+    The manifest's training spec (docs/rules.md#training-spec) is `training`, by default the demo's
+    explicit choice `DEMO_TRAINING`: the random tiny backbone, gated in the stricter interval mode.
     """
     out = Path(out_dir)
     name = name or ("demo-shuffled" if shuffle_labels else "demo")
@@ -147,6 +156,7 @@ def make_demo_data(
             "task_success_probabilities": TASK_P.tolist(),
             "bayes_optimal_trajectory_ev_heldout": heldout_ev,
         },
+        "training": dict(DEMO_TRAINING if training is None else training),
     }
     mpath = out / f"{name}.json"
     mpath.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

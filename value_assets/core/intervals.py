@@ -24,6 +24,7 @@ from value_assets.core.stats import VAR_FLOOR, SuffStats, decile_stats, position
 
 __all__ = [
     "Interval",
+    "bootstrap_ev_difference",
     "bootstrap_ev_interval",
     "decile_stats",
     "ev_by_position",
@@ -92,6 +93,36 @@ def bootstrap_ev_interval(
         idx = rng.integers(0, units, size=(stop - start, units))
         evs[start:stop] = ev_of_sums(m[idx].sum(axis=1))
     defined = evs[~np.isnan(evs)]
+    undefined = resamples - defined.size
+    if defined.size < resamples / 2:
+        return Interval(estimate, None, None, level, resamples, undefined, units)
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(defined, [alpha, 1.0 - alpha])
+    return Interval(estimate, float(low), float(high), level, resamples, undefined, units)
+
+
+def bootstrap_ev_difference(
+    a: np.ndarray, b: np.ndarray, *, resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> Interval:
+    """Paired percentile bootstrap interval of EV(a) - EV(b), where `a` and `b` are the [units, 5]
+    statistics of two critics on the same units (the same returns, other predictions): every
+    resample draws the same units for both, so what the units share cancels and the interval is of
+    the difference, not of two independent estimates."""
+    units = a.shape[0]
+    if b.shape != a.shape:
+        raise ValueError(f"paired statistics of other shapes: {a.shape} and {b.shape}")
+    point = ev_of_sums(a.sum(axis=0)) - ev_of_sums(b.sum(axis=0)) if units else np.nan
+    estimate = None if np.isnan(point) else float(point)
+    if units < 2:
+        return Interval(estimate, None, None, level, resamples, resamples, units)
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(resamples)
+    chunk = max(1, 2_000_000 // units)
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        idx = rng.integers(0, units, size=(stop - start, units))
+        diffs[start:stop] = ev_of_sums(a[idx].sum(axis=1)) - ev_of_sums(b[idx].sum(axis=1))
+    defined = diffs[~np.isnan(diffs)]
     undefined = resamples - defined.size
     if defined.size < resamples / 2:
         return Interval(estimate, None, None, level, resamples, undefined, units)

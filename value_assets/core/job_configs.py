@@ -296,6 +296,22 @@ class TrainJob(_JobConfig):
         ),
     )
     manifest_sha256: str | None = setting(None, doc="Pin the manifest's sha256 (checked before it is parsed).")
+    backbone_sha256: str | None = setting(
+        None,
+        doc="Pin the backbone folder's digest (the `sha256` of the contract's model identity); another is refused "
+        "before anything is reserved. Unset: not checked.",
+    )
+    training_spec_sha256: str | None = setting(
+        None, doc="The lineage's training spec (docs/rules.md#training-spec), recorded in the contract."
+    )
+    warm_start_checkpoint: Path | None = setting(
+        None,
+        doc="A fresh run starts from this contracted critic's weights (head included) instead of the actor's: the "
+        "family champion (docs/rules.md#champion). Needs warm_start_contract_sha256; ignored by a resume.",
+    )
+    warm_start_contract_sha256: str | None = setting(
+        None, doc="The sha256 of warm_start_checkpoint's contract (checked before anything is loaded)."
+    )
     data_roots: tuple[str, ...] | None = setting(
         None, doc="Refuse dataset paths outside these folders; unset: no restriction."
     )
@@ -328,6 +344,15 @@ class TrainJob(_JobConfig):
             )
         if self.plan_sha256 is not None:
             require_sha(self.plan_sha256, "plan_sha256")
+        for name in ("backbone_sha256", "training_spec_sha256", "warm_start_contract_sha256"):
+            if getattr(self, name) is not None:
+                require_sha(getattr(self, name), name)
+        if (self.warm_start_checkpoint is None) != (self.warm_start_contract_sha256 is None):
+            raise InputError(
+                "warm_start_contract_sha256" if self.warm_start_checkpoint is not None else "warm_start_checkpoint",
+                "warm_start_checkpoint and warm_start_contract_sha256 go together: a champion is loaded only against "
+                "its pinned contract",
+            )
         for sha in self.resume_from or ():
             require_sha(sha, "resume_from")
         if self.recompute_layers is not None:
@@ -399,6 +424,22 @@ class EvaluateJob(_JobConfig):
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
     placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
     timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
+    training_spec_sha256: str | None = setting(
+        None, doc="The lineage's training spec (docs/rules.md#training-spec), recorded in the report."
+    )
+    champion_checkpoint: Path | None = setting(
+        None,
+        doc="The family champion (docs/rules.md#champion): its contracted save is scored on the same batches, and the "
+        "gate also needs this critic not to fall behind it beyond champion_tolerance. Needs "
+        "champion_contract_sha256.",
+    )
+    champion_contract_sha256: str | None = setting(None, doc="The sha256 of the champion's contract (pinned).")
+    champion_partition: str | None = setting(None, doc="The champion's lineage (its partition key), for the report.")
+    champion_tolerance: float = setting(
+        0.0,
+        doc="How far below the champion (EV, both weightings) the lower bound of the paired 95% interval of the "
+        "difference may reach.",
+    )
     gate_mode: str = setting(
         GATE_MODE_DEFAULT,
         doc="The gate rule: 'miles' (aggregate EV > 0 and a majority of positive-EV batches, "
@@ -417,6 +458,21 @@ class EvaluateJob(_JobConfig):
 
     def _validate(self) -> None:
         require_sha(self.contract_sha256, "contract_sha256")
+        if self.training_spec_sha256 is not None:
+            require_sha(self.training_spec_sha256, "training_spec_sha256")
+        if (self.champion_checkpoint is None) != (self.champion_contract_sha256 is None):
+            raise InputError(
+                "champion_contract_sha256" if self.champion_checkpoint is not None else "champion_checkpoint",
+                "champion_checkpoint and champion_contract_sha256 go together: a champion is loaded only against its "
+                "pinned contract",
+            )
+        if self.champion_contract_sha256 is not None:
+            require_sha(self.champion_contract_sha256, "champion_contract_sha256")
+        _positive_number(self.champion_tolerance, "champion_tolerance", allow_zero=True)
+        if self.champion_tolerance >= 1:
+            raise InputError(
+                "champion_tolerance", f"must be below 1 (an EV difference), got {show(self.champion_tolerance)}"
+            )
         if self.gate_mode not in GATE_MODES:
             raise InputError(
                 "gate_mode", f"must be one of {', '.join(map(repr, GATE_MODES))}, got {show(self.gate_mode)}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -170,5 +169,4 @@ def verify_promotion(
         "report_sha256": report_sha,
         "manifest_sha256": manifest_sha256,
         "completed_steps": contract.contract.get("completed_steps"),
-        "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }

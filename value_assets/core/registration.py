@@ -11,6 +11,7 @@ file is edited or deleted.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from value_assets.core.strict_json import canonical_bytes
 
 if TYPE_CHECKING:
     from value_assets.core.manifest import Manifest
+    from value_assets.core.training_spec import TrainingSpec
 
 REGISTRATION_SCHEMA = "value-assets.registration.v1"
 
@@ -31,14 +33,28 @@ class Registration:
     partition_key: str
     source_path: Path
     manifest_sha256: str
+    training_spec: Mapping[str, Any] | None = None
+    """The lineage's training spec as registered (the manifest's own, else the deployment default
+    then in force): docs/rules.md#training-spec. None in registrations older than specs."""
+    training_spec_base: Path | None = None
+    """The folder its relative backbone paths resolve against."""
+
+    @property
+    def training_spec_sha256(self) -> str | None:
+        return None if self.training_spec is None else sha256_bytes(canonical_bytes(dict(self.training_spec)))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "schema": REGISTRATION_SCHEMA,
             "partition_key": self.partition_key,
             "source_path": str(self.source_path),
             "manifest_sha256": self.manifest_sha256,
         }
+        if self.training_spec is not None:
+            out["training_spec"] = dict(self.training_spec)
+            out["training_spec_base"] = str(self.training_spec_base)
+            out["training_spec_sha256"] = self.training_spec_sha256
+        return out
 
 
 def register_manifest(partition_dir: Path, registration: Registration, manifest_bytes: bytes) -> bool:
@@ -69,7 +85,32 @@ def read_registration(partition_dir: Path, partition_key: str) -> Registration:
     sha = obj.get("manifest_sha256")
     if obj.get("schema") != REGISTRATION_SCHEMA or not is_sha(sha) or obj.get("partition_key") != partition_key:
         raise InputError(str(path), f"not a registration of partition {partition_key!r}: {obj!r}")
-    return Registration(partition_key=partition_key, source_path=Path(obj["source_path"]), manifest_sha256=sha)
+    spec, base = obj.get("training_spec"), obj.get("training_spec_base")
+    if spec is not None and (not isinstance(spec, dict) or not isinstance(base, str)):
+        raise InputError(str(path), "training_spec must be an object with its training_spec_base folder")
+    reg = Registration(
+        partition_key=partition_key, source_path=Path(obj["source_path"]), manifest_sha256=sha, training_spec=spec,
+        training_spec_base=Path(base) if isinstance(base, str) else None,
+    )  # fmt: skip
+    if spec is not None and obj.get("training_spec_sha256") != reg.training_spec_sha256:
+        raise InputError(str(path), f"training_spec hashes to {reg.training_spec_sha256}, the registration recorded "
+                                    f"{obj.get('training_spec_sha256')!r}")  # fmt: skip
+    return reg
+
+
+def load_registered_spec(partition_dir: Path, partition_key: str) -> TrainingSpec:
+    """The training spec the partition registered (docs/rules.md#training-spec)."""
+    from value_assets.core.training_spec import parse_training_spec
+
+    reg = read_registration(partition_dir, partition_key)
+    where = f"{partition_dir / 'registration.json'}: training_spec"
+    if reg.training_spec is None or reg.training_spec_base is None:
+        raise InputError(
+            where,
+            f"partition {partition_key} was registered without a training spec (before specs existed): give its "
+            "manifest a `training` object (a new partition) to train it",
+        )
+    return parse_training_spec(reg.training_spec, base=reg.training_spec_base, where=where)
 
 
 def load_registered_manifest(partition_dir: Path, partition_key: str, data_roots: list[Path] | None = None) -> Manifest:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from value_assets.core.errors import InputError, show
-from value_assets.core.intervals import Interval, bootstrap_ev_interval, ev_of_sums
+from value_assets.core.intervals import Interval, bootstrap_ev_difference, bootstrap_ev_interval, ev_of_sums
 from value_assets.core.stats import (
     GATE_CRITERIA,
     RankReport,
@@ -44,6 +44,10 @@ INTERVAL_CRITERION = (
     "the lower bound of the bootstrap 95% interval of the aggregate EV (over rows) is > 0, for both weightings"
 )
 MIN_EV_DEFAULT = 0.0  # Miles' rule: any positive EV passes
+CHAMPION_CRITERION = (
+    "the lower bound of the paired bootstrap 95% interval of EV(this critic) - EV(the family champion), over the "
+    "same rows, is >= -tolerance, for both weightings"
+)
 INTERVAL_LEVEL = 0.95
 INTERVAL_RESAMPLES = 2000
 INTERVAL_UNIT = "row"
@@ -85,6 +89,10 @@ class GateDecision:
     intervals: dict[str, Interval]
     failures: tuple[str, ...]
     min_ev: float = MIN_EV_DEFAULT
+    champion: dict[str, Interval] | None = None
+    """Per weighting, the paired interval of EV(this critic) - EV(the family champion) on the same
+    rows, when the report scores a champion (docs/rules.md#champion); None when it does not."""
+    champion_tolerance: float | None = None
 
     @property
     def applies(self) -> bool:
@@ -104,6 +112,10 @@ class GateDecision:
         }
         if self.mode == "interval":
             out["interval_low"] = {w: (iv.low if iv is not None else None) for w, iv in self.intervals.items()}
+        if self.champion is not None:
+            out["champion_tolerance"] = self.champion_tolerance
+            out["champion_criterion"] = CHAMPION_CRITERION
+            out["champion_delta_low"] = {w: iv.low for w, iv in self.champion.items()}
         return out
 
 
@@ -261,6 +273,7 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
                 failures.append(
                     f"{weighting}-weighted: report's interval {stated!r} != recomputed {interval_json(iv, seed)!r}"
                 )
+    champion, tolerance = _champion_rule(report, row_parts, problem, seed, failures)
     if "passed" in report and report["passed"] is not (not failures):
         failures.append(f"report says passed={report['passed']!r}, recomputation says {not failures}")
     return GateDecision(
@@ -271,7 +284,68 @@ def decide_gate(report: dict[str, Any]) -> GateDecision:
         intervals=intervals,
         failures=tuple(failures),
         min_ev=min_ev,
+        champion=champion,
+        champion_tolerance=tolerance,
     )
+
+
+def _champion_rule(
+    report: dict[str, Any],
+    row_parts: dict[str, np.ndarray] | None,
+    problem: str | None,
+    seed: int | None,
+    failures: list[str],
+) -> tuple[dict[str, Interval] | None, float | None]:
+    """docs/rules.md#champion: when the report scores the family champion on the same rows, this
+    critic passes only if, for both weightings, the lower bound of the paired bootstrap interval of
+    EV(this) - EV(champion) is >= -tolerance. The champion's statistics must be of exactly the rows
+    this critic was scored on, with the same returns; stated aggregates and intervals must be the
+    recomputed ones. Appends the failures; returns the intervals and the tolerance."""
+    champion = report.get("champion")
+    if champion is None:
+        return None, None
+    gate_json = report.get("gate")
+    tolerance = gate_json.get("champion_tolerance") if isinstance(gate_json, dict) else None
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        failures.append(f"champion rule: gate.champion_tolerance must be a number in [0, 1), got {tolerance!r}")
+        return {}, None
+    tolerance = float(tolerance)
+    if not isinstance(champion, dict):
+        failures.append("champion rule: the report's champion section is not an object")
+        return {}, tolerance
+    if row_parts is None or seed is None:
+        failures.append(f"champion rule: cannot recompute the comparison: {problem or 'no seed'}")
+        return {}, tolerance
+    theirs, their_problem = _row_parts(champion.get("batches"))
+    mine_rows = [b.get("rows") for b in report.get("batches") or []]
+    their_rows = [b.get("rows") if isinstance(b, dict) else None for b in champion.get("batches") or []]
+    if theirs is None:
+        failures.append(f"champion rule: cannot recompute the champion's statistics: {their_problem}")
+        return {}, tolerance
+    if their_rows != mine_rows or any(
+        not np.allclose(theirs[w][:, :3], row_parts[w][:, :3], rtol=1e-9, atol=0.0) for w in WEIGHTINGS
+    ):
+        failures.append("champion rule: the champion was scored on other rows or returns than this critic")
+        return {}, tolerance
+    intervals: dict[str, Interval] = {}
+    for weighting in WEIGHTINGS:
+        iv = bootstrap_ev_difference(
+            row_parts[weighting], theirs[weighting], resamples=INTERVAL_RESAMPLES, level=INTERVAL_LEVEL, seed=seed
+        )
+        intervals[weighting] = iv
+        if iv.low is None or iv.low < -tolerance:
+            bounds = "undefined" if iv.low is None else f"[{iv.low:.4g}, {iv.high:.4g}]"
+            failures.append(
+                f"champion rule, {weighting}-weighted: EV(this) - EV(champion {champion.get('partition')!r}) is "
+                f"{iv.estimate!r}, {iv.level:.0%} interval {bounds}; its lower bound must be >= -{tolerance!r}"
+            )
+    stated = report.get("comparison")
+    if stated is not None:
+        for weighting, iv in intervals.items():
+            want = interval_json(iv, seed)
+            if not _same_interval((stated if isinstance(stated, dict) else {}).get(weighting), want):
+                failures.append(f"champion rule, {weighting}-weighted: report's comparison != recomputed {want!r}")
+    return intervals, tolerance
 
 
 def report_manifest_sha(report: dict[str, Any]) -> Any:
@@ -299,6 +373,19 @@ def ev_summary(report: dict[str, Any]) -> dict[str, Any]:
         gate = {}
     out["gate_mode"] = gate.get("mode", GATE_MODE_DEFAULT)
     out["gate_min_ev"] = gate.get("min_ev", MIN_EV_DEFAULT)
+    champion = report.get("champion")
+    if isinstance(champion, dict):  # the family champion beside this critic (docs/rules.md#champion)
+        out["champion_partition"] = champion.get("partition")
+        out["champion_contract_sha256"] = champion.get("contract_sha256")
+        out["champion_tolerance"] = gate.get("champion_tolerance")
+        aggregates_raw, comparison_raw = champion.get("aggregates"), report.get("comparison")
+        theirs: dict[str, Any] = aggregates_raw if isinstance(aggregates_raw, dict) else {}
+        comparison: dict[str, Any] = comparison_raw if isinstance(comparison_raw, dict) else {}
+        for weighting in WEIGHTINGS:
+            out[f"champion_{weighting}_ev"] = (theirs.get(weighting) or {}).get("ev")
+            delta = comparison.get(weighting) or {}
+            out[f"vs_champion_{weighting}_ev_delta"] = delta.get("estimate")
+            out[f"vs_champion_{weighting}_ev_delta_low"] = delta.get("low")
     return out
 
 
@@ -321,6 +408,83 @@ def position_table(deciles: np.ndarray) -> dict[str, Any]:
     return {"weighting": "token", "definition": POSITION_DEFINITION, "deciles": rows}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChampionScores:
+    """The family champion scored on the challenger's evaluation batches (docs/rules.md#champion)."""
+
+    partition: str | None
+    contract_sha256: str
+    checkpoint: str
+    tolerance: float
+    rank_reports: Sequence[Sequence[RankReport]]
+
+
+@dataclass
+class _Scored:
+    """One critic's statistics over the evaluation batches (see `build_report`)."""
+
+    per_batch: list[dict[str, Any]]
+    token: list[SuffStats]
+    trajectory: list[SuffStats]
+    deciles: np.ndarray
+    scores: list[float]
+    score_labels: list[float]
+
+
+def _score_batches(
+    batches: Sequence[Sequence[int]],
+    rank_reports: Sequence[Sequence[RankReport]],
+    active_targets: Sequence[int],
+    labels: Sequence[float],
+    *,
+    dp: int,
+    where: str,
+) -> _Scored:
+    """Check every batch's rank reports (coverage, totals, per-row statistics) and lay them out
+    per batch: statistics, EV and per-row statistics for both weightings."""
+    if len(rank_reports) != len(batches) or len(active_targets) != len(batches):
+        raise InputError("evaluation", f"{len(rank_reports)} reported batches for {len(batches)} planned")
+    out = _Scored([], [], [], np.zeros((10, 5)), [], [])
+    for k, (planned, reports, active) in enumerate(zip(batches, rank_reports, active_targets, strict=True)):
+        at = f"{where} {k}"
+        check_rank_reports(reports, dp=dp, planned_rows=planned, active_targets=active, where=at)
+        for r in reports:
+            check_row_stats(r, at)
+        tok = SuffStats.merge(r.token for r in reports)
+        traj = SuffStats.merge(r.trajectory for r in reports)
+        out.token.append(tok)
+        out.trajectory.append(traj)
+        # Per-row statistics in planned row order (rows of a batch are distinct; a duplicate takes
+        # the reported entries in turn).
+        reported: dict[int, list[tuple[list[float], list[float]]]] = {}
+        for r in reports:
+            assert r.row_token is not None and r.row_trajectory is not None  # check_row_stats refused None above
+            for i, t, j in zip(r.row_indices, r.row_token, r.row_trajectory, strict=True):
+                reported.setdefault(i, []).append((t, j))
+            out.deciles += np.asarray(r.row_deciles, dtype=np.float64).reshape(-1, 10, 5).sum(axis=0)
+            for i, v in zip(r.row_indices, r.row_values, strict=True):
+                out.scores.append(v)
+                out.score_labels.append(float(labels[i]))
+        ordered = [reported[int(i)].pop(0) for i in planned]
+        out.per_batch.append(
+            {
+                "index": k,
+                "rows": list(planned),
+                "token": {
+                    "stats": tok.to_json(),
+                    "ev": tok.ev(f"{at} (token-weighted)"),
+                    "row_stats": [t for t, _ in ordered],
+                },
+                "trajectory": {
+                    "stats": traj.to_json(),
+                    "ev": traj.ev(f"{at} (trajectory-weighted)"),
+                    "row_stats": [j for _, j in ordered],
+                },
+            }
+        )
+    return out
+
+
 def build_report(
     *,
     manifest_sha256: str,
@@ -337,6 +501,8 @@ def build_report(
     labels: Sequence[float],
     gate_mode: str = GATE_MODE_DEFAULT,
     gate_min_ev: float = MIN_EV_DEFAULT,
+    training_spec_sha256: str | None = None,
+    champion: ChampionScores | None = None,
 ) -> dict[str, Any]:
     """Check every batch's rank reports, compute EVs from summed statistics and decide the gate.
 
@@ -346,56 +512,18 @@ def build_report(
     add up to its totals (`check_row_stats`); they give the position table and, with the seed, the
     bootstrap intervals. `gate_mode` is "miles" (the default rule) or "interval" (stricter);
     `gate_min_ev` raises the bar from > 0 to > it (the aggregate EV in "miles", the interval's lower
-    bound in "interval").
+    bound in "interval"). `champion`: the family champion's rank reports on the same batches; the
+    report then holds its statistics beside this critic's and the gate also applies the champion
+    rule (docs/rules.md#champion).
     """
     if gate_mode not in GATE_MODES:
         raise InputError("gate_mode", f"must be one of {', '.join(GATE_MODES)}, got {gate_mode!r}")
     gate_min_ev = check_min_ev(gate_min_ev)
     if len(rank_reports) != len(batches) or len(active_targets) != len(batches):
         raise InputError("evaluation", f"{len(rank_reports)} reported batches for {len(batches)} planned")
-    per_batch = []
-    tok_parts: list[SuffStats] = []
-    traj_parts: list[SuffStats] = []
-    scores: list[float] = []
-    score_labels: list[float] = []
-    deciles = np.zeros((10, 5))
-    for k, (planned, reports, active) in enumerate(zip(batches, rank_reports, active_targets, strict=True)):
-        where = f"evaluation batch {k}"
-        check_rank_reports(reports, dp=dp, planned_rows=planned, active_targets=active, where=where)
-        for r in reports:
-            check_row_stats(r, where)
-        tok = SuffStats.merge(r.token for r in reports)
-        traj = SuffStats.merge(r.trajectory for r in reports)
-        tok_parts.append(tok)
-        traj_parts.append(traj)
-        # Per-row statistics in planned row order (rows of a batch are distinct; a duplicate takes
-        # the reported entries in turn).
-        reported: dict[int, list[tuple[list[float], list[float]]]] = {}
-        for r in reports:
-            assert r.row_token is not None and r.row_trajectory is not None  # check_row_stats refused None above
-            for i, t, j in zip(r.row_indices, r.row_token, r.row_trajectory, strict=True):
-                reported.setdefault(i, []).append((t, j))
-            deciles += np.asarray(r.row_deciles, dtype=np.float64).reshape(-1, 10, 5).sum(axis=0)
-            for i, v in zip(r.row_indices, r.row_values, strict=True):
-                scores.append(v)
-                score_labels.append(float(labels[i]))
-        ordered = [reported[int(i)].pop(0) for i in planned]
-        per_batch.append(
-            {
-                "index": k,
-                "rows": list(planned),
-                "token": {
-                    "stats": tok.to_json(),
-                    "ev": tok.ev(f"{where} (token-weighted)"),
-                    "row_stats": [t for t, _ in ordered],
-                },
-                "trajectory": {
-                    "stats": traj.to_json(),
-                    "ev": traj.ev(f"{where} (trajectory-weighted)"),
-                    "row_stats": [j for _, j in ordered],
-                },
-            }
-        )
+    scored = _score_batches(batches, rank_reports, active_targets, labels, dp=dp, where="evaluation batch")
+    per_batch, tok_parts, traj_parts = scored.per_batch, scored.token, scored.trajectory
+    deciles, scores, score_labels = scored.deciles, scored.scores, scored.score_labels
     tok_all, traj_all = SuffStats.merge(tok_parts), SuffStats.merge(traj_parts)
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -415,6 +543,24 @@ def build_report(
         "batches": per_batch,
         "gate": {"mode": gate_mode, "min_ev": gate_min_ev},
     }
+    if training_spec_sha256 is not None:
+        report["training_spec_sha256"] = training_spec_sha256
+    if champion is not None:
+        theirs = _score_batches(batches, champion.rank_reports, active_targets, labels, dp=dp, where="champion batch")
+        report["champion"] = {
+            "partition": champion.partition,
+            "contract_sha256": champion.contract_sha256,
+            "checkpoint": champion.checkpoint,
+            "batches": theirs.per_batch,
+            "aggregates": {
+                "token": {"stats": SuffStats.merge(theirs.token).to_json(), "ev": SuffStats.merge(theirs.token).ev()},
+                "trajectory": {
+                    "stats": SuffStats.merge(theirs.trajectory).to_json(),
+                    "ev": SuffStats.merge(theirs.trajectory).ev(),
+                },
+            },
+        }
+        report["gate"]["champion_tolerance"] = champion.tolerance
     decision = decide_gate(report)
     if set(decision.weightings) != set(WEIGHTINGS) or set(decision.intervals) != set(WEIGHTINGS):
         raise InputError("evaluation", "; ".join(decision.failures))
@@ -437,6 +583,8 @@ def build_report(
         "auroc": auroc(scores, score_labels),
     }
     report["intervals"] = {w: interval_json(decision.intervals[w], seed) for w in WEIGHTINGS}
+    if decision.champion is not None:
+        report["comparison"] = {w: interval_json(iv, seed) for w, iv in decision.champion.items()}
     report["position"] = position_table(deciles)
     report["gate"] = decision.to_json()
     return report

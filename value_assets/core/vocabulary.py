@@ -54,6 +54,8 @@ REUSED: Final = "reused"
 RECEIPT_SHA256: Final = "receipt_sha256"
 MILES_CONTRACT_SHA256: Final = "miles_contract_sha256"
 REGISTRY_RECORD_SHA256: Final = "registry_record_sha256"
+FAMILY: Final = "family"
+TRAINING_SPEC_SHA256: Final = "training_spec_sha256"
 
 # ---- the GPU job's tasks
 

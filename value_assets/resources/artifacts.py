@@ -75,9 +75,19 @@ class ManifestInbox(ConfigurableResource):
         "(docs/rules.md#bad-input-and-safety).",
     )
 
+    default_training: str | None = Field(
+        default=None,
+        description="A JSON file holding the training spec of manifests that carry none "
+        "(docs/rules.md#training-spec); unset: such manifests are refused by name.",
+    )
+
     @property
     def folder_path(self) -> Path:
         return Path(self.folder).expanduser().resolve()
+
+    @property
+    def default_spec_path(self) -> Path | None:
+        return Path(self.default_training).expanduser().resolve() if self.default_training else None
 
     def roots(self) -> list[Path] | None:
         return [Path(r).expanduser().resolve() for r in self.data_roots] or None

@@ -31,7 +31,7 @@ from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.objective import Objective
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
 from value_assets.core.publish import publication_state, publish_once
-from value_assets.core.report import build_report
+from value_assets.core.report import ChampionScores, build_report
 from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
 
@@ -72,6 +72,9 @@ class _Prepared:
     global_batch_size: int
     batches: list[tuple[int, ...]]
     micro_batch_tokens: int
+    champion_dir: Path | None = None
+    champion_contract: dict[str, Any] | None = None
+    champion_sha256: str | None = None
 
 
 def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
@@ -126,9 +129,51 @@ def prepare(cfg: EvaluateJob, log: Callable[[str], None] = print) -> _Prepared:
     _check_writable(report_path)
     longest = int(ds.lengths.max()) - 1
     log(f"{cfg.split} data ok: {len(ds)} rows; {len(batches)} batches of {g} rows, data-parallel size {dp}")
-    return _Prepared(
+    prep = _Prepared(
         step_dir, contract, contract_sha, manifest, ds, dp, g, batches, max(cfg.micro_batch_tokens, longest)
     )
+    if cfg.champion_checkpoint is not None:
+        _prepare_champion(cfg, prep)
+    return prep
+
+
+def _prepare_champion(cfg: EvaluateJob, prep: _Prepared) -> None:
+    """The family champion (docs/rules.md#champion): its save verified against its pinned contract,
+    a critic of the same backbone and objective as the one evaluated (so the same workers score it
+    on the same batches)."""
+    assert cfg.champion_checkpoint is not None and cfg.champion_contract_sha256 is not None
+    step_dir, _ = resolve_step_dir(cfg.champion_checkpoint)
+    contract, sha = load_verified(step_dir, pinned_sha256=cfg.champion_contract_sha256)
+    where = f"champion_checkpoint {step_dir}"
+    if contract.get("backbone_config") != prep.contract["backbone_config"]:
+        raise InputError(where, "the champion's backbone differs from this critic's: it is not of the same family")
+    if contract.get("objective") != prep.contract["objective"]:
+        raise InputError(where, "the champion's objective differs from this critic's: it is not of the same family")
+    prep.champion_dir, prep.champion_contract, prep.champion_sha256 = step_dir, contract, sha
+
+
+def _score(cluster, batches, ds: Dataset, dp: int, mbt: int, log, what: str) -> list[list[RankReport]]:
+    """The loaded critic's rank reports for every batch."""
+    from value_assets.gpu.drivers.train import row_payload
+
+    rank_reports = []
+    for k, batch in enumerate(batches):
+        per_dp = assign_to_ranks(batch, dp)
+        calls = []
+        for info in cluster.infos:
+            rows = [row_payload(ds, i) for i in per_dp[info["dp_rank"]]]
+            calls.append(((rows, mbt, info["dp_rank"]), {}))
+        out = cluster.call_each("evaluate", calls)
+        # One report per data-parallel rank: its last pipeline stage has the values, and
+        # tensor-parallel peers there compute the same statistics.
+        reps = [
+            RankReport.from_json(o)
+            for o, info in zip(out, cluster.infos, strict=True)
+            if info["tp_rank"] == 0 and info["last_stage"]
+        ]
+        rank_reports.append(reps)
+        log(f"evaluated {what}batch {k + 1}/{len(batches)}")
+    return rank_reports
 
 
 def _bounds(interval: dict[str, Any]) -> str:
@@ -139,7 +184,6 @@ def _bounds(interval: dict[str, Any]) -> str:
 def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult:
     """`prepare` (every refusal), then forward passes on the reserved workers, then publication."""
     from value_assets.gpu.drivers.plots import calibration_png, ev_by_position_png, ev_per_batch_png
-    from value_assets.gpu.drivers.train import row_payload
     from value_assets.gpu.workers.cluster import start_workers
 
     prep = prepare(cfg, log)
@@ -173,22 +217,26 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
             raise InputError(
                 str(step_dir), f"ranks loaded iterations {loaded}, the contract says {contract['completed_steps']}"
             )
-        for k, batch in enumerate(batches):
-            per_dp = assign_to_ranks(batch, dp)
-            calls = []
-            for info in cluster.infos:
-                rows = [row_payload(ds, i) for i in per_dp[info["dp_rank"]]]
-                calls.append(((rows, mbt, info["dp_rank"]), {}))
-            out = cluster.call_each("evaluate", calls)
-            # One report per data-parallel rank: its last pipeline stage has the values, and
-            # tensor-parallel peers there compute the same statistics.
-            reps = [
-                RankReport.from_json(o)
-                for o, info in zip(out, cluster.infos, strict=True)
-                if info["tp_rank"] == 0 and info["last_stage"]
-            ]
-            rank_reports.append(reps)
-            log(f"evaluated batch {k + 1}/{len(batches)}")
+        rank_reports = _score(cluster, batches, ds, dp, mbt, log, "")
+        if prep.champion_dir is not None:
+            # The champion on the same workers and batches (same backbone and objective: checked in
+            # `prepare`); only bytes matching its contract are used.
+            assert prep.champion_contract is not None
+            loaded = cluster.call_all("load", str(prep.champion_dir), False, prep.champion_contract)
+            if sorted(set(loaded)) != [prep.champion_contract["completed_steps"]]:
+                raise InputError(str(prep.champion_dir), f"ranks loaded iterations {loaded} of the champion, its "
+                                 f"contract says {prep.champion_contract['completed_steps']}")  # fmt: skip
+            champion_reports = _score(cluster, batches, ds, dp, mbt, log, "champion ")
+    champion = None
+    if prep.champion_dir is not None:
+        assert prep.champion_sha256 is not None
+        champion = ChampionScores(
+            partition=cfg.champion_partition,
+            contract_sha256=prep.champion_sha256,
+            checkpoint=str(prep.champion_dir),
+            tolerance=cfg.champion_tolerance,
+            rank_reports=champion_reports,
+        )
     report = build_report(
         manifest_sha256=manifest.sha256,
         dataset_sha256=ds.sha256,
@@ -204,6 +252,8 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
         labels=ds.labels.tolist(),
         gate_mode=cfg.gate_mode,
         gate_min_ev=cfg.gate_min_ev,
+        training_spec_sha256=cfg.training_spec_sha256,
+        champion=champion,
     )
     # --- publication: plots first, then the report that names them -----------------------------------
     values = [v for reps in rank_reports for r in reps for v in r.row_values]

@@ -91,6 +91,9 @@ class _Prepared:
     start_step: int
     micro_batch_tokens: int  # resolved (an int also when the config said "auto")
     resume_sha256: str | None = None
+    warm_start: dict[str, Any] | None = None  # the contract's record of the champion a fresh run starts from
+    warm_start_dir: Path | None = None
+    warm_start_contract: dict[str, Any] | None = None
 
 
 def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
@@ -99,6 +102,12 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
 
     manifest = load_manifest(cfg.manifest, pinned_sha256=cfg.manifest_sha256, data_roots=cfg.data_roots)
     backbone_cfg, source, identity = resolve_backbone(cfg.backbone, seed=cfg.seed, hf_config=cfg.hf_config)
+    if cfg.backbone_sha256 is not None and identity.get("sha256") != cfg.backbone_sha256:
+        raise InputError(
+            "backbone_sha256",
+            f"the backbone {cfg.backbone} hashes to {identity.get('sha256')!r}, but {cfg.backbone_sha256} was pinned "
+            "(the lineage's training spec names another actor, or its files changed)",
+        )
     train = validate_dataset(
         manifest.train, manifest.objective, vocab_size=backbone_cfg.vocab_size, max_seq_len=backbone_cfg.max_seq_len
     )
@@ -169,7 +178,7 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
         )
         check_resume_execution(contract, cfg, where=str(resume_dir))
         log(f"resuming after step {start} from {resume_dir}")
-    return _Prepared(
+    prep = _Prepared(
         manifest,
         train,
         plan,
@@ -183,6 +192,28 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
         micro_batch_tokens,
         resume_sha,
     )
+    if cfg.warm_start_checkpoint is not None and resume_dir is None:
+        _prepare_warm_start(cfg, prep, log)
+    return prep
+
+
+def _prepare_warm_start(cfg: TrainJob, prep: _Prepared, log: Callable[[str], None]) -> None:
+    """A fresh run that starts from a champion's weights (head included) instead of the actor's
+    (docs/rules.md#champion): the champion's save is verified against its pinned contract, and must
+    be a critic of the same backbone and objective."""
+    from value_assets.core.contract import load_verified, resolve_step_dir
+
+    assert cfg.warm_start_checkpoint is not None and cfg.warm_start_contract_sha256 is not None
+    step_dir, _ = resolve_step_dir(cfg.warm_start_checkpoint)
+    contract, sha = load_verified(step_dir, pinned_sha256=cfg.warm_start_contract_sha256)
+    where = f"warm_start_checkpoint {step_dir}"
+    if contract.get("backbone_config") != prep.backbone_cfg.to_json():
+        raise InputError(where, "the champion's backbone differs from this run's: it is not a critic of the same actor")
+    if contract.get("objective") != prep.manifest.objective.canonical():
+        raise InputError(where, "the champion's objective differs from this manifest's: its value head does not fit")
+    prep.warm_start = {"contract_sha256": sha, "checkpoint": str(step_dir)}
+    prep.warm_start_dir, prep.warm_start_contract = step_dir, contract
+    log(f"warm start from the champion {step_dir} (contract {sha[:12]})")
 
 
 def _auto_micro_batch_tokens(
@@ -422,6 +453,9 @@ def train(
                 model=prep.backbone_identity,
                 loaded_iterations=loaded,
             )
+        elif prep.warm_start_dir is not None:
+            # The champion's weights, head included; only bytes matching its contract are used.
+            cluster.call_all("load", str(prep.warm_start_dir), False, prep.warm_start_contract)
         else:
             cluster.call_all("bootstrap", prep.backbone_source)
         critic_dir.mkdir(parents=True, exist_ok=True)
@@ -476,6 +510,8 @@ def train(
                             checkpoint=step_dir.name,
                             checkpoint_files=describe_folder(step_dir),
                             execution=execution_facts(cfg, prep.dp, prep.micro_batch_tokens),
+                            training_spec_sha256=cfg.training_spec_sha256,
+                            warm_start=prep.warm_start,
                         )
                         try:
                             result.contract_sha256 = write_contract(critic_dir, contract)
