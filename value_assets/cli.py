@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from value_assets.core.errors import InputError, require_int
+from value_assets.core.errors import EXIT_GATE_FAILED, InputError, require_int
 from value_assets.core.job_configs import TrainJob, data_roots_from_env, field_default, field_doc
 from value_assets.core.publish import PublishError
 
@@ -304,6 +304,48 @@ def cmd_handoff(args) -> int:
     return 0
 
 
+def cmd_run_manifests(args) -> int:
+    """Process the watched manifest folder once, as the daemon's sensor would, running each
+    requested `full` run in this process (value_assets/run_inbox.py)."""
+    from value_assets.definitions import deployment_name, project_root, resources_by_deployment_name
+    from value_assets.run_inbox import run_inbox, use_home
+
+    home = use_home(project_root())
+    from dagster import DagsterInstance
+
+    resources = resources_by_deployment_name()[deployment_name()]
+    print(f"# instance {home}; watched folder {resources['inbox'].folder_path}", file=sys.stderr)
+    with DagsterInstance.get() as instance:
+        states = run_inbox(instance, resources, say=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = [
+        {
+            "partition_key": st.partition_key,
+            "manifest": str(st.manifest),
+            "success": st.success,
+            "failed_steps": list(st.failed_steps),
+            "gate": st.gate,
+            "promoted": st.promoted,
+            "registry_record": str(st.registry_record) if st.promoted else None,
+            "registry_record_sha256": st.record_sha256 if st.promoted else None,
+            "handoff_command": st.handoff_command(),
+        }
+        for st in states
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    else:
+        for st in states:
+            verdict = "promoted" if st.promoted else ("refused by the gate" if st.gate is False else "failed")
+            print(f"{st.partition_key}: {verdict}" + (f" (run {st.run_id})" if st.success is False else ""))
+            if st.handoff_command():
+                print(f"  {st.handoff_command()}")
+        if not states:
+            print("nothing to run: no new manifest, or every partition was run already")
+    if any(st.gate is False for st in states):
+        return EXIT_GATE_FAILED
+    return 0 if all(st.success for st in states) else 1
+
+
 def _instance_record_sha(record_path) -> str:
     """The record sha the latest promotion of the record's partition (its file name,
     `registry/<partition>.json`) wrote, read from the Dagster instance at $DAGSTER_HOME."""
@@ -426,6 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     h.add_argument("--json", action="store_true", help="print the settings as one JSON object")
     h.set_defaults(func=cmd_handoff)
+
+    rm = sub.add_parser(
+        "run-manifests",
+        help="register the watched folder's new manifests and run each lineage's full job in this process, as the "
+        "daemon would (DAGSTER_HOME, else .dagster_home in the project; VALUE_ASSETS_MANIFESTS, "
+        "VALUE_ASSETS_ARTIFACTS)",
+    )
+    rm.add_argument("--json", action="store_true", help="print one JSON object per lineage")
+    rm.set_defaults(func=cmd_run_manifests)
 
     _add_engine_commands(sub)
     return p

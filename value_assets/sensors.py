@@ -90,13 +90,13 @@ def _judge(data: bytes, real: Path, data_roots: list[Path] | None, default_spec:
     """The training spec of `data` (read from `real`) if it is a valid manifest with a valid spec of
     its own or a valid deployment default (docs/rules.md#training-spec), else why not."""
     from value_assets.core.manifest import parse_manifest
-    from value_assets.core.training_spec import SECTION, load_default_spec, spec_of_manifest
+    from value_assets.core.training_spec import SECTION, load_spec_file, spec_of_manifest
 
     try:
         manifest = parse_manifest(data, real, data_roots=data_roots)
         spec = spec_of_manifest(manifest.raw, real)
         if spec is None and default_spec is not None:
-            spec = load_default_spec(default_spec)
+            spec = load_spec_file(default_spec)
         if spec is None:
             raise InputError(
                 f"{real}: {SECTION}",

@@ -207,3 +207,25 @@ def test_mse_objective_keeps_rewards_outside_the_range(tmp_path):
         [src], CharTokenizer(), tmp_path / "out", fields=GENERIC, loss_type="mse", heldout_fraction=0.25
     )
     assert load_manifest(res.manifest).objective.loss_type == "mse"
+
+
+def test_import_into_the_watched_folder_with_a_training_spec(tmp_path):
+    """`--inbox`: the datasets under `out`, the manifest (last) in the watched folder with paths
+    relative to it and the spec embedded; a manifest already there is never replaced, and nothing
+    is left behind by the refusal (docs/rules.md#training-spec)."""
+    src = write_jsonl(tmp_path / "r.jsonl", records())
+    spec = {"schema": "value-assets.training.v1", "backbone": "tiny", "gate": {"mode": "interval"}}
+    inbox = tmp_path / "manifests"
+    res = import_rollouts([src], CharTokenizer(), tmp_path / "data" / "run1", fields=GENERIC, heldout_fraction=0.25,
+                          name="run1", inbox=inbox, training=spec)  # fmt: skip
+    assert res.manifest == inbox / "run1.json" and sorted(p.name for p in inbox.iterdir()) == ["run1.json"]
+    assert sorted(p.name for p in (tmp_path / "data" / "run1").iterdir()) == ["heldout.jsonl", "train.jsonl"]
+    m = load_manifest(res.manifest)
+    assert m.train.path == (tmp_path / "data" / "run1" / "train.jsonl") and m.raw["training"] == spec
+    for ref in m.splits():
+        validate_dataset(ref, m.objective)
+    before = res.manifest.read_bytes()
+    with pytest.raises(InputError, match="already in the watched folder") as err:
+        import_rollouts([src], CharTokenizer(), tmp_path / "data" / "run2", fields=GENERIC, name="run1", inbox=inbox)
+    assert err.value.where == str(inbox / "run1.json")
+    assert res.manifest.read_bytes() == before and not (tmp_path / "data" / "run2").exists()

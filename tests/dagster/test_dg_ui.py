@@ -277,8 +277,13 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
     config = write_instance(home, postgres_url)
     assert config["concurrency"]["pools"]["default_limit"] == 1
     gate.mkdir()
-    # The stand-in reports EV 0.4 (its default): the gate passes.
-    manifest = make_demo_data(manifests, rows=128, heldout_rows=64, seed=0)
+    # The stand-in reports EV 0.4 (its default): the gate passes. The manifest's training spec names an
+    # actor folder (the stand-in loads nothing from it): the daemon's sensor must register the spec and
+    # the run must train that actor's critic, never the tiny default.
+    actor = tmp_path / "models" / "actor"
+    actor.mkdir(parents=True)
+    training = {"schema": "value-assets.training.v1", "backbone": {"path": str(actor)}, "gate": {"mode": "interval"}}
+    manifest = make_demo_data(manifests, rows=128, heldout_rows=64, seed=0, training=training)
     partition = partition_key_for(manifest, sha256_file(manifest))
 
     env = {k: v for k, v in os.environ.items() if k not in ("VALUE_ASSETS_GPU_COMMAND", "VALUE_ASSETS_DATA_ROOTS")}
@@ -399,6 +404,9 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
         assert {e.dagster_event.partition for e in mats} == {partition}
         assert Lineage(instance, partition).metadata("ev_report")["token_ev"] == pytest.approx(0.4)
         assert (artifacts / "registry" / f"{partition}.json").is_file()  # promoted after the gate passed
+        # The critic is the spec's actor's: the job the daemon's run launched was told that backbone.
+        trained = Lineage(instance, partition).metadata("critic_checkpoint")["standin_config"]
+        assert trained["backbone"] == str(actor) and trained["training_spec_sha256"]
         # The sensor's ticks and cursor live in Postgres schedule storage.
         (state,) = [s for s in instance.all_instigator_state() if s.name == "manifest_sensor"]
         ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=50)

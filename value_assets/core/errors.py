@@ -40,3 +40,7 @@ def require_int(value: object, where: str, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InputError(where, f"must be an integer >= {minimum}, got {show(value)}")
     return value
+
+
+# Exit status of a command whose gate refused the critic (the report is published all the same).
+EXIT_GATE_FAILED = 3

@@ -28,15 +28,16 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from value_assets.core.errors import InputError, show
-from value_assets.core.hashing import sha256_file
+from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.manifest import SCHEMA
 from value_assets.core.objective import Objective
+from value_assets.core.publish import write_new
 from value_assets.core.strict_json import canonical_bytes, is_number, loads
 
 IMPORTER = "value-assets import-rollouts"
@@ -249,8 +250,15 @@ def import_rollouts(
     name: str = "rollouts",
     tokenizer_path: str | None = None,
     max_seq_len: int | None = None,
+    inbox: str | Path | None = None,
+    training: Mapping[str, Any] | None = None,
 ) -> ImportResult:
-    """Read, tokenize, split and write; nothing is written unless every record is valid."""
+    """Read, tokenize, split and write; nothing is written unless every record is valid.
+
+    `inbox`: write the manifest there (the folder the sensor watches), its dataset paths relative
+    to it, instead of into `out`; it is written last, atomically and never over an existing file,
+    so the sensor never sees a manifest before its data. `training`: the lineage's training spec
+    (docs/rules.md#training-spec), embedded as the manifest's `training` object."""
     if not inputs:
         raise InputError("INPUT", "give at least one rollout file")
     if not (0.0 <= heldout_fraction < 1.0):
@@ -260,6 +268,12 @@ def import_rollouts(
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(str(out), "output folder exists and is not empty; import-rollouts never overwrites")
+    inbox_manifest = None
+    if inbox is not None:
+        inbox_manifest = Path(inbox) / f"{name}.json"
+        if inbox_manifest.exists() or inbox_manifest.is_symlink():
+            raise InputError(str(inbox_manifest), "a manifest of this name is already in the watched folder; "
+                             "import-rollouts never overwrites (choose another --name)")  # fmt: skip
     input_facts = []
     records: list[TextRollout] = []
     for p in inputs:
@@ -384,6 +398,8 @@ def import_rollouts(
                 "label_counts": label_counts,
             },
         }
+        if training is not None:
+            manifest["training"] = dict(training)
         manifest_path = tmp / f"{name}.json"
         manifest_path.write_bytes(canonical_bytes(manifest))
         # Everything written is checked by the same validator training uses, before it is published.
@@ -393,14 +409,34 @@ def import_rollouts(
         loaded = load_manifest(manifest_path)
         for ref in loaded.splits():
             validate_dataset(ref, loaded.objective, vocab_size=tokenizer.vocab_size)
+        if inbox_manifest is not None:
+            # The manifest moves to the watched folder, its dataset paths re-based there (and
+            # checked again where it will be read).
+            relative = os.path.relpath(out.resolve(), inbox_manifest.parent.resolve())
+            for split_name in ("train", "heldout"):
+                if manifest.get(split_name):
+                    manifest[split_name]["path"] = f"{relative}/{manifest[split_name]['path']}"
+            manifest_path.unlink()
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if inbox_manifest is not None:
+        written = False
+        try:
+            inbox_manifest.parent.mkdir(parents=True, exist_ok=True)
+            write_new(inbox_manifest, canonical_bytes(manifest))  # the data is in place: the sensor may see it now
+            written = True
+            load_manifest(inbox_manifest, pinned_sha256=sha256_bytes(canonical_bytes(manifest)))
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)  # nothing written on a refusal: the data goes too
+            if written:
+                inbox_manifest.unlink(missing_ok=True)
+            raise
     return ImportResult(
-        manifest=out / f"{name}.json",
+        manifest=inbox_manifest or out / f"{name}.json",
         train_rows=len(splits["train"]),
         heldout_rows=len(splits["heldout"]),
         train_groups=n_groups["train"],

@@ -247,13 +247,13 @@ def spec_of_manifest(raw: Mapping[str, Any], manifest_path: Path) -> TrainingSpe
     return parse_training_spec(raw[SECTION], base=manifest_path.parent, where=f"{manifest_path}: {SECTION}")
 
 
-def load_default_spec(path: Path) -> TrainingSpec:
+def load_spec_file(path: Path) -> TrainingSpec:
     """A deployment's default spec: a JSON file holding one spec object; relative backbone paths
     resolve against the file's folder."""
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise InputError(str(path), f"cannot read the default training spec: {exc.strerror or exc}") from None
+        raise InputError(str(path), f"cannot read the training spec: {exc.strerror or exc}") from None
     return parse_training_spec(loads(data, str(path)), base=path.parent, where=str(path))
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from value_assets.core.errors import EXIT_GATE_FAILED
 from value_assets.core.job_configs import (
     DATA_ROOTS_ENV,
     FREEZE,
@@ -28,9 +29,6 @@ from value_assets.core.job_configs import (
 from value_assets.core.report import GATE_MODES
 
 J = TypeVar("J", TrainJob, EvaluateJob)
-
-
-EXIT_GATE_FAILED = 3
 
 
 def _flag(
@@ -266,6 +264,7 @@ def cmd_import_rollouts(args) -> int:
             raise InputError(
                 "--reward-range", f"LOW and HIGH must be numbers, got {' '.join(args.reward_range)!r}"
             ) from None
+    training = _training_spec_to_embed(args.training) if args.training else None
     tok = HFTokenizer(args.tokenizer, append_eos=not args.no_eos)
     res = import_rollouts(
         args.inputs,
@@ -281,6 +280,8 @@ def cmd_import_rollouts(args) -> int:
         num_bins=args.num_bins,
         name=args.name,
         tokenizer_path=str(args.tokenizer),
+        inbox=args.inbox,
+        training=training,
     )
     if res.reward_range_source == "auto":
         print(
@@ -303,6 +304,22 @@ def cmd_import_rollouts(args) -> int:
         )
     )
     return 0
+
+
+def _training_spec_to_embed(path: str) -> dict[str, Any]:
+    """The spec file's object, checked (docs/rules.md#training-spec), with its relative backbone
+    paths made absolute (they were relative to the spec file; the manifest may live elsewhere)."""
+    from value_assets.core.training_spec import load_spec_file
+
+    spec = load_spec_file(Path(path))
+    raw = dict(spec.raw)
+    if spec.backbone.path is not None:
+        backbone = dict(raw["backbone"])
+        backbone["path"] = str(spec.backbone.path.resolve())
+        if spec.backbone.hf_config is not None:
+            backbone["hf_config"] = str(spec.backbone.hf_config.resolve())
+        raw["backbone"] = backbone
+    return raw
 
 
 def add_import_command(sub) -> None:
@@ -352,4 +369,15 @@ def add_import_command(sub) -> None:
     )
     r.add_argument("--num-bins", type=int, default=51, help="value bins for classification (default: %(default)s)")
     r.add_argument("--name", default="rollouts", help="manifest stem (default: %(default)s)")
+    r.add_argument(
+        "--inbox",
+        help="write the manifest into this folder (the one the sensor watches), its dataset paths relative to it, "
+        "instead of into --out; written last, so the sensor never sees it before its data",
+    )
+    r.add_argument(
+        "--training",
+        metavar="SPEC_JSON",
+        help="a training spec file (docs/rules.md#training-spec) to embed as the manifest's `training`: the actor, "
+        "the training and the gate of the lineage",
+    )
     r.set_defaults(func=cmd_import_rollouts)
