@@ -141,6 +141,7 @@ def test_json_round_trip(cls, settings):
         (TrainJob, "recompute_layers", 0, "must be an integer >= 1, got 0"),
         (TrainJob, "recompute_layers", 2, "needs recompute 'full', got recompute 'none'"),
         (TrainJob, "freeze", "embeddings", "must be one of ('none', 'attention', 'backbone'), got 'embeddings'"),
+        (TrainJob, "head_bias", "none", "must be one of ('trained', 'zero'), got 'none'"),
         (EvaluateJob, "contract_sha256", "xyz", "got 'xyz'"),
         (EvaluateJob, "split", "test", "must be 'heldout' or 'train', got 'test'"),
         (EvaluateJob, "num_batches", 0, "must be an integer >= 1, got 0"),
@@ -340,7 +341,7 @@ _SETTING_RECEIVERS = (
 )
 # Receivers' parameters whose default is the neutral one the jobs have too (no freezing, the plain
 # optimizer, a local Ray).
-_NEUTRAL = {"freeze": "none", "distributed_optimizer": False, "ray_address": None}
+_NEUTRAL = {"freeze": "none", "head_bias": "trained", "distributed_optimizer": False, "ray_address": None}
 
 
 def _parameters_with_defaults(path: Path, qualname: str) -> dict[str, object]:
@@ -424,6 +425,10 @@ def test_the_worker_spec_carries_the_job_and_cannot_state_the_impossible(tmp_pat
     assert (evaluate.optimizer, evaluate.train, evaluate.seed, evaluate.layout.dp) == (None, False, 7, 2)
     with pytest.raises(InputError, match="freeze"):
         WorkerSpec(backbone=bb, objective=obj, layout=Layout(), seed=0, freeze="backbone")
+    assert make(TrainJob, head_bias="zero").worker_spec(bb, obj).head_bias == "zero" and train.head_bias == "trained"
+    with pytest.raises(InputError, match="'zero' needs a training job") as err:
+        WorkerSpec(backbone=bb, objective=obj, layout=Layout(), seed=0, head_bias="zero")
+    assert err.value.where == "head_bias"
     with pytest.raises(InputError, match="clip_grad"):
         OptimizerSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.0)
 

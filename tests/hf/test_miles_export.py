@@ -24,9 +24,17 @@ ATOL = 1e-4
 STEPS = 2
 
 
-def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = None):
+def _contracted(
+    root: Path,
+    objective: Objective,
+    ids: torch.Tensor | None = None,
+    *,
+    head_bias: str = "trained",
+    model: dict | None = None,
+):
     """A critic folder with one contracted step (as the train job publishes it); returns the
-    engine's values for `ids` and its whole state."""
+    engine's values for `ids` and its whole state. `head_bias` 'zero': the head's bias stays 0 (as
+    `--head-bias zero` trains it); `model`: the contract's backbone identity."""
     from value_assets.core.contract import build_contract, iter_dirname, write_contract
     from value_assets.core.plan import build_plan
     from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward, init_layout_invariant
@@ -38,22 +46,23 @@ def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = Non
     step.mkdir(parents=True)
     init_distributed(0, 1, "127.0.0.1", 0)
     try:
-        model = build_critic(cfg, objective, bf16=False).eval()
-        init_layout_invariant(model, 0)
-        with torch.no_grad():
-            model.output_layer.bias.copy_(torch.linspace(-0.3, 0.4, objective.head_size))  # a dropped bias would show
+        critic = build_critic(cfg, objective, bf16=False).eval()
+        init_layout_invariant(critic, 0)
+        if head_bias == "trained":
+            with torch.no_grad():  # a dropped bias would show
+                critic.output_layer.bias.copy_(torch.linspace(-0.3, 0.4, objective.head_size))
         values = None
         if ids is not None:
             with torch.no_grad():
                 values = critic_forward(
-                    model,
+                    critic,
                     ids,
                     torch.arange(ids.numel()),
                     torch.tensor([0, ids.numel()], dtype=torch.int32),
                     ids.numel(),
                 )
-        state = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-        save_critic(step, model, iteration=STEPS)
+        state = {k: v.detach().clone() for k, v in critic.state_dict().items() if torch.is_tensor(v)}
+        save_critic(step, critic, iteration=STEPS)
     finally:
         destroy()
     contract = build_contract(
@@ -62,7 +71,7 @@ def _contracted(root: Path, objective: Objective, ids: torch.Tensor | None = Non
         objective=objective.canonical(),
         plan=build_plan(8, 4, 1, 0),
         completed_steps=STEPS,
-        model={"kind": "tiny-random", "seed": 0},
+        model=model or {"kind": "tiny-random", "seed": 0},
         backbone_config=cfg.to_json(),
         checkpoint=str(step),
         checkpoint_files=describe_folder(step),
@@ -180,22 +189,30 @@ def test_scalar_export_loads_in_transformers(tmp_path, mse_critic):
 
 
 def test_openrlhf_export_reproduces_values(tmp_path, mse_critic):
-    """OpenRLHF's critic: base model + `score` Linear(hidden, 1, bias=False), then (v - mean) / std."""
+    """OpenRLHF's critic: base model + `score` Linear(hidden, 1, bias=False), nothing else under its
+    default flags. A critic trained with --head-bias zero exports exactly; one whose bias is not 0 is
+    refused before anything is written (OpenRLHF's own loader: tests/rl/test_openrlhf.py)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModel
 
     from value_assets.gpu.convert.export import export_checkpoint
 
-    root, _, ids, values, _ = mse_critic
-    out = export_checkpoint(root, tmp_path / "orlhf", "openrlhf")
+    root, _, ids, _, _ = mse_critic
+    with pytest.raises(InputError, match=r"the critic's value head has bias \[-0\.3.*--head-bias zero") as err:
+        export_checkpoint(root, tmp_path / "refused", "openrlhf")
+    assert err.value.where == "--format openrlhf" and not (tmp_path / "refused").exists()
+    _, values, _ = _contracted(
+        tmp_path / "zero", Objective(loss_type="mse", reward_range=(-1.0, 1.0)), ids, head_bias="zero"
+    )
+    out = export_checkpoint(tmp_path / "zero", tmp_path / "orlhf", "openrlhf")
     config = AutoConfig.from_pretrained(str(out))
     weights = load_file(str(out / "model.safetensors"))
     assert "score.bias" not in weights and tuple(weights["score.weight"].shape) == (1, config.hidden_size)
+    # OpenRLHF prefers config.json's prefix; nothing for its normalisation, which cannot carry a bias
+    assert config.value_head_prefix == "score" and not hasattr(config, "mean") and not hasattr(config, "std")
     base = AutoModel.from_pretrained(str(out)).eval()
     with torch.no_grad():
-        v = base(input_ids=ids[None]).last_hidden_state[0] @ weights["score.weight"][0]
-    assert config.normalize_reward
-    got = (v - config.mean) / config.std
+        got = base(input_ids=ids[None]).last_hidden_state[0] @ weights["score.weight"][0]
     assert (got - values[:, 0]).abs().max().item() < ATOL
 
 

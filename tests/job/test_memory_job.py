@@ -86,6 +86,16 @@ def test_resume_refuses_another_freeze_setting():
         check_resume_execution({}, TrainJob(manifest="m", output="o", freeze="backbone"), where="ck")
 
 
+def test_resume_refuses_another_head_bias_setting():
+    zero = {"execution": {"freeze": "none", "head_bias": "zero", "memory": {"distributed_optimizer": False}}}
+    check_resume_execution(zero, TrainJob(manifest="m", output="o", head_bias="zero"), where="ck")
+    with pytest.raises(InputError, match="trained with head_bias 'zero'; this run asks for 'trained'") as err:
+        check_resume_execution(zero, TrainJob(manifest="m", output="o"), where="ck")
+    assert err.value.where == "head_bias"
+    with pytest.raises(InputError, match=r"head_bias 'trained'; this run asks for 'zero'.*--head-bias trained"):
+        check_resume_execution({}, TrainJob(manifest="m", output="o", head_bias="zero"), where="ck")  # older: trained
+
+
 def test_memory_features_run_through_the_job_unchanged(ray_cluster, manifest, tmp_path):
     """One step with full recompute of the first layer (of the tiny backbone's two) and the
     distributed optimizer on two workers gives the plain run's loss; the contract records the
@@ -104,6 +114,7 @@ def test_memory_features_run_through_the_job_unchanged(ray_cluster, manifest, tm
         "micro_batch_tokens": 4096,
         "memory": memory.to_json(),
         "freeze": "none",
+        "head_bias": "trained",
     }
     assert contract["execution"]["memory"]["recompute_layers"] == 1
     with pytest.raises(InputError, match="distributed_optimizer"):
@@ -113,13 +124,25 @@ def test_memory_features_run_through_the_job_unchanged(ray_cluster, manifest, tm
         )
 
 
-def test_freeze_is_recorded_in_the_contract_and_resume_must_match(ray_cluster, manifest, tmp_path):
-    """Through the driver and Ray workers: a head-only run records `freeze` in the contract's
-    execution facts; resuming it with another freeze setting is refused in `prepare`."""
-    run = cfg(manifest, tmp_path / "frozen", freeze="backbone")
+def test_freeze_and_head_bias_are_recorded_in_the_contract_and_resume_must_match(ray_cluster, manifest, tmp_path):
+    """Through the driver and Ray workers: a head-only run with the head's bias held at zero records
+    `freeze` and `head_bias` in the contract's execution facts, trains the head's weight and leaves
+    its bias exactly 0 (what OpenRLHF's bias-free head needs); resuming it with another setting of
+    either is refused in `prepare`."""
+    import torch
+
+    from tests.job.jobtest_helpers import model_weights
+
+    run = cfg(manifest, tmp_path / "frozen", freeze="backbone", head_bias="zero")
     result = train(run, log=quiet)
     assert len(result.losses) == 1
-    contract, _ = load_contract(*read_latest(tmp_path / "frozen"))
-    assert contract["execution"]["freeze"] == "backbone"
+    step_dir, sha = read_latest(tmp_path / "frozen")
+    contract, _ = load_contract(step_dir, sha)
+    assert (contract["execution"]["freeze"], contract["execution"]["head_bias"]) == ("backbone", "zero")
+    weights = model_weights(step_dir, tmp_path)
+    assert torch.equal(weights["output_layer.bias"], torch.zeros_like(weights["output_layer.bias"]))
+    assert weights["output_layer.weight"].abs().sum() > 0
     with pytest.raises(InputError, match="trained with freeze 'backbone'; this run asks for 'none'"):
         prepare(replace(run, freeze="none", stop_after=None), log=quiet)
+    with pytest.raises(InputError, match="trained with head_bias 'zero'; this run asks for 'trained'"):
+        prepare(replace(run, head_bias="trained", stop_after=None), log=quiet)

@@ -89,6 +89,7 @@ class TrainRunConfig(Config):
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
     freeze: str | None = job_setting(TrainJob, "freeze")
+    head_bias: str | None = job_setting(TrainJob, "head_bias")
     placement_strategy: str | None = job_setting(TrainJob, "placement_strategy")
     weight_decay: float | None = job_setting(TrainJob, "weight_decay")
     clip_grad: float | None = job_setting(TrainJob, "clip_grad")

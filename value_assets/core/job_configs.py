@@ -37,7 +37,7 @@ from value_assets.core.memory import Layout, MemoryConfig
 from value_assets.core.objective import Objective
 from value_assets.core.plan import data_parallel_size
 from value_assets.core.report import GATE_MODE_DEFAULT, GATE_MODES, MIN_EV_DEFAULT, check_min_ev
-from value_assets.core.worker_spec import FREEZE, OptimizerSettings, WorkerSpec
+from value_assets.core.worker_spec import FREEZE, HEAD_BIAS, OptimizerSettings, WorkerSpec
 
 DATA_ROOTS_ENV = "VALUE_ASSETS_DATA_ROOTS"
 TINY_BACKBONE = "tiny"
@@ -275,6 +275,12 @@ class TrainJob(_JobConfig):
         doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' "
         "critic_freeze_attention) or 'backbone' (all but the value head: head-only warm-up).",
     )
+    head_bias: str = setting(
+        "trained",
+        doc="The value head's bias: 'trained', or 'zero' (built as 0 and never trained, so the value is exactly "
+        "hidden . w: OpenRLHF's bias-free critic head reproduces it under its default flags; export-hf --format "
+        "openrlhf needs it).",
+    )
     lr: float | None = setting(
         None, doc=f"Peak learning rate; unset: {TINY_LR:g} for the tiny backbone, {PRETRAINED_LR:g} for any other."
     )
@@ -360,6 +366,8 @@ class TrainJob(_JobConfig):
         self.memory.check_layout(tensor_parallel=self.tensor_parallel)
         if self.freeze not in FREEZE:
             raise InputError("freeze", f"must be one of {FREEZE}, got {show(self.freeze)}")
+        if self.head_bias not in HEAD_BIAS:
+            raise InputError("head_bias", f"must be one of {HEAD_BIAS}, got {show(self.head_bias)}")
         if self.freeze == "backbone" and self.pipeline_parallel > 1:
             raise InputError(
                 "freeze",
@@ -391,6 +399,7 @@ class TrainJob(_JobConfig):
             seed=self.seed,
             memory=self.memory,
             freeze=self.freeze,
+            head_bias=self.head_bias,
             optimizer=OptimizerSettings(
                 lr=self.learning_rate, weight_decay=self.weight_decay, clip_grad=self.clip_grad
             ),

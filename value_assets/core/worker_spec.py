@@ -4,7 +4,7 @@ A job config (`core/job_configs.py`) builds it once its driver knows the backbon
 (`TrainJob.worker_spec`, `EvaluateJob.worker_spec`); `start_workers` hands the same spec to every
 worker with its rank. The worker builds its shard of the critic from it and, for a training job,
 its optimizer. A forward-only job has no optimizer settings, and only a training job can freeze
-parameters: a spec that says otherwise cannot be built.
+parameters or hold the value head's bias at zero: a spec that says otherwise cannot be built.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from value_assets.core.objective import Objective
 from value_assets.core.strict_json import is_int
 
 FREEZE = ("none", "attention", "backbone")
+HEAD_BIAS = ("trained", "zero")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,8 @@ class WorkerSpec:
     """Seeds the value head (and the tiny backbone's initialisation) and megatron's RNG."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     freeze: str = "none"
+    head_bias: str = "trained"
+    """'zero': the value head's bias is built as zeros and never trained (it stays exactly 0)."""
     optimizer: OptimizerSettings | None = None
     """None: a forward-only job (evaluation, export)."""
 
@@ -60,6 +63,12 @@ class WorkerSpec:
             raise InputError("freeze", f"must be one of {FREEZE}, got {show(self.freeze)}")
         if self.optimizer is None and self.freeze != "none":
             raise InputError("freeze", f"{self.freeze!r} needs a training job; a forward-only one trains nothing")
+        if self.head_bias not in HEAD_BIAS:
+            raise InputError("head_bias", f"must be one of {HEAD_BIAS}, got {show(self.head_bias)}")
+        if self.optimizer is None and self.head_bias != "trained":
+            raise InputError(
+                "head_bias", f"{self.head_bias!r} needs a training job; a forward-only one loads the bias it is given"
+            )
         self.memory.check_layout(tensor_parallel=self.layout.tp)
 
     @property

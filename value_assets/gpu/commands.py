@@ -20,6 +20,7 @@ from value_assets.core.errors import EXIT_GATE_FAILED
 from value_assets.core.job_configs import (
     DATA_ROOTS_ENV,
     FREEZE,
+    HEAD_BIAS,
     PLACEMENT_STRATEGIES,
     EvaluateJob,
     TrainJob,
@@ -162,6 +163,7 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "recompute_layers", int, metavar="K")
     _flag(t, TrainJob, "distributed_optimizer", bool)
     _flag(t, TrainJob, "freeze", choices=FREEZE)
+    _flag(t, TrainJob, "head_bias", choices=HEAD_BIAS)
     _flag(t, TrainJob, "sequence_parallel", bool)
     _flag(t, TrainJob, "lr", float)
     _flag(t, TrainJob, "warmup_steps", int)

@@ -51,8 +51,8 @@ def _load_full_state(step_dir: Path, contract: dict[str, Any]):
 def export_checkpoint(checkpoint: Path, out: Path, fmt: str = "token-classification") -> Path:
     """`export-hf`. `fmt`: `token-classification` (K outputs, `score` with bias), `scalar` (mse
     critics only: the same model with num_labels=1; verl's HF critic reads `logits[..., 0]`),
-    `openrlhf` (mse only: OpenRLHF's critic layout, `score` [1, hidden] without bias, the bias
-    carried as `mean` = -bias, `std` = 1 with `normalize_reward`)."""
+    `openrlhf` (mse only: OpenRLHF's critic layout, `score` [1, hidden] without bias; the critic's
+    head bias must be 0, as `--head-bias zero` trains it: `hf.export_critic_to_openrlhf`)."""
     from value_assets.gpu.convert.hf import export_critic_to_hf, export_critic_to_openrlhf
 
     if fmt not in HF_FORMATS:

@@ -474,6 +474,19 @@ def export_critic_to_hf(
     return out_folder
 
 
+def check_openrlhf_head(megatron_state: Mapping[str, torch.Tensor], head_prefix: str = "output_layer") -> None:
+    """Refuse a value head with a non-zero bias for OpenRLHF, whose critic head has none."""
+    bias = megatron_state.get(f"{head_prefix}.bias")
+    if bias is not None and bool((bias.detach().float() != 0).any()):
+        raise InputError(
+            "--format openrlhf",
+            f"the critic's value head has bias {bias.detach().float().tolist()}, and OpenRLHF's critic head has none: "
+            "under OpenRLHF's default flags every value would be short by exactly that bias. Train the critic with "
+            "`value-assets train --head-bias zero` (the bias stays 0) for an OpenRLHF export, or export --format "
+            "scalar (verl)",
+        )
+
+
 def export_critic_to_openrlhf(
     megatron_state: Mapping[str, torch.Tensor],
     backbone_config: Any,
@@ -484,25 +497,29 @@ def export_critic_to_openrlhf(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """An mse critic in OpenRLHF's critic layout (openrlhf/models/model.py `_get_critic_model`):
-    the base model under `model.*`, the head `score.weight` [1, hidden] with no bias (OpenRLHF
-    builds `nn.Linear(hidden, 1, bias=False)` under `value_head_prefix`, default "score"), and
-    `normalize_reward: true`, `mean`, `std` in config.json, which its critic applies as
-    `(values - mean) / std`. Our head's bias b is carried as mean = -b, std = 1, so OpenRLHF's
-    values equal the engine's. transformers' `<Family>ForTokenClassification` still loads the
-    folder (its `score.bias` is then freshly initialised: use the `scalar` format for verl)."""
+    the base model under `model.*` and the head `score.weight` [1, hidden] with no bias, as
+    OpenRLHF builds it (`nn.Linear(hidden, 1, bias=False)` under `value_head_prefix`, which it
+    reads from config.json before its own flag, so `value_head_prefix: "score"` is written there).
+
+    Exact only for a critic whose head bias is 0 (`--head-bias zero`): OpenRLHF 0.11's head has no
+    bias, and config.json's `normalize_reward`/`mean`/`std` cannot carry one: the caller's argument
+    (`--reward.normalize_enable`, off by default) overwrites `normalize_reward`, and with it on the
+    `mean`/`std` buffers hold uninitialised memory after `from_pretrained` under transformers 5
+    (OpenRLHF PR #1343). A critic with any other bias is refused, before anything is written."""
     if objective is not None and objective.head_size != 1:
         raise InputError("objective", "OpenRLHF critics are scalar: export an mse critic")
+    check_openrlhf_head(megatron_state, head_prefix)
     out_folder = export_critic_to_hf(
         megatron_state, backbone_config, 1, out_folder, head_prefix=head_prefix, objective=objective, dtype=dtype
     )
     files = _SafetensorsFolder(out_folder)
     tensors = {n: files.get(n).clone() for n in files.names()}  # clones: the file is rewritten below
-    bias = tensors.pop("score.bias")
+    tensors.pop("score.bias")
     save_file(tensors, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out_folder / "config.json").read_text())
-    cfg.update(normalize_reward=True, mean=-float(bias[0]), std=1.0, value_head_prefix="score")
+    cfg.update(value_head_prefix="score")
     (out_folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     info = json.loads((out_folder / "value_head.json").read_text())
-    info.update(layout="openrlhf", prediction="V = (hidden . score.weight - mean) / std")
+    info.update(layout="openrlhf", prediction="V = hidden . score.weight (no bias)")
     (out_folder / "value_head.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out_folder

@@ -271,7 +271,8 @@ def _free_gpu_bytes() -> int:
 
 def execution_facts(cfg: TrainJob, dp: int, micro_batch_tokens: int) -> dict[str, Any]:
     """How the steps were run (recorded in the contract). None of it changes the result (up to
-    summation order) except `freeze`, the parameters that did not train, which resume must match."""
+    summation order) except `freeze` and `head_bias`, the parameters that did not train, which resume
+    must match."""
     return {
         "tensor_parallel": cfg.tensor_parallel,
         "pipeline_parallel": cfg.pipeline_parallel,
@@ -279,6 +280,7 @@ def execution_facts(cfg: TrainJob, dp: int, micro_batch_tokens: int) -> dict[str
         "micro_batch_tokens": micro_batch_tokens,
         "memory": cfg.memory.to_json(),
         "freeze": cfg.freeze,
+        "head_bias": cfg.head_bias,
     }
 
 
@@ -294,6 +296,16 @@ def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: st
             (
                 f"{where} was trained with freeze {frozen!r}; this run asks for {cfg.freeze!r}. Resuming would change "
                 f"which parameters train mid-plan: run with --freeze {frozen}, or train a new critic"
+            ),
+        )
+    head_bias = facts.get("head_bias", "trained")  # contracts before the setting trained the bias
+    if head_bias != cfg.head_bias:
+        raise InputError(
+            "head_bias",
+            (
+                f"{where} was trained with head_bias {head_bias!r}; this run asks for {cfg.head_bias!r}. Resuming "
+                f"would change whether the value head's bias trains mid-plan: run with --head-bias {head_bias}, or "
+                "train a new critic"
             ),
         )
     saved = bool((facts.get("memory") or {}).get("distributed_optimizer", False))

@@ -42,12 +42,14 @@ def wrap_for_training(
     eps: float = 1e-8,
     distributed_optimizer: bool = False,
     freeze: str = "none",
+    head_bias: str = "trained",
 ) -> tuple[torch.nn.Module, Any]:
     """Wrap the critic in megatron DDP and build the Adam optimizer. Returns (ddp_model, optimizer).
 
     `freeze` ('none', 'attention', 'backbone'; `frozen_parameter_names`): those parameters get
     `requires_grad=False` before the wrap, so megatron DDP gives them no grad buffer or hook and
     the optimizer (plain or distributed, which shards DDP's buffers) no state: they never change.
+    `head_bias` 'zero' adds the value head's bias (built as zeros) to them: it stays exactly 0.
 
     `distributed_optimizer`: megatron's distributed optimizer (fp32 master weights and Adam
     moments sharded over the data-parallel ranks; gradients reduce-scattered, updated weights
@@ -59,7 +61,7 @@ def wrap_for_training(
     from value_assets.gpu.runtime import grad_norm
 
     grad_norm.install()
-    frozen = set(frozen_parameter_names(model, freeze))
+    frozen = set(frozen_parameter_names(model, freeze, head_bias))
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
@@ -97,11 +99,16 @@ def wrap_for_training(
     return ddp, opt
 
 
-def frozen_parameter_names(model: torch.nn.Module, freeze: str) -> list[str]:
+def frozen_parameter_names(model: torch.nn.Module, freeze: str, head_bias: str = "trained") -> list[str]:
     """Names of the critic's parameters that `freeze` keeps fixed: 'attention': every parameter
     of a layer's `self_attention` (QKV, output projection, q/k norms); 'backbone': every parameter
-    but the value head's (`output_layer.*`); 'none': nothing."""
+    but the value head's (`output_layer.*`); 'none': nothing. `head_bias` 'zero' adds the value
+    head's bias (`output_layer.bias`, on the last pipeline stage)."""
     names = [n for n, _ in model.named_parameters()]
+    if head_bias == "zero":
+        return sorted(set(frozen_parameter_names(model, freeze)) | {n for n in names if n == "output_layer.bias"})
+    if head_bias != "trained":
+        raise ValueError(f"head_bias must be 'trained' or 'zero', got {head_bias!r}")
     if freeze == "none":
         return []
     if freeze == "attention":

@@ -110,6 +110,7 @@ class CriticWorker:
                 clip_grad=opt.clip_grad,
                 distributed_optimizer=spec.memory.distributed_optimizer,
                 freeze=spec.freeze,
+                head_bias=spec.head_bias,
             )
         else:
             self.model = model
