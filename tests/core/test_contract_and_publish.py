@@ -161,6 +161,17 @@ def test_check_resume_accepts_and_allows_more_epochs():
     assert _resume(contract(steps=0), loaded_iterations=[0]) == 0
 
 
+def test_check_resume_identifies_the_backbone_by_its_weights_not_its_tokenizer():
+    """The HF backbone's identity records the actor's tokenizer sha for the exports (export-hf carries
+    the files): a contract written before that record, or one whose actor folder's tokenizer changed
+    since, still resumes; the weights' digest still decides."""
+    hf = {"kind": "huggingface", "path": "/a", "sha256": "1" * 64}
+    assert _resume(contract(model=hf), model={**hf, "tokenizer_sha256": "2" * 64}) == 2
+    assert _resume(contract(model={**hf, "tokenizer_sha256": "3" * 64}), model={**hf, "tokenizer_sha256": None}) == 2
+    with pytest.raises(InputError, match="bootstrap model"):
+        _resume(contract(model=hf), model={**hf, "sha256": "4" * 64, "tokenizer_sha256": "2" * 64})
+
+
 def _template(msg):
     """The message with its values masked: what stays is the rule's own wording."""
     msg = re.sub(r"[0-9a-f]{64}", "SHA", msg)

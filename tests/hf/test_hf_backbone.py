@@ -129,3 +129,23 @@ def test_bad_index_shard(tmp_path):
     (tmp_path / first).unlink()
     with pytest.raises(InputError, match=f"names shard '{first}', which does not exist"):
         load_hf_backbone_state(tmp_path)
+
+
+def test_the_hf_backbone_identity_records_the_actors_tokenizer(tmp_path):
+    """The contract's `model` of an HF backbone records the sha of its tokenizer files (export-hf
+    carries them, checked against it), or None when the folder has none; the weights' digest does
+    not depend on them."""
+    import shutil
+    from pathlib import Path
+
+    from value_assets.gpu.convert.bootstrap import resolve_backbone
+    from value_assets.gpu.convert.tokenizer import tokenizer_sha256
+
+    make_hf_checkpoint(tmp_path, "qwen2")
+    _, _, bare = resolve_backbone(str(tmp_path))
+    assert bare["kind"] == "huggingface" and bare["tokenizer_sha256"] is None
+    data = Path(__file__).resolve().parents[1] / "data" / "smollm2_tokenizer"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(data / name, tmp_path / name)
+    _, _, ident = resolve_backbone(str(tmp_path))
+    assert ident["tokenizer_sha256"] == tokenizer_sha256(data) and ident["sha256"] == bare["sha256"]

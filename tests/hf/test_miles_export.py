@@ -242,3 +242,45 @@ def test_scalar_export_refuses_a_classification_critic(tmp_path):
     for fmt in ("scalar", "openrlhf"):
         with pytest.raises(InputError, match="not linear in the hidden state"):
             export_checkpoint(tmp_path, tmp_path / "out", fmt)
+
+
+def test_the_hf_exports_carry_the_actors_tokenizer(tmp_path, mse_critic, capsys):
+    """verl reads the tokenizer from critic.model.path: every HF export carries the files of the
+    Hugging Face backbone the contract names, if they still hash to the sha recorded at training (or
+    of --tokenizer); with none known the export says so by name (and value_head.json records null).
+    verl's own loader on such a folder: tests/rl/test_verl.py."""
+    from value_assets.gpu.convert.export import export_checkpoint
+    from value_assets.gpu.convert.tokenizer import tokenizer_sha256
+
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    (actor / "tokenizer.json").write_text('{"version": "1.0"}')
+    (actor / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    sha = tokenizer_sha256(actor)
+    root = tmp_path / "critic"
+    identity = {"kind": "huggingface", "path": str(actor), "sha256": "c" * 64, "tokenizer_sha256": sha}
+    _contracted(root, Objective(loss_type="mse"), head_bias="zero", model=identity)
+    for fmt in ("scalar", "openrlhf", "token-classification"):
+        out = export_checkpoint(root, tmp_path / fmt, fmt)
+        assert tokenizer_sha256(out) == sha
+        assert (out / "tokenizer.json").read_bytes() == (actor / "tokenizer.json").read_bytes()
+        assert json.loads((out / "value_head.json").read_text())["tokenizer"] == {
+            "files": ["tokenizer.json", "tokenizer_config.json"],
+            "sha256": sha,
+        }
+    # the actor folder's tokenizer changed since training: refused before anything is written
+    (actor / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    with pytest.raises(InputError, match=rf"holds tokenizer files with sha256 .*; the critic was trained with {sha}"):
+        export_checkpoint(root, tmp_path / "changed", "scalar")
+    assert not (tmp_path / "changed").exists()
+    with pytest.raises(InputError, match="the critic was trained with"):
+        export_checkpoint(root, tmp_path / "changed", "scalar", tokenizer=actor)
+    # no tokenizer known (the tiny backbone): exported, and said by name
+    capsys.readouterr()
+    export_checkpoint(mse_critic[0], tmp_path / "bare", "scalar")
+    err = capsys.readouterr().err
+    assert "no tokenizer known for this critic" in err and "critic.model.tokenizer_path" in err
+    assert json.loads((tmp_path / "bare" / "value_head.json").read_text())["tokenizer"] is None
+    # --tokenizer names one (nothing was recorded to check it against)
+    out = export_checkpoint(mse_critic[0], tmp_path / "given", "scalar", tokenizer=actor)
+    assert tokenizer_sha256(out) == tokenizer_sha256(actor)

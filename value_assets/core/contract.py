@@ -324,9 +324,11 @@ def check_resume(
 
 def _identity(model: Mapping[str, Any]) -> dict[str, Any]:
     # A content digest identifies a backbone wherever its folder lives; the path alone does not.
+    # The actor's tokenizer (recorded for the hand-off's exports) is no part of the weights.
     m = dict(model)
     if "sha256" in m:
         m.pop("path", None)
+    m.pop("tokenizer_sha256", None)
     return m
 
 

@@ -112,7 +112,8 @@ def cmd_evaluate(args) -> int:
 def cmd_export_hf(args) -> int:
     from value_assets.gpu.convert.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out), args.format)
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), args.format, tokenizer=tokenizer)
     print(json.dumps({"out": str(out), "format": args.format}))
     return 0
 
@@ -212,6 +213,12 @@ def add_commands(sub) -> None:
         default="token-classification",
         help="scalar: mse critics as num_labels=1 (verl reads logits[..., 0]); openrlhf: OpenRLHF's critic layout "
         "(default: %(default)s)",
+    )
+    x.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the actor's Hugging Face folder whose tokenizer files the export carries (default: the Hugging Face "
+        "backbone the critic was trained from, checked against the tokenizer sha its contract recorded)",
     )
     x.set_defaults(func=cmd_export_hf)
 

@@ -127,7 +127,7 @@ def _handoff(pipes, cfg: HandoffJob) -> None:
     _, miles_sha = export_miles(cfg.checkpoint, cfg.out_dir / MILES_BUNDLE, cfg.model_identity, cfg.layer_spec)
     pipes.log.info(f"wrote {cfg.out_dir / MILES_BUNDLE} (Miles contract {miles_sha})")
     if cfg.scalar_hf:
-        export_checkpoint(cfg.checkpoint, cfg.out_dir / HF_BUNDLE, "scalar")
+        export_checkpoint(cfg.checkpoint, cfg.out_dir / HF_BUNDLE, "scalar", warn=pipes.log.warning)
         pipes.log.info(f"wrote {cfg.out_dir / HF_BUNDLE} (scalar Hugging Face critic)")
     pipes.report_asset_materialization(
         asset_key=v.PROMOTED_CRITIC, data_version=miles_sha, metadata={v.MILES_CONTRACT_SHA256: miles_sha}

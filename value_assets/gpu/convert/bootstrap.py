@@ -53,10 +53,15 @@ def resolve_backbone(spec: str, *, seed: int = 0, hf_config: str | Path | None =
         from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
 
         cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))
+        from value_assets.gpu.convert.tokenizer import has_tokenizer_files, tokenizer_sha256
+
         ident = {
             "kind": "huggingface",
             "path": str(folder.resolve()),
             "sha256": _folder_digest(folder, ("config.json", "*.safetensors", "*.safetensors.index.json")),
+            # The RL trainers read the tokenizer from the exported critic's folder: export-hf carries
+            # these files, checked against this sha (None: the folder has none).
+            "tokenizer_sha256": tokenizer_sha256(folder) if has_tokenizer_files(folder) else None,
         }
         return cfg, {"kind": "hf", "path": str(folder.resolve())}, ident
     if (folder / BACKBONE_JSON).is_file():

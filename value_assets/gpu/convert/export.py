@@ -6,12 +6,17 @@ on load. Both refuse a checkpoint whose contract does not verify.
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
+from value_assets.gpu.convert.tokenizer import TOKENIZER_FILES, has_tokenizer_files, tokenizer_sha256
 
 HF_FORMATS = ("token-classification", "scalar", "openrlhf")
 
@@ -48,11 +53,24 @@ def _load_full_state(step_dir: Path, contract: dict[str, Any]):
     return backbone, objective, state
 
 
-def export_checkpoint(checkpoint: Path, out: Path, fmt: str = "token-classification") -> Path:
+def export_checkpoint(
+    checkpoint: Path,
+    out: Path,
+    fmt: str = "token-classification",
+    *,
+    tokenizer: Path | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Path:
     """`export-hf`. `fmt`: `token-classification` (K outputs, `score` with bias), `scalar` (mse
     critics only: the same model with num_labels=1; verl's HF critic reads `logits[..., 0]`),
     `openrlhf` (mse only: OpenRLHF's critic layout, `score` [1, hidden] without bias; the critic's
-    head bias must be 0, as `--head-bias zero` trains it: `hf.export_critic_to_openrlhf`)."""
+    head bias must be 0, as `--head-bias zero` trains it: `hf.export_critic_to_openrlhf`).
+
+    Every format carries the actor's tokenizer files (`tokenizer_source`: `tokenizer`, else the
+    Hugging Face backbone the contract names, checked against the sha recorded at training), so the
+    folder alone is a complete model folder: verl's `critic.model.tokenizer_path` defaults to its
+    `critic.model.path`. With no tokenizer known, the export is written without one and `warn`
+    (default: stderr) says what the RL side must set instead."""
     from value_assets.gpu.convert.hf import export_critic_to_hf, export_critic_to_openrlhf
 
     if fmt not in HF_FORMATS:
@@ -66,13 +84,69 @@ def export_checkpoint(checkpoint: Path, out: Path, fmt: str = "token-classificat
             "critic, whose value softmax(logits) . support is not linear in the hidden state, so no "
             "single linear scalar head reproduces it. Export it with --format token-classification.",
         )
+    source = tokenizer_source(contract, tokenizer)  # refused before anything is written
     _empty_out(out)
     backbone, objective, state = _load_full_state(step_dir, contract)
     if fmt == "openrlhf":
         export_critic_to_openrlhf(state, backbone, out, objective=objective)
     else:
         export_critic_to_hf(state, backbone, objective.head_size, out, objective=objective)
+    carry_tokenizer(out, source, contract, warn=warn)
     return out
+
+
+def tokenizer_source(contract: dict[str, Any], explicit: Path | None) -> Path | None:
+    """The folder whose tokenizer files an HF export carries: `explicit` (`--tokenizer`), else the
+    Hugging Face backbone folder the contract names. Its files must hash to the
+    `model.tokenizer_sha256` the contract recorded at training, where it recorded one (a contract
+    from before that record takes the folder's files as they are). None: no tokenizer is known (the
+    `tiny` backbone, a Megatron checkpoint, an HF folder without tokenizer files)."""
+    model = contract.get("model") or {}
+    recorded = model.get("tokenizer_sha256")
+    hf_path = model.get("path") if model.get("kind") == "huggingface" else None
+    if explicit is not None:
+        folder, where = Path(explicit), "--tokenizer"
+    elif hf_path is not None and (recorded is not None or "tokenizer_sha256" not in model):
+        folder, where = Path(hf_path), "the contract's model.path"
+        if recorded is None and not (folder.is_dir() and has_tokenizer_files(folder)):
+            return None
+    else:
+        return None
+    if not folder.is_dir():
+        raise InputError(f"{where} {folder}", "is not a folder: the actor's tokenizer files cannot be carried")
+    sha = tokenizer_sha256(folder)
+    if recorded is not None and sha != recorded:
+        raise InputError(
+            f"{where} {folder}",
+            f"holds tokenizer files with sha256 {sha}; the critic was trained with {recorded} (the contract's "
+            "model.tokenizer_sha256): pass --tokenizer with the actor's own tokenizer folder",
+        )
+    return folder
+
+
+def carry_tokenizer(
+    out: Path, source: Path | None, contract: dict[str, Any], warn: Callable[[str], None] | None = None
+) -> None:
+    """Copy the tokenizer files of `source` into the export and record them in value_head.json
+    (`tokenizer`: files and sha, or null); without a source, say by name what the RL side must set."""
+    info_path = out / "value_head.json"
+    info = json.loads(info_path.read_text())
+    if source is None:
+        model = contract.get("model") or {}
+        message = (
+            f"no tokenizer known for this critic (backbone {model.get('kind')} {model.get('path', '')}): "
+            f"{out} has no tokenizer files, so verl needs critic.model.tokenizer_path=<the actor's Hugging Face "
+            "folder> (its default, critic.model.path, would build an empty tokenizer). Pass --tokenizer DIR to "
+            "carry the actor's tokenizer files."
+        )
+        (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(message)
+        info["tokenizer"] = None
+    else:
+        files = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+        for name in files:
+            shutil.copyfile(source / name, out / name)
+        info["tokenizer"] = {"files": files, "sha256": tokenizer_sha256(out)}
+    info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
 def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: str = "te") -> tuple[Path, str]:

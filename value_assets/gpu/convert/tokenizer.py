@@ -17,8 +17,9 @@ from typing import Any
 
 from value_assets.core.errors import InputError
 
-# The files that decide how text becomes ids; their bytes make the tokenizer's sha.
-_TOKENIZER_FILES = (
+# The files that decide how text becomes ids; their bytes make the tokenizer's sha, and export-hf
+# carries them into a critic's folder.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -31,17 +32,21 @@ _TOKENIZER_FILES = (
 )
 
 
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
 def tokenizer_sha256(folder: Path) -> str:
     """sha256 over (name, sha256) of the tokenizer files present, in name order."""
     h = hashlib.sha256()
     found = False
-    for name in sorted(_TOKENIZER_FILES):
+    for name in sorted(TOKENIZER_FILES):
         p = folder / name
         if p.is_file():
             found = True
             h.update(name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).hexdigest().encode() + b"\n")
     if not found:
-        raise InputError(str(folder), f"no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...) in this folder")
+        raise InputError(str(folder), f"no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) in this folder")
     return h.hexdigest()
 
 
