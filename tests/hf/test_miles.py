@@ -57,7 +57,7 @@ def _critic_values(cfg, source, ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_hf_te_and_local_layouts_give_the_same_critic(tmp_path, megatron_single_rank, family):
     from value_assets.gpu.convert.bootstrap import resolve_backbone
-    from value_assets.gpu.convert.megatron_lm import checkpoint_names, tensor_shapes, write_critic
+    from value_assets.gpu.convert.megatron_lm import checkpoint_names, saved_args, tensor_shapes, write_critic
 
     hf = tmp_path / "hf"
     make_hf_checkpoint(hf, family)
@@ -74,6 +74,8 @@ def test_hf_te_and_local_layouts_give_the_same_critic(tmp_path, megatron_single_
         assert names == set(checkpoint_names(cfg_hf)) | {"output_layer.weight", "output_layer.bias"}
         assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names
         assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+        saved = saved_args(step)  # the epsilon under Megatron-LM 0.12-0.15's and 0.16+'s names
+        assert saved["norm_epsilon"] == saved["layernorm_epsilon"] == cfg_hf.norm_epsilon
         cfg, src, ident = resolve_backbone(str(folder))
         assert cfg == cfg_hf, (cfg, cfg_hf)  # the architecture from the saved arguments
         assert ident["kind"] == "megatron-lm" and ident["layer_spec"] == spec and ident["iteration"] == 7
@@ -216,6 +218,14 @@ def test_real_megatron_lm_arguments_are_read(tmp_path):
         ("apply_layernorm_1p", True),
         ("rotary_seq_len_interpolation_factor", 4),
         ("window_size", (4096, 0)),
+        ("no_rope_freq", 4),
+        ("apply_residual_connection_post_layernorm", True),
+        ("qk_l2_norm", True),
+        ("softmax_type", "off-by-one"),
+        ("layernorm_zero_centered_gamma", True),
+        ("experimental_attention_variant", "gated_delta_net"),
+        ("attention_output_gate", True),
+        ("use_mup", True),
     ):
         with pytest.raises(
             InputError, match=rf"common\.pt: args\.{key}: is {re.escape(repr(value))}; the critic computes with"
@@ -223,7 +233,88 @@ def test_real_megatron_lm_arguments_are_read(tmp_path):
             backbone_from_args({**read, key: value}, "common.pt")
     assert (
         backbone_from_args(
-            {**read, "rotary_interleaved": False, "rotary_percent": 1.0, "window_size": None}, "common.pt"
+            {
+                **read,
+                "rotary_interleaved": False,
+                "rotary_percent": 1.0,
+                "window_size": None,
+                "softmax_type": "vanilla",
+            },
+            "common.pt",
         )
         == cfg
     )
+
+
+def test_megatron_lm_argument_names_of_every_version_and_the_hf_config_rule():
+    """Megatron-LM 0.12-0.15 save `norm_epsilon` / `apply_layernorm_1p`, 0.16 and 0.17
+    `layernorm_epsilon` / `layernorm_zero_centered_gamma` (tests/rl/test_megatron_lm.py reads them from
+    Megatron-LM 0.17's own parser and save_checkpoint). --hf-config completes what the saved arguments
+    lack and must agree with what they say."""
+    import dataclasses
+
+    from value_assets.core.backbone import BackboneConfig
+    from value_assets.gpu.convert.megatron_lm import backbone_from_args
+
+    v15 = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=16,
+        vocab_size=None,
+        padded_vocab_size=128,
+        max_position_embeddings=64,
+        rotary_base=1000000,
+        norm_epsilon=1e-6,
+        apply_layernorm_1p=False,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_qkv_bias=True,
+        qk_layernorm=False,
+        position_embedding_type="rope",
+        use_rope_scaling=False,
+    )
+    v16 = {k: v for k, v in v15.items() if k not in ("norm_epsilon", "apply_layernorm_1p")}
+    v16 |= {"layernorm_epsilon": 1e-6, "layernorm_zero_centered_gamma": False}
+    a, b = backbone_from_args(v15, "c.pt"), backbone_from_args(v16, "c.pt")
+    assert a == b and a.norm_epsilon == 1e-6 and a.family == "qwen2" and a.vocab_size == 128
+    assert backbone_from_args({**v16, "norm_epsilon": 1e-6}, "c.pt") == a  # both names, one value
+    with pytest.raises(InputError, match=r"c\.pt: args\.layernorm_zero_centered_gamma: is True"):
+        backbone_from_args({**v16, "layernorm_zero_centered_gamma": True}, "c.pt")
+    with pytest.raises(InputError, match=r"c\.pt: args: hold layernorm_epsilon=1e-06 and norm_epsilon=1e-05"):
+        backbone_from_args({**v16, "norm_epsilon": 1e-5}, "c.pt")
+    no_eps = {k: v for k, v in v16.items() if k != "layernorm_epsilon"}
+    with pytest.raises(InputError, match=r"lack \['layernorm_epsilon / norm_epsilon'\]; pass --hf-config"):
+        backbone_from_args(no_eps, "c.pt")
+    hf = BackboneConfig(
+        family="qwen2",
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=120,
+        max_seq_len=32768,
+        rotary_base=1e6,
+        norm_epsilon=1e-6,
+        qkv_bias=True,
+    )
+    # completes: the unpadded vocabulary and a missing epsilon; max_seq_len: the saved arguments win
+    got = backbone_from_args(no_eps, "c.pt", hf=hf, hf_where="cfg")
+    assert (got.vocab_size, got.norm_epsilon, got.max_seq_len) == (120, 1e-6, 64)
+    assert backbone_from_args(v16, "c.pt", hf=hf, hf_where="cfg") == dataclasses.replace(a, vocab_size=120)
+    for field, value in (
+        ("norm_epsilon", 1e-5),
+        ("rotary_base", 1e4),
+        ("num_query_groups", 4),
+        ("qkv_bias", False),
+        ("rope_scaling_factor", 8.0),
+        ("num_layers", 3),
+    ):
+        with pytest.raises(
+            InputError, match=rf"cfg: {field}: is .*, but the checkpoint's saved arguments \(c\.pt\) say"
+        ):
+            backbone_from_args(v16, "c.pt", hf=dataclasses.replace(hf, **{field: value}), hf_where="cfg")

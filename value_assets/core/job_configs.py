@@ -324,7 +324,10 @@ class TrainJob(_JobConfig):
     ray_address: str | None = setting(None, doc="An existing Ray cluster; unset: start a local one.")
     placement_strategy: str = setting(PLACEMENT_STRATEGY, doc=PLACEMENT_DOC)
     hf_config: Path | None = setting(
-        None, doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder without saved arguments."
+        None,
+        doc="The actor's Hugging Face config.json, for a Megatron-LM backbone folder: it completes the checkpoint's "
+        "saved arguments (where both give a value they must agree) or, without saved arguments, gives the "
+        "architecture.",
     )
     timeout_s: float = setting(TIMEOUT_S, doc=TIMEOUT_DOC)
 

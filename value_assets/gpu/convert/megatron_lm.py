@@ -78,16 +78,61 @@ def read_tracker(folder: Path) -> tuple[int, Path]:
 
 # ----------------------------------------------------------------------------- architecture
 
-# Megatron-LM argument -> our BackboneConfig field.
-_ARG_FIELDS = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "max_position_embeddings": "max_seq_len",
-    "rotary_base": "rotary_base",
-    "norm_epsilon": "norm_epsilon",
+# Megatron-LM argument -> our BackboneConfig field. An argument Megatron-LM renamed is listed under
+# every name it has had, newest first. From core_v0.16 the transformer arguments are derived from
+# megatron-core's TransformerConfig fields, so a checkpoint saved by Megatron-LM 0.16 or 0.17 (and
+# Miles on it) holds `layernorm_epsilon` (0.12-0.15: `norm_epsilon`; the flag is --norm-epsilon in
+# both) and `layernorm_zero_centered_gamma` (0.12-0.15: `apply_layernorm_1p`; flag
+# --apply-layernorm-1p). Found by parsing Megatron-LM's own defaults at core_v0.15.3, core_v0.16.1
+# and core_v0.17.0 and comparing the saved names (tests/rl/test_megatron_lm.py parses 0.17.0's); no
+# other argument read here was renamed.
+_ARG_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_layers",),
+    "hidden_size": ("hidden_size",),
+    "ffn_hidden_size": ("ffn_hidden_size",),
+    "num_attention_heads": ("num_attention_heads",),
+    "max_seq_len": ("max_position_embeddings",),
+    "rotary_base": ("rotary_base",),
+    "norm_epsilon": ("layernorm_epsilon", "norm_epsilon"),
 }
+ZERO_CENTERED_GAMMA = ("layernorm_zero_centered_gamma", "apply_layernorm_1p")
+# Saved arguments that change what the actor computes but leave no trace in its tensors, with the
+# only value the critic computes with (None: unset): the critic (rotate-half RoPE over the whole
+# head, full causal attention with 1/sqrt(d) scaling and a plain softmax, plain RMSNorm weights,
+# pre-norm residuals, unscaled embeddings) would load every tensor strictly and still compute
+# something else, so any other value is refused by name.
+_TRACELESS: tuple[tuple[tuple[str, ...], Any], ...] = (
+    (("rotary_interleaved",), False),
+    (("rotary_percent",), 1.0),
+    (ZERO_CENTERED_GAMMA, False),
+    (("rotary_seq_len_interpolation_factor",), None),
+    (("window_size",), None),
+    (("no_rope_freq",), None),  # 0.13+: layers without RoPE
+    (("apply_residual_connection_post_layernorm",), False),
+    (("qk_l2_norm",), False),
+    (("softmax_type",), "vanilla"),  # 0.15+: 'off-by-one' adds 1 to the softmax denominator
+    (("experimental_attention_variant",), None),  # 0.16+
+    (("attention_output_gate",), False),  # 0.16+
+    (("use_mup",), False),  # 0.17+: muP scales the embeddings, attention and logits
+)
+# Fields an --hf-config may complete when the saved arguments lack them; where both give one they
+# must agree, except max_seq_len (no tensor depends on it: the saved arguments win).
+_HF_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "max_seq_len",
+    "rotary_base",
+    "norm_epsilon",
+    "qkv_bias",
+    "qk_layernorm",
+    "vocab_size",
+    "rope_scaling_factor",
+)
+_SAVED_ARGS_WIN = ("max_seq_len",)
 
 
 def saved_args(step_dir: Path) -> dict[str, Any] | None:
@@ -104,49 +149,91 @@ def saved_args(step_dir: Path) -> dict[str, Any] | None:
     return dict(vars(args))
 
 
-def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None = None):
-    """`BackboneConfig` from Megatron-LM's saved arguments (dense Llama / Qwen2 / Qwen3 shapes)."""
+def _named_arg(args: Mapping[str, Any], keys: tuple[str, ...], where: str) -> tuple[str, Any]:
+    """(the name it was found under, its value) of an argument saved under any of its names;
+    (keys[0], None) when absent or None under all. Two names holding different values are refused:
+    which one the actor ran with cannot be told."""
+    found: dict[str, Any] = {}
+    for key in keys:
+        v = args.get(key)
+        if isinstance(v, Opaque):
+            raise InputError(f"{where}: args.{key}", f"is an object of {v.qualname}, not a plain value")
+        if v is not None:
+            found[key] = v
+    if len({repr(v) for v in found.values()}) > 1:
+        held = " and ".join(f"{k}={show(v)}" for k, v in found.items())
+        raise InputError(
+            f"{where}: args", f"hold {held}: one setting under its old and new name, with different values"
+        )
+    return next(iter(found.items()), (keys[0], None))
+
+
+def backbone_from_args(args: Mapping[str, Any], where: str, hf: Any = None, hf_where: str = "--hf-config"):
+    """`BackboneConfig` from Megatron-LM's saved arguments (dense Llama / Qwen2 / Qwen3 shapes),
+    under the argument names of Megatron-LM 0.12 to 0.17 (`_ARG_FIELDS`).
+
+    `hf`: a `BackboneConfig` read from the actor's config.json (`--hf-config`). The rule: the saved
+    arguments describe the checkpoint; `--hf-config` completes what they lack (e.g. `vocab_size`,
+    which Megatron-LM saves only padded when its tokenizer set it, or an argument saved under a name
+    this reader does not know), and where both give a value they must agree, else `InputError`
+    naming the field and both values; except `max_seq_len`, which no tensor depends on: the saved
+    arguments win.
+    """
     from value_assets.gpu.model.gpt_critic import BackboneConfig
 
     def get(key: str, default: Any = None) -> Any:
-        v = args.get(key, default)
-        if isinstance(v, Opaque):
-            raise InputError(f"{where}: args.{key}", f"is an object of {v.qualname}, not a plain value")
-        return v
+        v = _named_arg(args, (key,), where)[1]
+        return default if v is None else v
 
     for key, want in (("normalization", "RMSNorm"), ("swiglu", True), ("position_embedding_type", "rope")):
         if get(key, want) != want:
             raise InputError(f"{where}: args.{key}", f"is {show(get(key))}; the critic supports {want!r} only")
     if get("num_experts"):
         raise InputError(f"{where}: args.num_experts", f"is {get('num_experts')}; MoE backbones are not supported")
-    # Settings that change what the actor computes but leave no trace in its tensors: the critic
-    # (rotate-half RoPE over the whole head, full causal attention, plain RMSNorm weights) would
-    # load every tensor strictly and still compute something else, so these are refused here.
-    for key, plain in (
-        ("rotary_interleaved", False),
-        ("rotary_percent", 1.0),
-        ("apply_layernorm_1p", False),
-        ("rotary_seq_len_interpolation_factor", None),
-        ("window_size", None),
-    ):
-        value = get(key)
+    for keys, plain in _TRACELESS:
+        key, value = _named_arg(args, keys, where)
         if value is not None and value != plain:
             raise InputError(f"{where}: args.{key}", f"is {show(value)}; the critic computes with {plain!r} only")
-    kw = {field: get(key) for key, field in _ARG_FIELDS.items()}
-    missing = sorted(k for k, v in kw.items() if v is None)
+    kw: dict[str, Any] = {field: _named_arg(args, keys, where)[1] for field, keys in _ARG_FIELDS.items()}
+    given = {field for field, v in kw.items() if v is not None}  # what the saved arguments say
+    heads, hidden = kw["num_attention_heads"], kw["hidden_size"]
+    if heads is not None and hidden is not None:
+        groups = get("num_query_groups") if get("group_query_attention") else heads
+        kw["num_query_groups"] = groups or heads
+        kw["kv_channels"] = get("kv_channels") or hidden // heads  # the head dim (None below when implied)
+        given |= {"num_query_groups", "kv_channels"}
+    for field, key in (("qkv_bias", "add_qkv_bias"), ("qk_layernorm", "qk_layernorm")):
+        kw[field] = bool(get(key, False))
+        if key in args:
+            given.add(field)
+    kw["rope_scaling_factor"] = float(get("rope_scaling_factor", 8.0)) if get("use_rope_scaling", False) else None
+    if "use_rope_scaling" in args:
+        given.add("rope_scaling_factor")
+    kw["vocab_size"] = get("vocab_size")
+    if kw["vocab_size"] is not None:
+        given.add("vocab_size")
+    if hf is not None:
+        for field in _HF_FIELDS:
+            theirs = hf.head_dim if field == "kv_channels" else getattr(hf, field)
+            if field not in given:
+                kw[field] = theirs
+            elif field not in _SAVED_ARGS_WIN and kw[field] != theirs:
+                raise InputError(
+                    f"{hf_where}: {field}",
+                    f"is {show(theirs)}, but the checkpoint's saved arguments ({where}) say {show(kw[field])}: "
+                    "--hf-config may complete the saved arguments, not contradict them. Pass the config.json of "
+                    "the actor this checkpoint was saved from",
+                )
+    if kw["vocab_size"] is None:
+        kw["vocab_size"] = get("padded_vocab_size")
+    required = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "max_seq_len")
+    missing = sorted(f for f in (*required, "rotary_base", "norm_epsilon", "vocab_size") if kw.get(f) is None)
     if missing:
-        raise InputError(f"{where}: args", f"lack {missing}; pass --hf-config with the actor's config.json")
-    heads = kw["num_attention_heads"]
-    kw["num_query_groups"] = get("num_query_groups") if get("group_query_attention") else heads
-    kw["num_query_groups"] = kw["num_query_groups"] or heads
-    kv = get("kv_channels")
-    kw["kv_channels"] = None if kv in (None, kw["hidden_size"] // heads) else kv
-    kw["qkv_bias"] = bool(get("add_qkv_bias", False))
-    kw["qk_layernorm"] = bool(get("qk_layernorm", False))
+        named = [" / ".join(_ARG_FIELDS.get(f, (f,))) for f in missing]
+        raise InputError(f"{where}: args", f"lack {named}; pass --hf-config with the actor's config.json")
+    if kw["kv_channels"] is not None and kw["kv_channels"] * kw["num_attention_heads"] == kw["hidden_size"]:
+        kw["kv_channels"] = None  # BackboneConfig: None is hidden / heads
     kw["family"] = "qwen3" if kw["qk_layernorm"] else "qwen2" if kw["qkv_bias"] else "llama"
-    kw["vocab_size"] = hf_vocab or get("vocab_size") or get("padded_vocab_size")
-    if get("use_rope_scaling", False):
-        kw["rope_scaling_factor"] = float(get("rope_scaling_factor", 8.0))
     kw["rotary_base"] = float(kw["rotary_base"])
     try:
         return BackboneConfig(**kw)
@@ -156,7 +243,8 @@ def backbone_from_args(args: Mapping[str, Any], where: str, hf_vocab: int | None
 
 def resolve(folder: Path, hf_config: Path | None = None):
     """(BackboneConfig, step folder, iteration, layer spec named by the saved arguments or None)
-    of a Megatron-LM checkpoint folder."""
+    of a Megatron-LM checkpoint folder. `hf_config` completes the saved arguments
+    (`backbone_from_args`), or gives the whole architecture of a checkpoint without them."""
     from value_assets.gpu.model.gpt_critic import BackboneConfig
 
     it, step_dir = read_tracker(folder)
@@ -168,7 +256,7 @@ def resolve(folder: Path, hf_config: Path | None = None):
         p = Path(hf_config)
         hf_cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(p if p.is_dir() else p.parent)))
     if args is not None:
-        cfg = backbone_from_args(args, str(step_dir / "common.pt"), hf_vocab=hf_cfg.vocab_size if hf_cfg else None)
+        cfg = backbone_from_args(args, str(step_dir / "common.pt"), hf=hf_cfg, hf_where=f"--hf-config {hf_config}")
     elif hf_cfg is not None:
         cfg = hf_cfg
     else:
@@ -346,7 +434,8 @@ def megatron_lm_args(cfg: Any, padded_vocab: int, spec: str) -> argparse.Namespa
         make_vocab_size_divisible_by=VOCAB_DIVISOR,
         max_position_embeddings=cfg.max_seq_len,
         rotary_base=cfg.rotary_base,
-        norm_epsilon=cfg.norm_epsilon,
+        norm_epsilon=cfg.norm_epsilon,  # Megatron-LM 0.12-0.15's name
+        layernorm_epsilon=cfg.norm_epsilon,  # 0.16+'s
         normalization="RMSNorm",
         swiglu=True,
         add_qkv_bias=cfg.qkv_bias,
