@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui tensorboard test test-fast lint format venv bench clean clean-demo
+.PHONY: demo ui tensorboard test test-fast test-rl rl-deps lint format venv bench clean clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,12 +44,46 @@ tensorboard: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -m "not gpu and not rl" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py. Two processes
 # like `test` (770 tests on 2 cores: 21-26 s; on a slower host 44 s, against 59-62 s in one).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# The RL trainers' own loaders on this product's exports (tests/rl; README "Hand-off to RL"), kept
+# out of `make test`; .ci/run runs it after. Installed outside the venv, under .rl/ (gitignored):
+# - .rl/site: verl 0.9.1, OpenRLHF 0.11.2 and the light dependencies they import on CPU, pinned
+#   (requirements-rl.txt, --no-deps); on PYTHONPATH of the pytest process.
+# - .rl/megatron-lm: Megatron-LM's megatron/training, which no megatron-core 0.16.1 wheel or sdist
+#   holds; the first release whose training code is on PyPI is megatron-core 0.17.0 (its wheel ships
+#   megatron/training as tagged core_v0.17.0). The whole cp312 wheel (core 0.17.0 + training 0.17.0,
+#   pure Python apart from a datasets helper the tier does not load) is checked against its pinned
+#   sha256 and unpacked here; it runs on this Python 3.11 and torch. Only the Megatron-LM side of the
+#   tier (tests/rl/megatron_lm_side.py, a subprocess) puts it first on PYTHONPATH; the product
+#   (megatron-core 0.16.1) runs in the pytest process as installed.
+RL_DIR := .rl
+RL_STAMP := $(RL_DIR)/.installed
+MEGATRON_LM_VERSION := 0.17.0
+MEGATRON_LM_WHEEL := megatron_core-0.17.0-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
+MEGATRON_LM_WHEEL_SHA256 := 0cbacf043603f9dc2735310e1b1dcd5c076c02caab13849c2d2fe6a99cbea4f6
+
+$(RL_STAMP): requirements-rl.txt $(STAMP)
+	rm -rf $(RL_DIR)/site $(RL_DIR)/megatron-lm $(RL_DIR)/wheel
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(RL_DIR)/site -r requirements-rl.txt
+	rm -rf $(RL_DIR)/site/tests $(RL_DIR)/site/scripts $(RL_DIR)/site/bin  # verl's wheel ships top-level tests/ and scripts/
+	$(BIN)/python -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 -d $(RL_DIR)/wheel megatron-core==$(MEGATRON_LM_VERSION)
+	echo "$(MEGATRON_LM_WHEEL_SHA256)  $(RL_DIR)/wheel/$(MEGATRON_LM_WHEEL)" | sha256sum --check --quiet
+	$(BIN)/python -m zipfile -e $(RL_DIR)/wheel/$(MEGATRON_LM_WHEEL) $(RL_DIR)/megatron-lm
+	@touch $(RL_STAMP)
+
+rl-deps: $(RL_STAMP)
+
+# One process, so the tier's fixtures (two tiny actors, four trained critics, every export, one
+# Megatron-LM subprocess) are built once.
+test-rl: $(RL_STAMP)
+	PYTHONPATH=$(CURDIR)/$(RL_DIR)/site $(BIN)/python -m pytest -q -m rl -p no:cacheprovider tests/rl
 
 # ruff (lint and the format check, line length 120) over the repository; mypy, strict, on core/
 # (configuration in pyproject.toml). .ci/run runs this before the tests.
@@ -70,4 +104,4 @@ clean-demo:
 	rm -rf $(DAGSTER_HOME_DIR) artifacts manifests/demo.json manifests/demo manifests/demo-shuffled.json manifests/demo-shuffled
 
 clean: clean-demo
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(RL_DIR)

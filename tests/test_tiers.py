@@ -2,7 +2,9 @@
 
 - unit: fast and self-contained: no Ray, no spawned ranks, no Dagster run; `make test-fast`;
 - integration: Dagster runs, local Ray, spawned ranks, the GPU job on CPU;
-- gpu: needs CUDA; skipped elsewhere, run on the accelerator machine.
+- gpu: needs CUDA; skipped elsewhere, run on the accelerator machine;
+- rl: the RL trainers' own loaders (verl, OpenRLHF, Megatron-LM) on the product's exports; not in
+  `make test`: `make test-rl` installs them outside the venv (.rl/) and runs tests/rl.
 
 A tier given to a single test inside a module would hide it from the module's tier, so none is.
 The test folders are packages: helpers are imported relatively, never through `sys.path`.
@@ -19,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "integration", "gpu")
+TIERS = ("unit", "integration", "gpu", "rl")
 
 
 def _test_modules() -> list[Path]:
@@ -57,7 +59,7 @@ def tiers_of(path: Path) -> tuple[list[str], list[str]]:
 
 def test_the_suite_has_test_modules_in_every_folder():
     folders = {p.parent.name for p in _test_modules()}
-    assert {"core", "dagster", "engine", "gpu", "hf", "job"} <= folders, folders
+    assert {"core", "dagster", "engine", "gpu", "hf", "job", "rl"} <= folders, folders
 
 
 @pytest.mark.parametrize("path", _test_modules(), ids=lambda p: str(p.relative_to(TESTS)))
