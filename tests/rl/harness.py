@@ -7,7 +7,9 @@ Where the code comes from (`make rl-deps`, Makefile; nothing of it goes into the
 * verl 0.9.1 and OpenRLHF 0.11.2 with the light dependencies their loaders import on CPU, pinned
   (requirements-rl.txt), installed `--no-deps --target .rl/site`; `make test-rl` puts .rl/site on
   the pytest process's PYTHONPATH. Everything else they import is the venv's (torch 2.13 CPU,
-  transformers 5.25, megatron-core 0.16.1 for verl's engine module).
+  transformers 5.25, megatron-core 0.16.1 for verl's engine module). The one package both hold is
+  antlr4-python3-runtime: hydra's 4.9.3 shadows the venv's 4.13.2 there, which Dagster's
+  asset-selection grammar needs; nothing the tier runs imports Dagster.
 * Megatron-LM's megatron/training is in no megatron-core 0.16.1 wheel or sdist; the megatron-core
   wheels ship it from 0.17.0 on, as tagged core_v0.17.0. The 0.17.0 wheel (cp312; pure Python but
   for a datasets helper not loaded here), checked against its pinned sha256, is unpacked whole into

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.rl.conftest import FAMILIES, product_values, train_critic
+from tests.rl.rltest_helpers import FAMILIES, product_values, train_critic
 
 pytestmark = [pytest.mark.rl, pytest.mark.timeout(600)]
 ATOL = 1e-5

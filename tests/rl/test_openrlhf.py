@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rl.conftest import FAMILIES, response_values, rollouts
 from tests.rl.harness import import_openrlhf
+from tests.rl.rltest_helpers import FAMILIES, response_values, rollouts
 
 pytestmark = [pytest.mark.rl, pytest.mark.timeout(600)]
 ATOL = 1e-5

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.rl.conftest import FAMILIES, response_values, rollouts
 from tests.rl.harness import eager_instead_of_flash_attention
+from tests.rl.rltest_helpers import FAMILIES, response_values, rollouts
 
 pytestmark = [pytest.mark.rl, pytest.mark.timeout(600)]
 ATOL = 1e-5
