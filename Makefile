@@ -63,13 +63,13 @@ test-fast: $(STAMP)
 #   tier (tests/rl/megatron_lm_side.py, a subprocess) puts it first on PYTHONPATH; the product
 #   (megatron-core 0.16.1) runs in the pytest process as installed.
 RL_DIR := .rl
-RL_STAMP := $(RL_DIR)/.installed
 MEGATRON_LM_VERSION := 0.17.0
 MEGATRON_LM_WHEEL := megatron_core-0.17.0-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
 MEGATRON_LM_WHEEL_SHA256 := 0cbacf043603f9dc2735310e1b1dcd5c076c02caab13849c2d2fe6a99cbea4f6
+RL_STAMP := $(RL_DIR)/.installed-$(MEGATRON_LM_WHEEL_SHA256)
 
 $(RL_STAMP): requirements-rl.txt $(STAMP)
-	rm -rf $(RL_DIR)/site $(RL_DIR)/megatron-lm $(RL_DIR)/wheel
+	rm -rf $(RL_DIR)
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(RL_DIR)/site -r requirements-rl.txt
 	rm -rf $(RL_DIR)/site/tests $(RL_DIR)/site/scripts $(RL_DIR)/site/bin  # verl's wheel ships top-level tests/ and scripts/
 	$(BIN)/python -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \

@@ -389,9 +389,12 @@ def wait_for(marker: Path, timeout_s: float = 600.0) -> None:
 def run(job: dict) -> dict:
     """The actors first (they need only the actors' weights), while the pytest process trains the
     critics and exports them; then the bundles, once `job["bundles_ready"]` exists."""
+    import time
+
     import megatron.core
     import megatron.training
 
+    clock = [("start", time.monotonic())]
     one_cpu_rank()
     out: dict[str, Any] = {
         "megatron_core": megatron.core.__version__,
@@ -401,7 +404,9 @@ def run(job: dict) -> dict:
     for family, fam in job["families"].items():
         out["families"][family]["actor"] = save_actor(fam["config"], fam["actor_state"], fam["actor_out"])
     out["saved_names"] = saved_names(next(iter(job["families"].values()))["config"])
+    clock.append(("actors", time.monotonic()))
     wait_for(Path(job["bundles_ready"]))
+    clock.append(("waiting for the bundles", time.monotonic()))
     for family, fam in job["families"].items():
         got = out["families"][family]
         for spec, bundle in fam["miles"].items():
@@ -412,6 +417,8 @@ def run(job: dict) -> dict:
         except Exception as exc:  # noqa: BLE001 - the negative control reports whatever Megatron-LM raised
             got["headless"] = f"{type(exc).__name__}: {exc}"
     reset_globals()
+    clock.append(("bundles", time.monotonic()))
+    out["seconds"] = {name: round(t - clock[i][1], 2) for i, (name, t) in enumerate(clock[1:])}
     return out
 
 

@@ -43,6 +43,7 @@ def test_the_megatron_lm_side_ran_megatron_lm_0_17(megatron_lm_results):
     unpacked megatron-core 0.17.0 wheel (.rl/megatron-lm)."""
     from tests.rl.harness import MEGATRON_LM, MEGATRON_LM_VERSION
 
+    print(f"Megatron-LM side (s): {megatron_lm_results['seconds']}")
     assert megatron_lm_results["megatron_core"] == MEGATRON_LM_VERSION
     assert all(Path(f).is_relative_to(MEGATRON_LM) for f in megatron_lm_results["files"])
 
