@@ -14,7 +14,7 @@ Pure numpy; the unit of resampling and the seed are arguments so results are rep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,31 +74,47 @@ class Interval:
         }
 
 
-def bootstrap_ev_interval(
-    parts: Sequence[SuffStats], *, resamples: int = 2000, level: float = 0.95, seed: int = 0
+def _percentile_bootstrap(
+    statistic: Callable[[np.ndarray], np.ndarray],
+    units: int,
+    point: float,
+    *,
+    resamples: int,
+    level: float,
+    seed: int,
 ) -> Interval:
-    """Percentile bootstrap interval of the EV of summed `parts` (one SuffStats per unit)."""
-    m = stats_matrix(parts)
-    units = m.shape[0]
-    point = ev_of_sums(m.sum(axis=0)) if units else np.nan
+    """The percentile interval of `statistic(idx)` over resamples of `units` units: `idx` is an
+    [r, units] array of drawn unit indices and `statistic` returns r values (NaN where undefined).
+    Resamples whose value is undefined are dropped and counted; fewer than half defined: no
+    interval."""
     estimate = None if np.isnan(point) else float(point)
     if units < 2:
         return Interval(estimate, None, None, level, resamples, resamples, units)
     rng = np.random.default_rng(seed)
-    evs = np.empty(resamples)
-    # Chunked so memory stays bounded for many units.
-    chunk = max(1, 2_000_000 // units)
+    values = np.empty(resamples)
+    chunk = max(1, 2_000_000 // units)  # memory stays bounded for many units
     for start in range(0, resamples, chunk):
         stop = min(resamples, start + chunk)
-        idx = rng.integers(0, units, size=(stop - start, units))
-        evs[start:stop] = ev_of_sums(m[idx].sum(axis=1))
-    defined = evs[~np.isnan(evs)]
+        values[start:stop] = statistic(rng.integers(0, units, size=(stop - start, units)))
+    defined = values[~np.isnan(values)]
     undefined = resamples - defined.size
     if defined.size < resamples / 2:
         return Interval(estimate, None, None, level, resamples, undefined, units)
     alpha = (1.0 - level) / 2.0
     low, high = np.quantile(defined, [alpha, 1.0 - alpha])
     return Interval(estimate, float(low), float(high), level, resamples, undefined, units)
+
+
+def bootstrap_ev_interval(
+    parts: Sequence[SuffStats], *, resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> Interval:
+    """Percentile bootstrap interval of the EV of summed `parts` (one SuffStats per unit)."""
+    m = stats_matrix(parts)
+    units = m.shape[0]
+    point = float(ev_of_sums(m.sum(axis=0))) if units else float("nan")
+    return _percentile_bootstrap(
+        lambda idx: ev_of_sums(m[idx].sum(axis=1)), units, point, resamples=resamples, level=level, seed=seed
+    )
 
 
 def bootstrap_ev_difference(
@@ -111,24 +127,11 @@ def bootstrap_ev_difference(
     units = a.shape[0]
     if b.shape != a.shape:
         raise ValueError(f"paired statistics of other shapes: {a.shape} and {b.shape}")
-    point = ev_of_sums(a.sum(axis=0)) - ev_of_sums(b.sum(axis=0)) if units else np.nan
-    estimate = None if np.isnan(point) else float(point)
-    if units < 2:
-        return Interval(estimate, None, None, level, resamples, resamples, units)
-    rng = np.random.default_rng(seed)
-    diffs = np.empty(resamples)
-    chunk = max(1, 2_000_000 // units)
-    for start in range(0, resamples, chunk):
-        stop = min(resamples, start + chunk)
-        idx = rng.integers(0, units, size=(stop - start, units))
-        diffs[start:stop] = ev_of_sums(a[idx].sum(axis=1)) - ev_of_sums(b[idx].sum(axis=1))
-    defined = diffs[~np.isnan(diffs)]
-    undefined = resamples - defined.size
-    if defined.size < resamples / 2:
-        return Interval(estimate, None, None, level, resamples, undefined, units)
-    alpha = (1.0 - level) / 2.0
-    low, high = np.quantile(defined, [alpha, 1.0 - alpha])
-    return Interval(estimate, float(low), float(high), level, resamples, undefined, units)
+    point = float(ev_of_sums(a.sum(axis=0)) - ev_of_sums(b.sum(axis=0))) if units else float("nan")
+    return _percentile_bootstrap(
+        lambda idx: ev_of_sums(a[idx].sum(axis=1)) - ev_of_sums(b[idx].sum(axis=1)),
+        units, point, resamples=resamples, level=level, seed=seed,
+    )  # fmt: skip
 
 
 def ev_by_position(per_row: Sequence[np.ndarray]) -> list[float | None]:
