@@ -6,6 +6,12 @@ Needs, besides the project's gpu extra: `gguf` and `accelerate` (transformers' G
 downloaded from a hub. The GGUF is Q4_1; transformers dequantizes it to float, so the result is the
 quantized model's weights in bf16, not the original bf16 release.
 
+The saved tokenizer's EOS is `<|im_end|>`, the token the model ends its turn with (its generation
+config's `eos_token_id`, 2). The GGUF metadata names `<|im_start|>` (id 1) instead; since
+`import-rollouts` appends the tokenizer's EOS to every response, critics trained on rows tokenized
+with that tokenizer (the real-rollout study's) saw responses end with `<|im_start|>`, while an RL
+actor's responses end with `<|im_end|>` (bench/rl_with_critic.py refuses such a folder).
+
     python bench/prepare_smollm2.py OUT_DIR [--check]
 
 `--check` converts OUT_DIR with `value_assets.gpu.convert.hf`, builds the local-spec Megatron
@@ -64,7 +70,9 @@ def convert(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(str(out), safe_serialization=True)
     try:
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.eos_token = "<|im_end|>"  # the stop token (generation_config.eos_token_id), not the GGUF's <|im_start|>
+        tok.save_pretrained(str(out))
     except Exception as exc:  # noqa: BLE001 - the tokenizer is a convenience for the bench, not needed to convert
         print(f"tokenizer not saved: {exc}")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
