@@ -150,4 +150,5 @@ with tarfile.open(out / "build" / "bundle.tar") as t:
             lines.append(f"{where:<7} {m.size / 2**20:7.2f} MiB  {m.name}")
 (out / "PARTS.txt").write_text("\n".join(lines) + "\n")
 EOF
+rm -rf "$stage" "$out/build/bundle.tar"  # the parts hold them; build/dl stays as the download cache
 ls -l "$out"/p[0-9]* && du -ch "$out"/p[0-9]* | tail -1 && cat "$out/SHA256SUMS"
