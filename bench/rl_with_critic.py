@@ -492,8 +492,9 @@ def write_manifests(args, work: Path) -> dict[str, Path]:
 def cmd_critics(args) -> None:
     """Train, gate and promote the critics of arms b-d with the product's Dagster `full` job, in this
     process against a local instance in WORK (as `value_assets.demo` does). A promoted critic's arm is
-    its registry record pinned by the sha the instance holds; a refused one (its gate failed) is
-    exported by hand and marked so. Writes WORK/critics.json; arms already there are skipped."""
+    its registry record pinned by the sha the instance holds; one its gate refused is exported by
+    hand and marked so; any other failure stops the step. Writes WORK/critics.json; arms already
+    there are skipped."""
     check_stop_token(args.actor)
     work = Path(args.work).resolve()
     paths = write_manifests(args, work)
@@ -567,14 +568,17 @@ def cmd_critics(args) -> None:
             record = work / "artifacts" / "registry" / f"{key}.json"
             if record.is_file() and promoted.get(v.REGISTRY_RECORD_SHA256):
                 entry["arm"] = f"record:{record}@{promoted[v.REGISTRY_RECORD_SHA256]}"
-            elif entry["checkpoint"]:
+            elif entry["checkpoint"] and entry["gate_passed"] is False:
                 hf = work / "refused-hf" / key
                 if not hf.exists():
                     _va("export-hf", "--checkpoint", entry["checkpoint"], "--out", str(hf), "--format", "scalar")
                 entry["arm"] = f"hf:{hf}@{entry['checkpoint']}"
                 entry["note"] = "not promoted (the gate refused it): exported by hand from its checkpoint"
             else:
-                raise SystemExit(f"{key}: the full job produced no checkpoint (run {run.run_id}; instance {home})")
+                raise SystemExit(
+                    f"{key}: the full job stopped before its gate decided or after it passed (run {run.run_id}, "
+                    f"Dagster instance {home})"
+                )
             critics[arm] = entry
             critics_file.write_text(json.dumps(critics, indent=1) + "\n")
             print(f"{arm} {path.stem}: " + json.dumps({k: entry[k] for k in entry if k != "training"}), flush=True)
