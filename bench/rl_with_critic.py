@@ -24,11 +24,12 @@ a `fresh` (transformers' fresh `score` head on the actor, TRL's default), b the 
 (full fine-tune), c the promoted head-only critic (`freeze: backbone`), d a reward-shuffled control.
 SPEC is `fresh`, `record:REGISTRY.json@SHA` (a promotion record pinned by the sha the Dagster
 instance holds, verified by the product's rules, bundle bytes included) or `hf:DIR[@CKPT]` (an
-exported folder: a critic the gate refused, exported by hand). `critics` trains b-d with the
-product's own graph: it imports the rollouts (`--loss-type mse`: TRL's head is a scalar trained with
-a squared error), writes three manifests whose `training` spec names the actor (pinned by its
-sha256) and the settings below, ticks the manifest sensor and runs the Dagster `full` job with the
-sensor's run config for each (validate, plan, train, evaluate, gate, promote), as `make demo` does.
+exported folder: a critic the gate refused, exported by hand). `critics` trains b-d the way the
+README's "Bring your own rollouts" does: `import-rollouts --loss-type mse --inbox --training` (TRL's
+head is a scalar trained with a squared error) writes one manifest per arm into the watched folder
+with its `training` spec (the actor folder pinned by its sha256, the settings below), then the
+manifest sensor is ticked and each requested Dagster `full` run executed with the sensor's run config
+(validate, plan, train, evaluate, gate, promote), as `value-assets run-manifests` does.
 
 **Prompts and reward.** The study's reasoning-gym families with 10-30% initial success
 (add/sub/mul-1digit), its calibration items left out, split by the product's own rule
@@ -432,158 +433,118 @@ def check_stop_token(actor: str) -> None:
 
 
 def write_manifests(args, work: Path) -> dict[str, Path]:
-    """Import the rollouts (as they are and reward-shuffled) and write one manifest per arm into the
-    watched folder, each with the training spec of its critic; the datasets are imported once."""
-    from value_assets.core.strict_json import canonical_bytes
+    """One manifest per arm in the watched folder, each written by `import-rollouts --inbox
+    --training` (the product's own path, README "Bring your own rollouts"): the rollouts as they are
+    (b, c) or with rewards shuffled across rows (d), and the critic's training spec, which names the
+    actor folder pinned by its sha256. A manifest already there is kept (a resumed command)."""
     from value_assets.gpu.convert.bootstrap import resolve_backbone
 
-    inbox = work / "inbox"
-    inbox.mkdir(parents=True, exist_ok=True)
+    inbox, data = work / "inbox", work / "data"
+    for folder in (inbox, data):
+        folder.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_jsonl(Path(args.rollouts)) if r["task"] in set(args.families)]
     rewards = random.Random(0).sample([r["reward"] for r in rows], len(rows))
-    shuffled = [{**r, "reward": w} for r, w in zip(rows, rewards, strict=True)]
-    imported = {}
-    for tag, data in (("real", rows), ("shuffled", shuffled)):
-        folder = inbox / f"data-{tag}"
-        if not folder.exists():
-            src = work / f"rollouts-{tag}.jsonl"
-            src.write_text("".join(json.dumps(r) + "\n" for r in data))
-            info = _va(
-                "import-rollouts",
-                str(src),
-                "--tokenizer",
-                args.actor,
-                "--out",
-                str(folder),
-                "--id-field",
-                "id",
-                "--group-field",
-                "item",
-                "--heldout-fraction",
-                str(HELDOUT_FRACTION),
-                "--seed",
-                str(SPLIT_SEED),
-                "--name",
-                tag,
-                "--loss-type",
-                "mse",
-            )
-            print(f"import {tag}: {info}", flush=True)
-        imported[tag] = json.loads((folder / f"{tag}.json").read_text())
+    sources = {"real": rows, "shuffled": [{**r, "reward": w} for r, w in zip(rows, rewards, strict=True)]}
     actor = Path(args.actor).resolve()
     backbone = {"path": str(actor), "sha256": resolve_backbone(str(actor))[2]["sha256"]}
     paths = {}
     for arm, (stem, tag, freeze, lr) in CRITICS.items():
-        manifest = json.loads(json.dumps(imported[tag]))
-        for split in ("train", "heldout"):
-            manifest[split]["path"] = f"data-{tag}/{manifest[split]['path']}"
+        paths[arm] = inbox / f"{stem}.json"
+        if paths[arm].is_file():
+            continue
+        src = data / f"rollouts-{tag}.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in sources[tag]))
         spec = json.loads(json.dumps(CRITIC_SPEC))
         spec["plan"]["epochs"] = args.epochs
         spec["train"].update(lr=lr * args.lr_scale, freeze=freeze)
         spec["evaluate"]["num_batches"] = args.eval_batches
-        manifest["training"] = {**spec, "backbone": backbone}
-        paths[arm] = inbox / f"{stem}.json"
-        data = canonical_bytes(manifest)
-        if not paths[arm].is_file() or paths[arm].read_bytes() != data:
-            paths[arm].write_bytes(data)
+        spec_file = data / f"{stem}.training.json"
+        spec_file.write_text(json.dumps({**spec, "backbone": backbone}, indent=1) + "\n")
+        info = _va(
+            "import-rollouts", str(src), "--tokenizer", str(actor), "--loss-type", "mse", "--id-field", "id",
+            "--group-field", "item", "--heldout-fraction", str(HELDOUT_FRACTION), "--seed", str(SPLIT_SEED),
+            "--out", str(data / stem), "--inbox", str(inbox), "--name", stem, "--training", str(spec_file),
+        )  # fmt: skip
+        print(f"import {stem}: {info}", flush=True)
     return paths
 
 
 def cmd_critics(args) -> None:
-    """Train, gate and promote the critics of arms b-d with the product's Dagster `full` job, in this
-    process against a local instance in WORK (as `value_assets.demo` does). A promoted critic's arm is
-    its registry record pinned by the sha the instance holds; one its gate refused is exported by
-    hand and marked so; any other failure stops the step. Writes WORK/critics.json; arms already
-    there are skipped."""
+    """Train, gate and promote the critics of arms b-d with the product's Dagster `full` job, run in
+    this process against a local instance in WORK as `run-manifests` and `make demo` do (the sensor's
+    run request, its run config from the spec). A promoted critic's arm is its registry record pinned
+    by the sha the instance holds; one its gate refused is exported by hand and marked so; any other
+    failure stops the step. Writes WORK/critics.json; arms already there are skipped."""
     check_stop_token(args.actor)
     work = Path(args.work).resolve()
     paths = write_manifests(args, work)
-    home = work / "dagster_home"
-    home.mkdir(exist_ok=True)
-    if not (home / "dagster.yaml").exists():
-        (home / "dagster.yaml").write_text((ROOT / "dagster.yaml").read_text())
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     os.environ.update(
-        DAGSTER_HOME=str(home),
+        DAGSTER_HOME=str(work / "dagster_home"),
         VALUE_ASSETS_ARTIFACTS=str(work / "artifacts"),
         VALUE_ASSETS_MANIFESTS=str(work / "inbox"),
     )
     os.environ.pop("VALUE_ASSETS_DEFAULT_TRAINING", None)  # every manifest names its own spec
-    from dagster import DagsterInstance, build_sensor_context
+    from dagster import DagsterInstance
 
     from value_assets.core import vocabulary as v
     from value_assets.core.hashing import sha256_file
     from value_assets.core.training_spec import spec_of_manifest
     from value_assets.definitions import make_definitions, resources_by_deployment_name
-    from value_assets.lineage import Lineage
     from value_assets.partitions import partition_key_for
-    from value_assets.sensors import manifest_sensor
+    from value_assets.run_inbox import lineage_state, run_inbox, use_home
 
+    home = use_home(ROOT)
     resources = resources_by_deployment_name()["local"]
-    instance = DagsterInstance.get()
-    defs = make_definitions(resources)
-    tick = manifest_sensor(build_sensor_context(instance=instance, resources=resources))
-    for request in tick.dynamic_partitions_requests or []:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-    requests = {r.tags["value_assets/manifest"]: r for r in tick.run_requests or []}
+    artifacts = Path(resources["artifacts"].root).resolve()
     critics_file = work / "critics.json"
     critics = json.loads(critics_file.read_text()) if critics_file.is_file() else {}
-    try:
-        for arm in args.arms:
-            if arm in critics:
-                continue
-            path = paths[arm]
-            request = requests.get(str(path))
-            if request is not None:
-                key, run_config, tags = request.partition_key, request.run_config, request.tags
-            else:  # the sensor starts no second run of a partition: a resumed command runs it with the same spec
-                key = partition_key_for(path, sha256_file(path))
-                spec = spec_of_manifest(json.loads(path.read_text()), path)
-                assert spec is not None
-                run_config, tags = spec.run_config(), {"value_assets/manifest": str(path)}
-            t = time.time()
-            run = defs.resolve_job_def("full").execute_in_process(
+    todo = [arm for arm in args.arms if arm not in critics]
+    wanted = {paths[arm].resolve() for arm in todo}
+    instance = DagsterInstance.get()
+    ran = {s.manifest.resolve(): s for s in run_inbox(instance, resources, only=lambda p: p.resolve() in wanted)}
+    for arm in todo:
+        path = paths[arm]
+        key = partition_key_for(path, sha256_file(path))
+        state = ran.get(path.resolve()) or lineage_state(instance, artifacts, key, path)
+        t = time.monotonic()
+        if path.resolve() not in ran and not (state.promoted or state.gate is False):
+            # An earlier command's run of it stopped early, and the sensor starts no second run: run it again.
+            spec = spec_of_manifest(json.loads(path.read_text()), path)
+            assert spec is not None
+            make_definitions(resources).resolve_job_def("full").execute_in_process(
                 instance=instance,
                 partition_key=key,
                 raise_on_error=False,
-                tags={**tags, "dagster/run_key": key},
-                run_config={**run_config, "loggers": {"console": {"config": {"log_level": "CRITICAL"}}}},
+                tags={"value_assets/manifest": str(path)},
+                run_config={**spec.run_config(), "loggers": {"console": {"config": {"log_level": "CRITICAL"}}}},
             )
-            lineage = Lineage(instance, key)
-            ckpt = (lineage.metadata(v.CRITIC_CHECKPOINT) or {}).get("checkpoint")
-            report = lineage.metadata(v.EV_REPORT) or {}
-            promoted = lineage.metadata(v.PROMOTED_CRITIC) or {}
-            entry: dict[str, Any] = {
-                "partition": key,
-                "run_success": run.success,
-                "seconds": round(time.time() - t, 1),
-                "gate_passed": {e.check_name: e.passed for e in run.get_asset_check_evaluations()}.get(v.EV_GATE),
-                "token_ev": report.get("token_ev"),
-                "trajectory_ev": report.get("trajectory_ev"),
-                "report_path": str(report[v.REPORT_PATH]) if report.get(v.REPORT_PATH) else None,
-                "report_sha256": report.get(v.REPORT_SHA256),
-                "checkpoint": str(ckpt) if ckpt else None,
-                "training": json.loads(path.read_text())["training"],
-            }
-            record = work / "artifacts" / "registry" / f"{key}.json"
-            if record.is_file() and promoted.get(v.REGISTRY_RECORD_SHA256):
-                entry["arm"] = f"record:{record}@{promoted[v.REGISTRY_RECORD_SHA256]}"
-            elif entry["checkpoint"] and entry["gate_passed"] is False:
-                hf = work / "refused-hf" / key
-                if not hf.exists():
-                    _va("export-hf", "--checkpoint", entry["checkpoint"], "--out", str(hf), "--format", "scalar")
-                entry["arm"] = f"hf:{hf}@{entry['checkpoint']}"
-                entry["note"] = "not promoted (the gate refused it): exported by hand from its checkpoint"
-            else:
-                raise SystemExit(
-                    f"{key}: the full job stopped before its gate decided or after it passed (run {run.run_id}, "
-                    f"Dagster instance {home})"
-                )
-            critics[arm] = entry
-            critics_file.write_text(json.dumps(critics, indent=1) + "\n")
-            print(f"{arm} {path.stem}: " + json.dumps({k: entry[k] for k in entry if k != "training"}), flush=True)
-    finally:
-        resources["launcher"].stop_warm_cluster(instance)
+            resources["launcher"].stop_warm_cluster(instance)
+            state = lineage_state(instance, artifacts, key, path, seconds=time.monotonic() - t)
+        report, ckpt = state.metadata[v.EV_REPORT], state.metadata[v.CRITIC_CHECKPOINT].get("checkpoint")
+        entry: dict[str, Any] = {
+            "partition": key, "seconds": round(state.seconds, 1), "gate_passed": state.gate,
+            "token_ev": report.get("token_ev"), "trajectory_ev": report.get("trajectory_ev"),
+            "report_path": str(report[v.REPORT_PATH]) if report.get(v.REPORT_PATH) else None,
+            "report_sha256": report.get(v.REPORT_SHA256), "checkpoint": str(ckpt) if ckpt else None,
+            "training": json.loads(path.read_text())["training"],
+        }  # fmt: skip
+        if state.promoted and state.record_sha256:
+            entry["arm"] = f"record:{state.registry_record}@{state.record_sha256}"
+        elif ckpt and state.gate is False:
+            hf = work / "refused-hf" / key
+            if not hf.exists():
+                _va("export-hf", "--checkpoint", str(ckpt), "--out", str(hf), "--format", "scalar")
+            entry["arm"] = f"hf:{hf}@{ckpt}"
+            entry["note"] = "not promoted (the gate refused it): exported by hand from its checkpoint"
+        else:
+            raise SystemExit(
+                f"{key}: the full job stopped before its gate decided or after it passed (failed steps "
+                f"{list(state.failed_steps)}; Dagster instance {home})"
+            )
+        critics[arm] = entry
+        critics_file.write_text(json.dumps(critics, indent=1) + "\n")
+        print(f"{arm} {path.stem}: " + json.dumps({k: entry[k] for k in entry if k != "training"}), flush=True)
     print(f"critics: {critics_file}")
 
 
