@@ -2,8 +2,8 @@
 # Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there,
 # Ray without its jars, the SmolLM2 GGUF: bench/make_device_bundle.sh builds it), then one of: tests
 # (GPU tier), bench (throughput table), scale (long rows, profiles), auto (all rows, memory-sized
-# micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts), rl-critics and rl SEEDS
-# (issue 28: PPO with the promoted critics, bench/README.md#ppo-with-a-promoted-critic).
+# micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts), rl-critics, rl-calibrate
+# and rl SEEDS (issue 28: PPO with the promoted critics, bench/README.md#ppo-with-a-promoted-critic).
 # The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB): one call per part,
 # `mkdir -p /tmp/b && cp .bundle/pN /tmp/b/`, the last one with SHA256SUMS and then the step.
 set -uo pipefail
@@ -78,6 +78,12 @@ case "$step" in
     python3 bench/rl_with_critic.py critics --rollouts $rollouts --actor /tmp/smol --work /tmp/rl/critics ${CRITIC_ARGS:-} 2>&1 \
       | grep -vi warn | tee "$out/rl-critics.log" | grep -E "^(b|c|d) rl-|^import|^critics:|Error|Traceback" | cut -c1-400
     cp /tmp/rl/critics/critics.json "$out/" 2>/dev/null ;;
+  rl-calibrate)
+    # Issue 28, first session only: arm a alone for 3 steps in a folder of its own, before any arm b-d
+    # runs; its step time fixes the step count once (bench/README.md).
+    python3 bench/rl_with_critic.py run --actor /tmp/smol --tasks bench/data/real_rollouts_tasks.jsonl --out /tmp/rl/calibrate \
+      --arm a=fresh --seeds 0 --steps 3 --eval-every 3 2>&1 | grep -vi warn | tee "$out/rl-calibrate.log" \
+      | grep -E "step [0-9]+ |: done in|Error|Traceback" | cut -c1-300 ;;
   rl)
     # Issue 28: PPO for the seeds given ("0", or "0 1"), every arm, until RL_DEADLINE seconds; a second
     # call on the same machine goes on where the first stopped. Brings back every run's steps and metadata.
