@@ -112,6 +112,20 @@ def _lone_surrogate(obj: Any) -> str | None:
     return None
 
 
+def _position(text: str, pos: int) -> str:
+    """Where a syntax error is, as an editor counts: `column C` in a one-line text (a JSONL row,
+    whose location already names the line), `line L column C` in a longer one. A text that ends
+    too early (a truncated row: the parser stops after its trailing newline) is placed just after
+    its last character, not at column 1 of the line after it."""
+    end = len(text.rstrip(" \t\r\n"))
+    cut = pos >= end
+    pos = min(pos, end)
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    place = f"column {column}" if "\n" not in text[:end] else f"line {line} column {column}"
+    return place + (" (the end of the text: it stops early)" if cut else "")
+
+
 def loads(text: str | bytes, where: str) -> Any:
     """Parse one JSON document strictly; every refusal is InputError(where, ...)."""
     if isinstance(text, bytes):
@@ -126,7 +140,8 @@ def loads(text: str | bytes, where: str) -> Any:
     except _StrictError as exc:
         raise InputError(where, f"invalid JSON: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise InputError(where, f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+        msg = exc.msg.removesuffix(" at")  # "Unterminated string starting at", "Invalid control character at"
+        raise InputError(where, f"invalid JSON: {msg} at {_position(text, exc.pos)}") from None
     except RecursionError:
         obj = _TOO_DEEP
     # Fewer brackets than MAX_DEPTH cannot nest deeper: the walk runs only for bracket-rich texts.
