@@ -441,7 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--format", choices=("jsonl", "parquet"), default="jsonl", help="dataset file format (default: %(default)s)"
     )
-    d.add_argument("--name", help="manifest stem (default: demo, or demo-shuffled with --shuffle-labels)")
+    d.add_argument(
+        "--name",
+        help="manifest stem, a plain file name inside OUT_DIR (default: demo, or demo-shuffled with --shuffle-labels)",
+    )
     d.set_defaults(func=cmd_make_demo_data)
 
     vf = sub.add_parser(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.test_rollouts import CharTokenizer
+from tests.core.test_rollouts import CharTokenizer, records, write_jsonl
 from value_assets.cli import main
 from value_assets.core.errors import InputError
 from value_assets.core.rollouts import PRESETS, import_rollouts
@@ -23,9 +23,39 @@ ROOT = Path(__file__).resolve().parents[2]
 GENERIC = PRESETS["generic"]
 
 
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
 def run(capsys, *argv) -> tuple[int, str]:
     rc = main([str(a) for a in argv])
     return rc, capsys.readouterr().err
+
+
+# ---- defect 3: --name is a file name inside the output folder -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../../x", "sub/x", "", ".hidden", ".."])
+@pytest.mark.parametrize("inbox", [False, True])
+def test_import_rollouts_name_stays_inside_out_and_nothing_is_written(tmp_path, name, inbox):
+    """`--name ../../x` wrote the manifest outside --out (or --inbox), over an existing file, then
+    exited 2 leaving it; `--name ""` wrote a hidden `.json`."""
+    (tmp_path / "in").mkdir()
+    src = write_jsonl(tmp_path / "in" / "r.jsonl", records(prompts=4, samples=2))
+    victim = tmp_path / "x.json"
+    victim.write_text("precious")
+    before = files_under(tmp_path)
+    extra = {"inbox": tmp_path / "a" / "inbox"} if inbox else {}
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(InputError, match="--name"):
+        import_rollouts([src], CharTokenizer(), out, fields=GENERIC, name=name, heldout_fraction=0.25, **extra)
+    assert files_under(tmp_path) == before and victim.read_text() == "precious"
+
+
+def test_make_demo_data_name_stays_inside_its_folder(tmp_path, capsys):
+    rc, err = run(capsys, "make-demo-data", tmp_path / "out", "--rows", 4, "--name", "../escaped")
+    assert rc == 2 and "--name" in err, err
+    assert files_under(tmp_path) == []
 
 
 # ---- defect 14: a syntax error's column ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.manifest import SCHEMA
 from value_assets.core.objective import Objective
+from value_assets.core.paths import confined, plain_name
 
 TASK_TOKENS = np.arange(1000, 1008)
 TASK_P = np.linspace(0.05, 0.95, TASK_TOKENS.shape[0])
@@ -111,13 +112,14 @@ def make_demo_data(
 ) -> Path:
     """Write `<out_dir>/<name>.json` (manifest) and `<out_dir>/<name>/{train,heldout}.<ext>`; return the manifest path.
 
-    `name` defaults to "demo" ("demo-shuffled" for the negative control), so both fit one watched folder.
+    `name` defaults to "demo" ("demo-shuffled" for the negative control), so both fit one watched folder;
+    a given name is a plain file name inside `out_dir` (`paths.plain_name`).
     The manifest's training spec (docs/rules.md#training-spec) is `training`, by default the demo's
     explicit choice `DEMO_TRAINING`: the random tiny backbone, gated in the stricter interval mode.
     """
     out = Path(out_dir)
-    name = name or ("demo-shuffled" if shuffle_labels else "demo")
-    data_dir = out / name
+    name = plain_name(name or ("demo-shuffled" if shuffle_labels else "demo"), "--name")
+    data_dir, mpath = confined(out, name, "--name"), confined(out, f"{name}.json", "--name")
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -158,6 +160,5 @@ def make_demo_data(
         },
         "training": dict(DEMO_TRAINING if training is None else training),
     }
-    mpath = out / f"{name}.json"
     mpath.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return mpath

@@ -37,6 +37,7 @@ from value_assets.core.errors import InputError, show
 from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.manifest import SCHEMA
 from value_assets.core.objective import Objective
+from value_assets.core.paths import confined, plain_name
 from value_assets.core.publish import write_new
 from value_assets.core.strict_json import canonical_bytes, is_number, loads
 
@@ -265,12 +266,13 @@ def import_rollouts(
         raise InputError("--heldout-fraction", f"must be in [0, 1), got {heldout_fraction!r}")
     if chat_template not in ("auto", "always", "never"):
         raise InputError("--chat-template", f"must be auto, always or never, got {chat_template!r}")
+    plain_name(name, "--name")  # the manifest's file name inside --out (or --inbox), never a path
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(str(out), "output folder exists and is not empty; import-rollouts never overwrites")
     inbox_manifest = None
     if inbox is not None:
-        inbox_manifest = Path(inbox) / f"{name}.json"
+        inbox_manifest = confined(inbox, f"{name}.json", "--name")
         if inbox_manifest.exists() or inbox_manifest.is_symlink():
             raise InputError(str(inbox_manifest), "a manifest of this name is already in the watched folder; "
                              "import-rollouts never overwrites (choose another --name)")  # fmt: skip
@@ -400,7 +402,7 @@ def import_rollouts(
         }
         if training is not None:
             manifest["training"] = dict(training)
-        manifest_path = tmp / f"{name}.json"
+        manifest_path = confined(tmp, f"{name}.json", "--name")
         manifest_path.write_bytes(canonical_bytes(manifest))
         # Everything written is checked by the same validator training uses, before it is published.
         from value_assets.core.dataset import validate_dataset

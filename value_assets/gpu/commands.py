@@ -377,7 +377,11 @@ def add_import_command(sub) -> None:
         "--loss-type", choices=("classification", "mse"), default="classification", help="(default: %(default)s)"
     )
     r.add_argument("--num-bins", type=int, default=51, help="value bins for classification (default: %(default)s)")
-    r.add_argument("--name", default="rollouts", help="manifest stem (default: %(default)s)")
+    r.add_argument(
+        "--name",
+        default="rollouts",
+        help="manifest stem, a plain file name inside --out (or --inbox) (default: %(default)s)",
+    )
     r.add_argument(
         "--inbox",
         help="write the manifest into this folder (the one the sensor watches), its dataset paths relative to it, "
