@@ -1,13 +1,16 @@
 """The `value-assets` command line.
 
-Exit status 0 on success, 2 on invalid input (a one-paragraph message on stderr naming the value and
-where it came from; nothing is written), 1 on an unexpected failure (a one-paragraph message too;
-the traceback only with VALUE_ASSETS_TRACEBACK=1).
+Exit status 0 on success; 2 on invalid input, or on an output the system refused (disk full,
+permission denied, read-only file system): a one-paragraph message on stderr naming the value or the
+path, and nothing is written; 3 when a gate refused the critic (`evaluate`, `run-manifests`); 1 only
+on an unexpected failure, i.e. a bug (a one-paragraph message too; the traceback only with
+VALUE_ASSETS_TRACEBACK=1).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import json
 import os
@@ -24,6 +27,21 @@ from value_assets.core.publish import PublishError
 
 EXIT_INVALID = 2
 EXIT_UNEXPECTED = 1
+# OSErrors that are the environment's answer, not a bug: exit 2 with the path they name.
+ENVIRONMENT_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EFBIG,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.EIO,
+        errno.ENAMETOOLONG,
+        errno.EMFILE,
+        errno.ENFILE,
+    }
+)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -508,20 +526,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         print(f"value-assets: error: {_paragraph(str(exc))}", file=sys.stderr)
         return EXIT_INVALID
-    except PublishError as exc:  # not bad input (exit 1): e.g. a full disk; nothing was published
-        print(f"value-assets: error: {exc}", file=sys.stderr)
-        return 1
+    except PublishError as exc:  # the system refused the output (a full disk, permissions): named; nothing published
+        print(f"value-assets: error: {_paragraph(str(exc))}", file=sys.stderr)
+        return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        # The environment's refusal of a named path is located like bad input; one without a path
+        # is a writer that failed to name its file: a bug (exit 1).
+        if exc.errno not in ENVIRONMENT_ERRNOS or exc.filename is None:
+            return _unexpected(exc)
+        where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        code = errno.errorcode.get(exc.errno, exc.errno)
+        print(f"value-assets: error: {where}: {exc.strerror or exc} ({code})", file=sys.stderr)
+        return EXIT_INVALID
     except Exception as exc:  # noqa: BLE001 - no raw traceback: bad input is refused as InputError above
-        if os.environ.get("VALUE_ASSETS_TRACEBACK") == "1":
-            traceback.print_exc(file=sys.stderr)
-        print(
-            f"value-assets: unexpected failure (please report it): {type(exc).__name__}: {_paragraph(str(exc))} "
-            "(set VALUE_ASSETS_TRACEBACK=1 for the traceback)",
-            file=sys.stderr,
-        )
-        return EXIT_UNEXPECTED
+        return _unexpected(exc)
+    except BaseException as exc:  # torch_dist's CheckpointException is one; SystemExit is not ours
+        if isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
+        return _unexpected(exc)
+
+
+def _unexpected(exc: BaseException) -> int:
+    if os.environ.get("VALUE_ASSETS_TRACEBACK") == "1":
+        traceback.print_exception(exc, file=sys.stderr)
+    print(
+        f"value-assets: unexpected failure (please report it): {type(exc).__name__}: {_paragraph(str(exc))} "
+        "(set VALUE_ASSETS_TRACEBACK=1 for the traceback)",
+        file=sys.stderr,
+    )
+    return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

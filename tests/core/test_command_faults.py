@@ -8,7 +8,14 @@ path (chat templates, --max-seq-len) is in tests/core/test_rollouts_hf.py."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +23,7 @@ import pytest
 from tests.core.test_rollouts import CharTokenizer, records, write_jsonl
 from value_assets.cli import main
 from value_assets.core.errors import InputError
+from value_assets.core.publish import PublishError
 from value_assets.core.rollouts import PRESETS, import_rollouts
 
 pytestmark = pytest.mark.unit
@@ -25,6 +33,32 @@ GENERIC = PRESETS["generic"]
 
 def files_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """In this process: a write that would grow any file past `nbytes` fails with EFBIG."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str = "64k", options: str = ""):
+    """A tmpfs of `size` at `folder` (root only; else the test is skipped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("needs a tmpfs mount (root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def run(capsys, *argv) -> tuple[int, str]:
@@ -90,3 +124,151 @@ def test_a_truncated_line_is_placed_at_its_end(tmp_path, capsys):
     manifest.write_text('{\n  "schema": "miles.value-pretrain.v1",\n  "train": {"path": "x"}\n  "objective": {}\n}\n')
     rc, err = run(capsys, "validate", manifest)
     assert rc == 2 and "at line 4 column 3" in err, err
+
+
+# ---- defect 11: write failures and kills leave nothing, and exit 2 naming the path ---------------------------------
+
+
+def test_make_demo_data_write_failure_exits_2_naming_the_path_and_leaves_nothing(tmp_path, capsys):
+    """make-demo-data wrote its files in place: a full disk (here EFBIG) left a half-written
+    train.jsonl and exited 1 'unexpected failure' without a path."""
+    out = tmp_path / "out"
+    with file_size_limit(64 << 10):
+        rc, err = run(capsys, "make-demo-data", out, "--rows", 256, "--heldout-rows", 16)
+    assert rc == 2 and f"{out / 'demo' / 'train.jsonl'}: could not publish (File too large)" in err, err
+    assert files_under(out) == []  # no train.jsonl, half or whole, and no staging folder
+
+
+def test_import_rollouts_write_failure_exits_2_naming_the_path_and_leaves_nothing(tmp_path):
+    src = write_jsonl(tmp_path / "r.jsonl", records(prompts=64, samples=8))
+    out = tmp_path / "out"
+    with file_size_limit(16 << 10), pytest.raises(PublishError) as err:
+        import_rollouts([src], CharTokenizer(), out, fields=GENERIC, heldout_fraction=0.25)
+    assert f"{out / 'train.jsonl'}: could not publish (File too large)" in str(err.value)
+    assert files_under(tmp_path) == ["r.jsonl"]
+
+
+def test_disk_full_and_read_only_folders_exit_2_and_leave_nothing(tmp_path, capsys):
+    with small_tmpfs(tmp_path / "small"):
+        rc, err = run(capsys, "make-demo-data", tmp_path / "small", "--rows", 512)
+        assert rc == 2 and "No space left on device" in err and str(tmp_path / "small") in err, err
+        assert files_under(tmp_path / "small") == []
+        src = write_jsonl(tmp_path / "r.jsonl", records(prompts=256, samples=8))
+        with pytest.raises(PublishError, match="No space left on device"):
+            import_rollouts([src], CharTokenizer(), tmp_path / "small" / "out", fields=GENERIC, heldout_fraction=0.25)
+        assert files_under(tmp_path / "small") == []
+    with small_tmpfs(tmp_path / "ro", options=",ro"):
+        rc, err = run(capsys, "make-demo-data", tmp_path / "ro", "--rows", 8)
+        assert rc == 2 and str(tmp_path / "ro") in err and "Read-only file system" in err, err
+        with pytest.raises(PublishError, match="Read-only file system"):
+            import_rollouts([tmp_path / "r.jsonl"], CharTokenizer(), tmp_path / "ro" / "out", fields=GENERIC)
+        # --inbox: the data is written, the manifest in the watched folder is refused: the data goes too
+        with pytest.raises(PublishError, match=f"{tmp_path / 'ro' / 'r.json'}: could not publish"):
+            import_rollouts(
+                [tmp_path / "r.jsonl"],
+                CharTokenizer(),
+                tmp_path / "out",
+                fields=GENERIC,
+                inbox=tmp_path / "ro",
+                name="r",
+            )
+        assert not (tmp_path / "out").exists()
+
+
+_KILLED = """
+import resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; by default it kills the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))  # at the first write past it
+if sys.argv[1] == "make-demo-data":
+    from value_assets.cli import main
+    main(["make-demo-data", sys.argv[2], "--rows", "512"])
+else:
+    from tests.core.test_rollouts import CharTokenizer
+    from value_assets.core.rollouts import PRESETS, import_rollouts
+    folder = Path(sys.argv[2])
+    import_rollouts([folder / "r.jsonl"], CharTokenizer(), folder / "out", fields=PRESETS["generic"])
+"""
+
+
+@pytest.mark.parametrize("command", ["make-demo-data", "import-rollouts"])
+def test_a_process_killed_mid_write_leaves_no_partial_file(tmp_path, command):
+    if command == "import-rollouts":
+        write_jsonl(tmp_path / "r.jsonl", records(prompts=128, samples=8))
+    before = set(files_under(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED, command, str(tmp_path), str(32 << 10)],
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == -signal.SIGXFSZ, done.stderr[-2000:]
+    # At most a hidden staging entry: nothing under a name a reader takes for output.
+    left = [p for p in set(files_under(tmp_path)) - before if not any(part.startswith(".") for part in Path(p).parts)]
+    assert left == [], left
+
+
+def _every_command_raises(monkeypatch, exc: BaseException) -> None:
+    import value_assets.cli as cli
+
+    parser = cli.build_parser
+
+    def build():
+        p = parser()
+        for action in p._subparsers._group_actions[0].choices.values():
+
+            def cmd(_args):
+                raise exc
+
+            action.set_defaults(func=cmd)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", build)
+
+
+def test_an_oserror_naming_a_path_exits_2_and_a_bug_exits_1(tmp_path, capsys, monkeypatch):
+    """PublishError (a full disk while publishing) exited 1; an environment OSError naming its path
+    is the system's refusal of that path (exit 2, named); one without a path is a bug (exit 1)."""
+    _every_command_raises(monkeypatch, PublishError(tmp_path / "r.json", OSError(errno.ENOSPC, "No space left")))
+    assert main(["plan", "m.json"]) == 2 and f"{tmp_path / 'r.json'}: could not publish" in capsys.readouterr().err
+    _every_command_raises(monkeypatch, OSError(errno.EACCES, "Permission denied", str(tmp_path / "x")))
+    assert main(["plan", "m.json"]) == 2 and f"{tmp_path / 'x'}: Permission denied (EACCES)" in capsys.readouterr().err
+    _every_command_raises(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))  # no path: a bug
+    assert main(["plan", "m.json"]) == 1 and "unexpected failure" in capsys.readouterr().err
+    _every_command_raises(monkeypatch, KeyError("bug"))
+    assert main(["plan", "m.json"]) == 1
+
+    class NotAnException(BaseException):  # torch_dist's CheckpointException is one
+        pass
+
+    _every_command_raises(monkeypatch, NotAnException("a writer failed"))
+    assert main(["plan", "m.json"]) == 1 and "unexpected failure" in capsys.readouterr().err
+
+
+def test_evaluate_maps_a_full_disk_like_train(tmp_path, capsys, monkeypatch):
+    """`evaluate` publishes with publish_once, whose failure (PublishError) exited 1 where train's
+    ENOSPC (InputError) exited 2."""
+    pytest.importorskip("torch")
+    import value_assets.gpu.drivers.evaluate as ev
+
+    def full(_cfg, log=None):
+        raise PublishError(tmp_path / "ev.json", OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(ev, "evaluate", full)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "m.json").write_text("{}")
+    rc, err = run(
+        capsys,
+        "evaluate",
+        "--checkpoint",
+        tmp_path / "ckpt",
+        "--manifest",
+        tmp_path / "m.json",
+        "--contract-sha256",
+        "a" * 64,
+        "--report",
+        tmp_path / "ev.json",
+    )
+    assert rc == 2 and f"{tmp_path / 'ev.json'}: could not publish (No space left on device)" in err, err

@@ -11,6 +11,9 @@ provenance. `shuffle_labels` permutes rewards across rows: the negative control,
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,8 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.manifest import SCHEMA
 from value_assets.core.objective import Objective
-from value_assets.core.paths import confined, plain_name
+from value_assets.core.paths import confined, plain_name, staged_file
+from value_assets.core.publish import PublishError
 
 TASK_TOKENS = np.arange(1000, 1008)
 TASK_P = np.linspace(0.05, 0.95, TASK_TOKENS.shape[0])
@@ -66,12 +70,16 @@ def trajectory_ev(labels: np.ndarray, predictions: np.ndarray) -> float | None:
     return float(1.0 - e.var() / labels.var())
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
-    if fmt == "jsonl":
-        with open(path, "w", encoding="utf-8") as f:
+def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str, *, shown_as: Path | None = None) -> None:
+    """Write the rows all-or-nothing (`paths.staged_file`): a failure leaves no partial file and
+    raises PublishError naming `shown_as` (default `path`)."""
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"unknown format {fmt!r}")
+    with staged_file(path, shown_as=shown_as) as f:
+        if fmt == "jsonl":
             for r in rows:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-    elif fmt == "parquet":
+                f.write((json.dumps(r, separators=(",", ":")) + "\n").encode("utf-8"))
+            return
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -88,9 +96,10 @@ def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
             name: [r.get(name, [1] * r["response_length"] if name == "loss_mask" else None) for r in rows]
             for name in schema.names
         }
-        pq.write_table(pa.table(cols, schema=schema), path)
-    else:
-        raise ValueError(f"unknown format {fmt!r}")
+        try:
+            pq.write_table(pa.table(cols, schema=schema), f)
+        except pa.ArrowException as exc:  # pyarrow reports a failed write (ENOSPC) as its own error
+            raise OSError(getattr(exc, "errno", None) or 5, str(exc)) from exc
 
 
 # The demo's training spec: the tiny random backbone is the demo's explicit choice (a real manifest
@@ -116,14 +125,52 @@ def make_demo_data(
     a given name is a plain file name inside `out_dir` (`paths.plain_name`).
     The manifest's training spec (docs/rules.md#training-spec) is `training`, by default the demo's
     explicit choice `DEMO_TRAINING`: the random tiny backbone, gated in the stricter interval mode.
+
+    Every file is first written whole into a staging folder beside them; only then are they renamed
+    into place, data first and the manifest that pins them last. A failure (ENOSPC, EACCES) removes
+    what was staged and names the path (`PublishError`); nothing is left half-written.
     """
     out = Path(out_dir)
     name = plain_name(name or ("demo-shuffled" if shuffle_labels else "demo"), "--name")
     data_dir, mpath = confined(out, name, "--name"), confined(out, f"{name}.json", "--name")
+    for path in (data_dir, mpath):
+        if path.is_symlink():
+            raise InputError(str(path), "is a symlink: refusing to write through it")
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out))
     except OSError as exc:
-        raise InputError(str(out), f"cannot create the output folder: {exc.strerror}") from None
+        raise PublishError(out, exc) from exc
+    try:
+        return _write_demo(
+            staging,
+            data_dir,
+            mpath,
+            name,
+            rows=rows,
+            heldout_rows=heldout_rows,
+            seed=seed,
+            shuffle_labels=shuffle_labels,
+            fmt=fmt,
+            training=training,
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_demo(
+    staging: Path,
+    data_dir: Path,
+    mpath: Path,
+    name: str,
+    *,
+    rows: int,
+    heldout_rows: int,
+    seed: int,
+    shuffle_labels: bool,
+    fmt: str,
+    training: dict[str, Any] | None,
+) -> Path:
     rng = np.random.default_rng(seed)
     ext = "jsonl" if fmt == "jsonl" else "parquet"
     splits = {}
@@ -137,8 +184,8 @@ def make_demo_data(
             reward = reward[perm]
             for r, new in zip(rs, reward, strict=True):
                 r["returns"] = [float(new)] * r["response_length"]
-        path = data_dir / f"{split}.{ext}"
-        write_rows(path, rs, fmt)
+        path = staging / f"{split}.{ext}"
+        write_rows(path, rs, fmt, shown_as=data_dir / path.name)
         splits[split] = {"path": f"{name}/{split}.{ext}", "sha256": sha256_file(path), "num_samples": n}
         if split == "heldout":
             # With shuffled labels the reward no longer depends on the prompt: the best critic
@@ -160,5 +207,13 @@ def make_demo_data(
         },
         "training": dict(DEMO_TRAINING if training is None else training),
     }
-    mpath.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    with staged_file(staging / mpath.name, shown_as=mpath) as f:
+        f.write((json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    try:  # renames within one folder tree: nothing more to write; the manifest that pins the data last
+        data_dir.mkdir(exist_ok=True)
+        for split in splits:
+            os.replace(staging / f"{split}.{ext}", data_dir / f"{split}.{ext}")
+        os.replace(staging / mpath.name, mpath)
+    except OSError as exc:
+        raise PublishError(mpath, exc) from exc
     return mpath

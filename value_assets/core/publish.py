@@ -90,17 +90,21 @@ def write_new(path: str | Path, data: bytes) -> str:
     """Write `data` at `path`, which must not exist yet: complete and fsynced under a temporary name
     first, then linked into place in one step (a reader never sees a partial file; an existing
     file, or a symlink, is never replaced: InputError). Returns the sha. No sidecar: for files that
-    others pick up by name, such as a manifest in the watched folder."""
+    others pick up by name, such as a manifest in the watched folder. An OSError (a full disk, a
+    read-only folder) becomes `PublishError` naming `path`; nothing is left behind."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _write_temp(p.parent, p.name, data)
     try:
-        os.link(tmp, p, follow_symlinks=False)
-    except FileExistsError:
-        raise InputError(str(p), "already exists; it is never replaced") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(p.parent)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _write_temp(p.parent, p.name, data)
+        try:
+            os.link(tmp, p, follow_symlinks=False)
+        except FileExistsError:
+            raise InputError(str(p), "already exists; it is never replaced") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(p.parent)
+    except OSError as exc:
+        raise PublishError(p, exc) from exc
     return sha256_bytes(data)
 
 

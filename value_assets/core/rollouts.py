@@ -14,7 +14,8 @@ Decisions:
   group each side). The assignment depends on the seed and the group keys only, never on file
   order. The group key is the rendered prompt text unless a group field is named.
 - Nothing is written unless every record is valid: the output folder is built beside the target
-  and renamed into place at the end.
+  and renamed into place at the end, and any error while writing it (ENOSPC, EACCES) removes it
+  again and names the path (`paths.staged_folder`).
 
 The tokenizer is passed in (anything with the `Tokenizer` protocol), so this module stays
 torch-free; the command line builds a Hugging Face one (value_assets/gpu/convert/tokenizer.py).
@@ -27,7 +28,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ from value_assets.core.errors import InputError, show
 from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.manifest import SCHEMA
 from value_assets.core.objective import Objective
-from value_assets.core.paths import confined, plain_name
+from value_assets.core.paths import confined, plain_name, staged_file, staged_folder
 from value_assets.core.publish import write_new
 from value_assets.core.strict_json import canonical_bytes, is_number, loads
 
@@ -341,9 +341,8 @@ def import_rollouts(
     held = split_groups((r.group for r in rows), heldout_fraction, seed)
     splits = {"train": [r for r in rows if r.group not in held], "heldout": [r for r in rows if r.group in held]}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    n_groups = {s: len({r.group for r in v}) for s, v in splits.items()}
+    with staged_folder(out) as tmp:
         refs: dict[str, Any] = {}
         label_counts: dict[str, dict[str, int]] = {}
         for split, split_rows in splits.items():
@@ -351,7 +350,7 @@ def import_rollouts(
                 continue
             path = tmp / f"{split}.jsonl"
             counts: dict[str, int] = {}
-            with open(path, "wb") as f:
+            with staged_file(path, shown_as=out / path.name) as f:
                 for row in split_rows:
                     f.write(
                         json.dumps(
@@ -367,11 +366,8 @@ def import_rollouts(
                         + b"\n"
                     )
                     counts[_label(row.reward)] = counts.get(_label(row.reward), 0) + 1
-                f.flush()
-                os.fsync(f.fileno())
             refs[split] = {"path": path.name, "sha256": sha256_file(path), "num_samples": len(split_rows)}
             label_counts[split] = dict(sorted(counts.items()))
-        n_groups = {s: len({r.group for r in v}) for s, v in splits.items()}
         manifest = {
             "schema": SCHEMA,
             "train": refs["train"],
@@ -403,7 +399,8 @@ def import_rollouts(
         if training is not None:
             manifest["training"] = dict(training)
         manifest_path = confined(tmp, f"{name}.json", "--name")
-        manifest_path.write_bytes(canonical_bytes(manifest))
+        with staged_file(manifest_path, shown_as=out / manifest_path.name) as f:
+            f.write(canonical_bytes(manifest))
         # Everything written is checked by the same validator training uses, before it is published.
         from value_assets.core.dataset import validate_dataset
         from value_assets.core.manifest import load_manifest
@@ -419,16 +416,9 @@ def import_rollouts(
                 if manifest.get(split_name):
                     manifest[split_name]["path"] = f"{relative}/{manifest[split_name]['path']}"
             manifest_path.unlink()
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if inbox_manifest is not None:
         written = False
         try:
-            inbox_manifest.parent.mkdir(parents=True, exist_ok=True)
             write_new(inbox_manifest, canonical_bytes(manifest))  # the data is in place: the sensor may see it now
             written = True
             load_manifest(inbox_manifest, pinned_sha256=sha256_bytes(canonical_bytes(manifest)))
