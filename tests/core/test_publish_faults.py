@@ -124,3 +124,30 @@ def test_real_full_tmpfs_between_report_and_sidecar(tiny_tmpfs):
     filler.unlink()  # space returns
     sha = publish_once(path, REPORT)
     assert verify_published(path) == sha and leftovers(folder) == ["ev.json", "ev.json.sha256"]
+
+
+def test_a_reports_plots_are_published_with_it_or_not_at_all(tmp_path, monkeypatch):
+    """Issue 33, defect 11: `evaluate` published its plots, then its report; a full disk at the
+    report left the plots behind. `publish_all` takes back every name it made when any fails."""
+    from value_assets.core.publish import PublishError, publish_all
+
+    plots = [(tmp_path / f"ev-{k}.png", b"png %d" % k) for k in range(3)]
+    real_link = os.link
+
+    def link(src, dst, **kw):
+        if Path(dst).name == "ev.json":
+            raise enospc()
+        return real_link(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    with pytest.raises(PublishError) as err:
+        publish_all(plots + [(tmp_path / "ev.json", REPORT)])
+    assert_clear_enospc(err.value, tmp_path / "ev.json")
+    assert leftovers(tmp_path) == []
+    monkeypatch.setattr(os, "link", real_link)
+    shas = publish_all(plots + [(tmp_path / "ev.json", REPORT)])
+    assert shas[-1] == sha256_bytes(REPORT) and len(leftovers(tmp_path)) == 8
+    (tmp_path / "ev-9.png").write_bytes(b"another")  # a conflict refuses all, and takes nothing existing back
+    with pytest.raises(InputError, match="ev-9.png: refusing to replace"):
+        publish_all([(tmp_path / "new.png", b"x"), (tmp_path / "ev-9.png", b"y")])
+    assert not (tmp_path / "new.png").exists() and (tmp_path / "ev-9.png").read_bytes() == b"another"

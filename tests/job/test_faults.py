@@ -197,6 +197,26 @@ def test_an_unwritable_report_folder_is_refused_before_the_workers(critic, manif
             folder.chmod(0o755)
 
 
+# ---- issue 33, defect 11: an export the system refuses ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["export-hf", "export-miles"])
+def test_an_export_that_cannot_be_written_exits_2_and_leaves_nothing(critic, tmp_path, capsys, command):
+    """Every command that writes, on a write the system refuses (here a file-size limit: EFBIG; a
+    full disk takes the same path, tests/core/test_command_faults.py): exit 2 naming the output, and
+    no partial export (export-hf/export-miles wrote straight into --out and exited 1: safetensors'
+    'os error 27', torch_dist's CheckpointException)."""
+    from tests.core.test_command_faults import file_size_limit
+
+    out = tmp_path / "exported"
+    extra = ["--model-identity", "x"] if command == "export-miles" else []
+    with file_size_limit(1 << 20):
+        rc = cli_main([command, "--checkpoint", str(critic), "--out", str(out), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{out}: could not publish" in err, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".exported")]
+
+
 # ---- defect 5: another backbone ------------------------------------------------------------------------------
 
 

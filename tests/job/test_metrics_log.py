@@ -43,3 +43,27 @@ def test_logging_metrics_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"]
+
+
+def test_a_metrics_line_the_disk_refuses_names_the_file(tmp_path):
+    """Issue 33, defect 11: an OSError writing metrics.jsonl (ENOSPC) has no path of its own; it is
+    raised as PublishError naming the file, so `train` exits 2 with it, not 1."""
+    import errno
+
+    from value_assets.core.publish import PublishError
+
+    log = MetricsLog(tmp_path)
+    log.write(1, {"loss": 1.0})
+
+    class Full:
+        def write(self, _text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    real, log._file = log._file, Full()
+    with pytest.raises(PublishError, match=r"metrics.jsonl: could not publish \(No space left on device\)"):
+        log.write(2, {"loss": 0.5})
+    real.close()
+    log.close()

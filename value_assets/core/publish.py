@@ -3,7 +3,8 @@
 * `atomic_write` replaces a file atomically (unique temp file, fsync file and folder, rename): for
   contracts and the `latest` pointer, which a later save legitimately supersedes.
 * `publish_once` never replaces anything (exclusive temp file, fsync, hard link): for reports and
-  receipts. A hard link fails when the destination exists in any form, a symlink included, so a
+  receipts; `publish_all` publishes several such files together, all or nothing (a report and its
+  plots). A hard link fails when the destination exists in any form, a symlink included, so a
   symlink planted at the destination is never followed. The sha is recorded beside the file as
   `<name>.sha256` in `sha256sum` format.
 * `read_published` reads a publication's bytes once, checks them against the sidecar (and a sha
@@ -134,24 +135,39 @@ def publish_once(path: str | Path, data: bytes) -> str:
     identical bytes again is a no-op (a retried step), which also completes a publication whose
     sidecar is missing.
     """
-    p = Path(path)
-    side = sha_sidecar(p)
-    sha = sha256_bytes(data)
-    line = f"{sha}  {p.name}\n".encode()
+    return publish_all([(path, data)])[0]
+
+
+def publish_all(items: list[tuple[str | Path, bytes]]) -> list[str]:
+    """`publish_once` for several files together, all or nothing: every file and sidecar is written
+    and fsynced as a temp file before any name appears, and if any link fails, the names this call
+    made are taken back (a report's plots never stay published without their report). Returns the
+    shas in order."""
     temps: list[Path] = []
     linked: list[tuple[Path, Path]] = []
+    plan: list[tuple[Path, bytes, str, bytes]] = []
+    for path, data in items:
+        p = Path(path)
+        sha = sha256_bytes(data)
+        plan.append((p, data, sha, f"{sha}  {p.name}\n".encode()))
+    current = plan[0][0] if plan else Path(".")  # the file being written or linked, for the error
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        # Everything that needs space first: both temps complete and fsynced before a name appears.
-        temps.append(_write_temp(p.parent, p.name, data))
-        temps.append(_write_temp(p.parent, side.name, line))
-        for tmp, dest in zip(temps, (p, side), strict=True):
-            try:
-                os.link(tmp, dest, follow_symlinks=False)
-                linked.append((tmp, dest))
-            except FileExistsError:
-                _same_or_refuse(dest, data if dest == p else None, sha)
-        _fsync_dir(p.parent)
+        # Everything that needs space first: all temps complete and fsynced before a name appears.
+        for p, data, _sha, line in plan:
+            current = p
+            p.parent.mkdir(parents=True, exist_ok=True)
+            temps.append(_write_temp(p.parent, p.name, data))
+            temps.append(_write_temp(p.parent, sha_sidecar(p).name, line))
+        for k, (p, data, sha, _line) in enumerate(plan):
+            current = p
+            for tmp, dest in zip(temps[2 * k : 2 * k + 2], (p, sha_sidecar(p)), strict=True):
+                try:
+                    os.link(tmp, dest, follow_symlinks=False)
+                    linked.append((tmp, dest))
+                except FileExistsError:
+                    _same_or_refuse(dest, data if dest == p else None, sha)
+        for folder in dict.fromkeys(p.parent for p, *_ in plan):
+            _fsync_dir(folder)
     except BaseException as exc:
         for tmp, dest in linked:  # take back only names this call made, so a retry finds nothing
             try:
@@ -160,7 +176,7 @@ def publish_once(path: str | Path, data: bytes) -> str:
             except OSError:
                 pass
         if isinstance(exc, OSError) and not isinstance(exc, PublishError):
-            raise PublishError(p, exc) from exc
+            raise PublishError(current, exc) from exc
         raise
     finally:
         for tmp in temps:
@@ -168,7 +184,7 @@ def publish_once(path: str | Path, data: bytes) -> str:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
-    return sha
+    return [sha for _p, _d, sha, _l in plan]
 
 
 def _same_or_refuse(dest: Path, data: bytes | None, sha: str) -> None:

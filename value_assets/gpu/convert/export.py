@@ -1,7 +1,10 @@
 """Export a contracted critic checkpoint: Hugging Face (`export-hf`) or Miles (`export-miles`).
 
 Both run in one process (gloo on CPU), for any saved TP size: the checkpoint is re-sharded to TP=1
-on load. Both refuse a checkpoint whose contract does not verify.
+on load. Both refuse a checkpoint whose contract does not verify. Both build `--out` under a hidden
+temporary name beside it and rename it into place when complete (`core.paths.staged_folder`): a
+write the system refuses (a full disk, a file-size limit) is a PublishError naming `--out` (exit 2)
+and, like a killed export, leaves no partial export.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
+from value_assets.core.paths import staged_folder
 from value_assets.gpu.convert.tokenizer import TOKENIZER_FILES, has_tokenizer_files, tokenizer_sha256
 
 HF_FORMATS = ("token-classification", "scalar", "openrlhf")
@@ -31,7 +35,10 @@ def contracted_step(checkpoint: Path) -> tuple[Path, dict[str, Any], str]:
 
 
 def _empty_out(out: Path) -> None:
-    if out.exists() and any(out.iterdir()):
+    """Refused before anything is loaded (`staged_folder` checks again when it writes)."""
+    if out.is_symlink():
+        raise InputError(str(out), "output folder is a symlink: never written through one")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(str(out), "output folder exists and is not empty")
 
 
@@ -87,11 +94,12 @@ def export_checkpoint(
     source = tokenizer_source(contract, tokenizer)  # refused before anything is written
     _empty_out(out)
     backbone, objective, state = _load_full_state(step_dir, contract)
-    if fmt == "openrlhf":
-        export_critic_to_openrlhf(state, backbone, out, objective=objective)
-    else:
-        export_critic_to_hf(state, backbone, objective.head_size, out, objective=objective)
-    carry_tokenizer(out, source, contract, warn=warn)
+    with staged_folder(out) as staged:  # a full disk or a kill leaves no partial export at `out`
+        if fmt == "openrlhf":
+            export_critic_to_openrlhf(state, backbone, staged, objective=objective)
+        else:
+            export_critic_to_hf(state, backbone, objective.head_size, staged, objective=objective)
+        carry_tokenizer(staged, source, contract, warn=warn, shown_as=out)
     return out
 
 
@@ -125,18 +133,24 @@ def tokenizer_source(contract: dict[str, Any], explicit: Path | None) -> Path | 
 
 
 def carry_tokenizer(
-    out: Path, source: Path | None, contract: dict[str, Any], warn: Callable[[str], None] | None = None
+    out: Path,
+    source: Path | None,
+    contract: dict[str, Any],
+    warn: Callable[[str], None] | None = None,
+    *,
+    shown_as: Path | None = None,
 ) -> None:
     """Copy the tokenizer files of `source` into the export and record them in value_head.json
-    (`tokenizer`: files and sha, or null); without a source, say by name what the RL side must set."""
+    (`tokenizer`: files and sha, or null); without a source, say by name what the RL side must set
+    (naming the export `shown_as`, where `out` is its staging folder)."""
     info_path = out / "value_head.json"
     info = json.loads(info_path.read_text())
     if source is None:
         model = contract.get("model") or {}
         message = (
             f"no tokenizer known for this critic (backbone {model.get('kind')} {model.get('path', '')}): "
-            f"{out} has no tokenizer files, so verl needs critic.model.tokenizer_path=<the actor's Hugging Face "
-            "folder> (its default, critic.model.path, would build an empty tokenizer). Pass --tokenizer DIR to "
+            f"{shown_as or out} has no tokenizer files, so verl needs critic.model.tokenizer_path=<the actor's Hugging "
+            "Face folder> (its default, critic.model.path, would build an empty tokenizer). Pass --tokenizer DIR to "
             "carry the actor's tokenizer files."
         )
         (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(message)
@@ -172,15 +186,16 @@ def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: s
     _empty_out(out)
     backbone, _, state = _load_full_state(step_dir, contract)
     n = miles["completed_steps"]
-    target = out / miles_iter_dirname(n)
-    target.mkdir(parents=True)
-    init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
-    try:
-        write_critic(target, state, backbone, layer_spec, n)
-    finally:
-        destroy()
-    atomic_write(out / MILES_TRACKER_NAME, f"{n}\n".encode())
-    sha = atomic_write(out / MILES_CONTRACT_NAME, data)
+    with staged_folder(out) as staged:  # a full disk or a kill leaves no partial bundle at `out`
+        target = staged / miles_iter_dirname(n)
+        target.mkdir()
+        init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
+        try:
+            write_critic(target, state, backbone, layer_spec, n)
+        finally:
+            destroy()
+        atomic_write(staged / MILES_TRACKER_NAME, f"{n}\n".encode())
+        sha = atomic_write(staged / MILES_CONTRACT_NAME, data)
     return out, sha
 
 

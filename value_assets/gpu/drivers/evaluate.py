@@ -25,12 +25,13 @@ from value_assets.core.backbone import BackboneConfig
 from value_assets.core.contract import load_verified, resolve_step_dir
 from value_assets.core.dataset import Dataset, validate_dataset
 from value_assets.core.errors import InputError
+from value_assets.core.hashing import sha256_bytes
 from value_assets.core.job_configs import EvaluateJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.mixed import default_batch_size, mixed_label_batches
 from value_assets.core.objective import Objective
 from value_assets.core.plan import assign_to_ranks, data_parallel_size
-from value_assets.core.publish import publication_state, publish_once
+from value_assets.core.publish import publication_state, publish_all
 from value_assets.core.report import ChampionScores, build_report
 from value_assets.core.stats import RankReport
 from value_assets.core.strict_json import canonical_bytes
@@ -49,7 +50,7 @@ def _check_writable(report_path: Path) -> None:
     """The report's folder must take a new file: found out here, not after the whole evaluation."""
     folder = report_path.parent
     while not folder.exists() and folder != folder.parent:
-        folder = folder.parent  # publish_once creates the missing part below the nearest existing folder
+        folder = folder.parent  # publish_all creates the missing part below the nearest existing folder
     probe = folder / f".{report_path.name}.{uuid.uuid4().hex}.probe"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -259,16 +260,18 @@ def evaluate(cfg: EvaluateJob, log: Callable[[str], None] = print) -> EvalResult
     values = [v for reps in rank_reports for r in reps for v in r.row_values]
     labels = [float(ds.labels[i]) for reps in rank_reports for r in reps for i in r.row_indices]
     stem = report_path.name[:-5] if report_path.name.endswith(".json") else report_path.name
-    plots = {}
-    for name, data in (
-        ("ev_per_batch", ev_per_batch_png(report)),
-        ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range))),
-        ("ev_by_position", ev_by_position_png(report)),
-    ):
-        path = report_path.with_name(f"{stem}-{name}.png")
-        plots[name] = {"file": path.name, "sha256": publish_once(path, data)}
+    images = [
+        (name, report_path.with_name(f"{stem}-{name}.png"), data)
+        for name, data in (
+            ("ev_per_batch", ev_per_batch_png(report)),
+            ("calibration", calibration_png(values, labels, tuple(manifest.objective.reward_range))),
+            ("ev_by_position", ev_by_position_png(report)),
+        )
+    ]
+    plots = {name: {"file": path.name, "sha256": sha256_bytes(data)} for name, path, data in images}
     report["plots"] = plots
-    sha = publish_once(report_path, canonical_bytes(report))
+    # The plots and the report that names them, all or nothing (a full disk leaves none of them).
+    sha = publish_all([(path, data) for _name, path, data in images] + [(report_path, canonical_bytes(report))])[-1]
     agg = report["aggregates"]
     iv = report["intervals"]
     log(

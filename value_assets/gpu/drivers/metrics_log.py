@@ -31,8 +31,13 @@ class MetricsLog:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        self._file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk: named (exit 2); a torn last line is dropped on resume
+            from value_assets.core.publish import PublishError
+
+            raise PublishError(self.path, exc) from exc
         if self._tb is not None:
             from tensorboard.compat.proto.event_pb2 import Event
             from tensorboard.compat.proto.summary_pb2 import Summary

@@ -37,6 +37,7 @@ from value_assets.core.hashing import sha256_file
 from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.memory import Layout, auto_micro_batch_tokens
+from value_assets.core.paths import write_refusal
 from value_assets.core.plan import (
     BatchPlan,
     assign_to_ranks,
@@ -388,31 +389,25 @@ def _save(cluster, critic_dir: Path, step: int, backbone_cfg) -> Path:
         cluster.call_all("save", str(step_dir), step)
         write_backbone_json(step_dir, backbone_cfg)
     except Exception as exc:
-        if not _disk_full(exc, step_dir):
+        refused = write_refusal(exc, step_dir)
+        if refused is None:
             raise
         shutil.rmtree(step_dir, ignore_errors=True)  # never published: free what it took
         last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
         raise InputError(
             str(step_dir),
-            f"no space left on device (ENOSPC) while saving the checkpoint; nothing was published "
-            f"(the save failed with: {last})",
+            f"{_refusal(refused)} while saving the checkpoint; nothing was published (the save failed with: {last})",
         ) from None
     return step_dir
 
 
-def _disk_full(exc: BaseException, folder: Path) -> bool:
-    """ENOSPC anywhere in the chain, or a failed save on a file system that is now full: the
-    writers lose the errno (torch reports a short write as 'unexpected pos', torch_dist as a
-    CheckpointException without failures), so the free space decides."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or "No space left on device" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        return shutil.disk_usage(folder).free < (16 << 20)
-    except OSError:
-        return False
+def _refusal(exc: OSError) -> str:
+    """'no space left on device (ENOSPC)', 'file too large (EFBIG)', ...: the system's refusal of a
+    write (`core.paths.write_refusal`: the writers lose the errno; torch reports a short write as
+    'unexpected pos', torch_dist as a CheckpointException, so the chain, the text and the free space
+    decide)."""
+    code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else "?"
+    return f"{(exc.strerror or str(exc)).lower()} ({code})"
 
 
 def train(
@@ -528,12 +523,12 @@ def train(
                         try:
                             result.contract_sha256 = write_contract(critic_dir, contract)
                         except OSError as exc:
-                            if not _disk_full(exc, step_dir):
+                            refused = write_refusal(exc, step_dir)
+                            if refused is None:
                                 raise
                             raise InputError(
                                 str(step_dir),
-                                "no space left on device (ENOSPC) while publishing the contract; nothing was "
-                                f"published ({exc})",
+                                f"{_refusal(refused)} while publishing the contract; nothing was published ({exc})",
                             ) from None
                         log(saved_line(step_dir, result.contract_sha256))
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
