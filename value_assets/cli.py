@@ -282,7 +282,7 @@ def cmd_handoff(args) -> int:
                 "--record-sha256",
                 f"{pin} is not the record the Dagster instance's latest promotion of {path.stem!r} wrote ({promoted})",
             )
-        pin, pinned_by = promoted, f"the Dagster instance ({os.environ.get('DAGSTER_HOME')})"
+        pin, pinned_by = promoted, f"the Dagster instance ({_dagster_home()})"
     if pin is None:
         raise InputError(
             str(path),
@@ -364,19 +364,40 @@ def cmd_run_manifests(args) -> int:
     return 0 if all(st.success for st in states) else 1
 
 
-def _instance_record_sha(record_path) -> str:
-    """The record sha the latest promotion of the record's partition (its file name,
-    `registry/<partition>.json`) wrote, read from the Dagster instance at $DAGSTER_HOME."""
-    if not os.environ.get("DAGSTER_HOME"):
+def _dagster_home():
+    """$DAGSTER_HOME as an absolute path: a relative one (the README's `DAGSTER_HOME=.dagster_home`)
+    is taken from the working directory, where Dagster itself would refuse it."""
+    from pathlib import Path
+
+    given = os.environ.get("DAGSTER_HOME")
+    if not given:
         raise InputError(
             "--instance", "DAGSTER_HOME is not set: it names the Dagster instance that recorded the promotion"
         )
-    from dagster import DagsterInstance
+    return Path(given).expanduser().absolute()
+
+
+def _instance_record_sha(record_path) -> str:
+    """The record sha the latest promotion of the record's partition (its file name,
+    `registry/<partition>.json`) wrote, read from the Dagster instance at $DAGSTER_HOME.
+
+    A folder that holds no instance is refused (exit 2, naming it) before Dagster opens it, which
+    would create an empty instance there; so is an instance Dagster cannot read."""
+    home = _dagster_home()
+    where = f"--instance: DAGSTER_HOME={os.environ['DAGSTER_HOME']}"
+    if not home.is_dir():
+        raise InputError(where, f"{home} is not a folder: it must name the Dagster instance that made the promotion")
+    if not ((home / "dagster.yaml").is_file() or (home / "storage").is_dir()):
+        raise InputError(where, f"{home} holds no Dagster instance (no dagster.yaml, no storage/)")
+    from dagster import DagsterError, DagsterInstance
 
     from value_assets.lineage import Lineage
 
-    with DagsterInstance.get() as instance:
-        return Lineage(instance, record_path.stem).promoted_record_sha()
+    try:
+        with DagsterInstance.from_config(str(home)) as instance:
+            return Lineage(instance, record_path.stem).promoted_record_sha()
+    except DagsterError as exc:  # an unreadable dagster.yaml, storage of another version, ...
+        raise InputError(where, f"cannot read the Dagster instance in {home}: {type(exc).__name__}: {exc}") from None
 
 
 def _positive(text: str) -> int:

@@ -131,6 +131,19 @@ def test_handoff_cli_pins_the_record_through_the_dagster_instance(
     record_path = tmp_path / "artifacts" / "registry" / f"{key}.json"
     assert main(["handoff", str(record_path), "--instance"]) == 0
     assert f"pinned by the Dagster instance ({home})" in capsys.readouterr().out
+    # The README's relative DAGSTER_HOME=.dagster_home is read from the working directory (Dagster
+    # itself refuses it: exit 1 before, DagsterInvariantViolationError); a missing folder or one
+    # with no instance is exit 2, named, and nothing is created there.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", "home")
+    assert main(["handoff", str(record_path), "--instance"]) == 0
+    assert f"pinned by the Dagster instance ({home})" in capsys.readouterr().out
+    for missing in ("nowhere", "artifacts"):
+        monkeypatch.setenv("DAGSTER_HOME", missing)
+        assert main(["handoff", str(record_path), "--instance"]) == 2
+        assert f"--instance: DAGSTER_HOME={missing}: {tmp_path / missing} " in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "artifacts" / "storage").exists()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
 
     record = json.loads(record_path.read_text())
     miles_dir = Path(record["handoff"]["miles"]["dir"])
