@@ -29,8 +29,10 @@ def run(defs, instance, key, assets=None):
 
 
 def test_promotion_records_the_bundles_and_shows_the_rl_settings(
-    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register
+    instance, test_defs, test_resources, manifests_dir, tmp_path, write_manifest, register, monkeypatch
 ):
+    from value_assets.cli import main
+
     path = write_manifest(manifests_dir, "mse", standin={"ev": 0.3}, objective={"loss_type": "mse"})
     (key,) = register(instance, test_resources, path)
     result = run(test_defs, instance, key)
@@ -64,10 +66,13 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(
     ]
     assert f"--critic-load {miles_dir}" in str(meta["miles_args"]) and meta["handoff_reused"] is False
 
-    # Re-promotion of the same contract: nothing exported again, same record content and version.
+    # Re-promotion of the same contract, a day later: nothing exported again, same record content
+    # and version (the promotion time has one-second resolution: a day apart, a time in the record
+    # could not hide).
     first_version = instance.get_latest_materialization_event(AssetKey("promoted_critic")).asset_materialization.tags
     before = {p: p.stat().st_mtime_ns for p in miles_dir.rglob("*")}
     record_mtime = record_path.stat().st_mtime_ns
+    monkeypatch.setattr("value_assets.assets.critic.datetime", _ADayLater)
     again = run(test_defs, instance, key, ["promoted_critic"])
     assert again.success, [e.message for e in again.all_events if e.is_failure]
     assert Lineage(instance, key).metadata("promoted_critic")["handoff_reused"] is True
@@ -79,6 +84,20 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(
     # The pin handed to the RL side stays valid: the record was left as it was, byte for byte.
     assert Lineage(instance, key).promoted_record_sha() == sha256_file(record_path) == meta["registry_record_sha256"]
     assert record_path.stat().st_mtime_ns == record_mtime
+    second_meta = Lineage(instance, key).metadata("promoted_critic")
+    assert second_meta["promoted_at"][:10] != meta["promoted_at"][:10]  # promoted again, a day later
+    # ... and the RL side's pin, given after the first promotion, still verifies (issue 33, defect 4).
+    assert main(["handoff", str(record_path), "--record-sha256", meta["registry_record_sha256"]]) == 0
+
+
+class _ADayLater:
+    """`datetime` in assets/critic.py, one day ahead."""
+
+    @staticmethod
+    def now(tz=None):
+        from datetime import datetime, timedelta
+
+        return datetime.now(tz) + timedelta(days=1)
 
 
 def test_re_promotion_reuses_only_bundles_of_the_record_the_instance_pinned(
