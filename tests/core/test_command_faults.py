@@ -126,6 +126,28 @@ def test_a_truncated_line_is_placed_at_its_end(tmp_path, capsys):
     assert rc == 2 and "at line 4 column 3" in err, err
 
 
+# ---- defect 7: chat roles -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["", "usr", "User", " user"])
+def test_unknown_or_empty_chat_roles_are_refused(tmp_path, role):
+    """A template renders an unknown or empty role silently (as a role the actor never saw, or not at
+    all): the critic would train on prompts the actor never saw."""
+    recs = [
+        {
+            "prompt": [{"role": "system", "content": "s"}, {"role": "user" if i != 2 else role, "content": f"q{i}"}],
+            "response": "a",
+            "reward": float(i % 2),
+        }
+        for i in range(4)
+    ]
+    src = write_jsonl(tmp_path / "r.jsonl", recs)
+    with pytest.raises(InputError, match=r"field 'prompt'\[1\] has role .* not a chat role") as err:
+        import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25)
+    assert err.value.where == f"{src}:3"
+    assert files_under(tmp_path) == ["r.jsonl"]
+
+
 # ---- defect 11: write failures and kills leave nothing, and exit 2 naming the path ---------------------------------
 
 

@@ -90,3 +90,43 @@ def test_bad_row_exits_2_with_location_and_writes_nothing(tmp_path, capsys):
         == 0
     )
     assert "reward range taken from the data: [0.5, 7.0]" in capsys.readouterr().err
+
+
+def _tokenizer_with_template(tmp_path: Path, template: str) -> Path:
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        (
+            "{% for m in messages %}{% if m['role'] not in ['system', 'user'] %}"
+            "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}",
+            "unknown role assistant",
+        ),
+        ("{% for m in messages %}{{ m['content'] }", "TemplateSyntaxError"),
+    ],
+)
+def test_a_chat_template_that_refuses_exits_2_at_the_record(tmp_path, capsys, template, needle):
+    """Issue 33, defect 7: a template's own raise_exception, or a template that does not parse, was
+    exit 1 ('unexpected failure') without a location; it is exit 2 at the record's file:line."""
+    folder = _tokenizer_with_template(tmp_path, template)
+    recs = [
+        {
+            "prompt": [{"role": "user", "content": "q"}] + ([{"role": "assistant", "content": "a"}] if i == 1 else []),
+            "response": "r",
+            "reward": 1.0,
+        }
+        for i in range(3)
+    ]
+    src = _write(tmp_path / "r.jsonl", recs)
+    assert main(["import-rollouts", str(src), "--tokenizer", str(folder), "--out", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err
+    where = f"{src}:2" if "raise" in template else f"{src}:1"
+    assert f"value-assets: error: {where}: {folder} chat template: refused this prompt" in err and needle in err, err
+    assert not (tmp_path / "ds").exists()

@@ -13,6 +13,9 @@ Decisions:
   sha256(seed, group key), and the first round(fraction x groups) go to held-out (at least one
   group each side). The assignment depends on the seed and the group keys only, never on file
   order. The group key is the rendered prompt text unless a group field is named.
+- Chat roles must be ones a chat template knows (`CHAT_ROLES`): a template renders an unknown or
+  empty role silently (as a role the actor never saw, or not at all). A template that refuses a
+  prompt (its own `raise_exception`, a syntax error) is refused at the record's `file:line`.
 - Nothing is written unless every record is valid: the output folder is built beside the target
   and renamed into place at the end, and any error while writing it (ENOSPC, EACCES) removes it
   again and names the path (`paths.staged_folder`).
@@ -115,6 +118,12 @@ def _text_of_response(value: Any, where: str, field_name: str) -> str:
     )
 
 
+# The roles chat templates are written for (OpenAI's chat format and the tool roles of open
+# models' templates). Any other role, or an empty one, is refused: templates render it as a role
+# the actor never saw, or drop the message without a word.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
 def _prompt_value(value: Any, where: str, field_name: str) -> str | list[dict[str, str]]:
     if isinstance(value, str):
         return value
@@ -124,6 +133,12 @@ def _prompt_value(value: Any, where: str, field_name: str) -> str | list[dict[st
                 raise InputError(
                     where,
                     f"field {field_name!r}[{i}] must be a chat message {{'role': str, 'content': str}}, got {show(m)}",
+                )
+            if m["role"] not in CHAT_ROLES:
+                raise InputError(
+                    where,
+                    f"field {field_name!r}[{i}] has role {show(m['role'])}, not a chat role ({', '.join(CHAT_ROLES)}): "
+                    "the template would render a prompt the actor never saw",
                 )
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise InputError(
@@ -316,7 +331,10 @@ def import_rollouts(
     seen: dict[str, str] = {}
     templated_any = False
     for r in records:
-        text, templated = tokenizer.render_prompt(r.prompt, chat_template)
+        try:
+            text, templated = tokenizer.render_prompt(r.prompt, chat_template)
+        except InputError as exc:  # the template (or the choice of it) refused this record's prompt
+            raise InputError(r.where, f"{exc.where}: {exc.message}" if exc.where else exc.message) from None
         templated_any |= templated
         prompt_ids = tokenizer.encode_prompt(text, templated)
         response_ids = tokenizer.encode_response(r.response)

@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from value_assets.core.errors import InputError
+from value_assets.core.errors import InputError, show
 
 # The files that decide how text becomes ids; their bytes make the tokenizer's sha, and export-hf
 # carries them into a critic's folder.
@@ -78,7 +78,16 @@ class HFTokenizer:
             return prompt, False
         if not has_template:
             raise InputError(str(self.folder), "the prompt is chat messages but the tokenizer has no chat template")
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template is input here: a Jinja syntax error, its own
+            # raise_exception (an unknown role, a misplaced system message), or an error inside it
+            raise InputError(
+                f"{self.folder} chat template", f"refused this prompt: {type(exc).__name__}: {exc}"
+            ) from None
+        if not isinstance(text, str) or not text:
+            raise InputError(f"{self.folder} chat template", f"rendered this prompt as {show(text)}, not a text")
+        return text, True
 
     def encode_prompt(self, text: str, templated: bool) -> list[int]:
         return list(self.tok(text, add_special_tokens=not templated)["input_ids"])
