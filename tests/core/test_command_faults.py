@@ -126,6 +126,45 @@ def test_a_truncated_line_is_placed_at_its_end(tmp_path, capsys):
     assert rc == 2 and "at line 4 column 3" in err, err
 
 
+# ---- defect 8: refusals are located at the input row, not in a staged file -----------------------------------
+
+
+def test_an_mse_reward_beyond_the_limit_is_located_at_its_input_line(tmp_path):
+    """The dataset rules ran only on the staged train.jsonl: the refusal named a temporary file
+    (deleted by then) and its line, not the input's file:line."""
+    recs = records(prompts=4, samples=2)
+    recs[5]["reward"] = 1e300
+    src = write_jsonl(tmp_path / "r.jsonl", recs)
+    with pytest.raises(InputError) as err:
+        import_rollouts(
+            [src], CharTokenizer(), tmp_path / "out", fields=GENERIC, loss_type="mse", heldout_fraction=0.25
+        )
+    assert err.value.where == f"{src}:6" and "1e+300" in err.value.message
+    assert files_under(tmp_path) == ["r.jsonl"]
+
+
+def test_a_token_beyond_the_vocabulary_is_located_at_its_input_line(tmp_path):
+    class SmallVocab(CharTokenizer):
+        vocab_size = 100
+
+    src = write_jsonl(tmp_path / "r.jsonl", records(prompts=4, samples=2))
+    with pytest.raises(InputError) as err:
+        import_rollouts([src], SmallVocab(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25)
+    assert err.value.where == f"{src}:1" and "vocabulary size 100" in err.value.message
+
+
+def test_a_refusal_of_the_staged_file_is_mapped_back_to_the_input_row(tmp_path):
+    """What the staged file's validation still finds is named at the input row it was made from."""
+    from value_assets.core.rollouts import _at_input, _Row
+
+    staged = tmp_path / ".out.x" / "train.jsonl"
+    rows = [_Row("a", "g", [1, 2], 1, 0.0, "in.jsonl:3"), _Row("b", "g", [1, 2], 1, 0.0, "in.jsonl:7")]
+    mapped = _at_input(InputError(f"{staged}:2", "a rule"), staged, rows)
+    assert (mapped.where, mapped.message) == ("in.jsonl:7", "a rule (in the imported row)")
+    other = _at_input(InputError(str(staged), "file-level"), staged, rows)
+    assert (other.where, other.message) == (str(staged), "file-level")
+
+
 # ---- defect 7: chat roles -----------------------------------------------------------------------------------------
 
 

@@ -16,9 +16,10 @@ Decisions:
 - Chat roles must be ones a chat template knows (`CHAT_ROLES`): a template renders an unknown or
   empty role silently (as a role the actor never saw, or not at all). A template that refuses a
   prompt (its own `raise_exception`, a syntax error) is refused at the record's `file:line`.
-- Nothing is written unless every record is valid: the output folder is built beside the target
-  and renamed into place at the end, and any error while writing it (ENOSPC, EACCES) removes it
-  again and names the path (`paths.staged_folder`).
+- Nothing is written unless every record is valid: every row is checked by the dataset rules
+  (`rows.check_row`, what `train` applies) at its input's `file:line` before anything is staged;
+  the output folder is built beside the target and renamed into place at the end, and any error
+  while writing it (ENOSPC, EACCES) removes it again and names the path (`paths.staged_folder`).
 
 The tokenizer is passed in (anything with the `Tokenizer` protocol), so this module stays
 torch-free; the command line builds a Hugging Face one (value_assets/gpu/convert/tokenizer.py).
@@ -36,12 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from value_assets.core.errors import InputError, show
 from value_assets.core.hashing import sha256_bytes, sha256_file
 from value_assets.core.manifest import SCHEMA
-from value_assets.core.objective import Objective
+from value_assets.core.objective import MAX_ABS_VALUE, Objective
 from value_assets.core.paths import confined, plain_name, staged_file, staged_folder
 from value_assets.core.publish import write_new
+from value_assets.core.rows import check_row
 from value_assets.core.strict_json import canonical_bytes, is_number, loads
 
 IMPORTER = "value-assets import-rollouts"
@@ -250,6 +254,57 @@ def _label(x: float) -> str:
     return repr(float(x))
 
 
+def _check_imported_row(
+    sid: str,
+    tokens: list[int],
+    response_length: int,
+    reward: float,
+    where: str,
+    objective: Objective,
+    vocab_size: int | None,
+    max_seq_len: int | None,
+) -> None:
+    """`rows.check_row`'s verdict on the row this record becomes, at the record's location. The
+    row's values are judged with numpy (ids, length, the one reward); only a row that breaks a rule
+    goes through `check_row`, which names the rule and the value (per-token Python checks would cost
+    more than the tokenizer on long rows)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    low, high = objective.reward_range
+    ok = (
+        ids.size >= 2
+        and 1 <= response_length < ids.size
+        and int(ids.min()) >= 0
+        and (vocab_size is None or int(ids.max()) < vocab_size)
+        and (max_seq_len is None or ids.size <= max_seq_len)
+        and math.isfinite(reward)
+        and (low <= reward <= high if objective.loss_type == "classification" else abs(reward) <= MAX_ABS_VALUE)
+    )
+    try:
+        sid.encode("utf-8")
+    except UnicodeEncodeError:
+        ok = False
+    if not ok:
+        row = {"sample_id": sid, "tokens": tokens, "response_length": response_length}
+        check_row(
+            {**row, "returns": [reward] * response_length},
+            where,
+            objective,
+            vocab_size=vocab_size,
+            max_seq_len=max_seq_len,
+        )
+        raise InputError(where, "the imported row breaks a dataset rule")  # check_row names it; not reached
+
+
+def _at_input(exc: InputError, staged: Path, rows: Sequence[_Row]) -> InputError:
+    """A refusal of a staged file's line, located at the input row it was made from."""
+    prefix = f"{staged}:"
+    if exc.where.startswith(prefix) and exc.where[len(prefix) :].isdigit():
+        k = int(exc.where[len(prefix) :]) - 1  # staged files have one row per line, no blank lines
+        if 0 <= k < len(rows):
+            return InputError(rows[k].where, f"{exc.message} (in the imported row)")
+    return InputError(exc.where, exc.message)
+
+
 def import_rollouts(
     inputs: Sequence[str | Path],
     tokenizer: Tokenizer,
@@ -354,6 +409,11 @@ def import_rollouts(
             raise InputError(r.where, f"sample id {sid!r} repeats {seen[sid]}")
         seen[sid] = r.where
         group = r.group if r.group is not None else text
+        # The dataset rules training applies (docs/rules.md#dataset), here at the input's location:
+        # a row refused now is never found later in a staged file the user never saw.
+        _check_imported_row(
+            sid, tokens, len(response_ids), r.reward, r.where, objective, tokenizer.vocab_size, max_seq_len
+        )
         rows.append(_Row(sid, group, tokens, len(response_ids), r.reward, r.where))
 
     held = split_groups((r.group for r in rows), heldout_fraction, seed)
@@ -423,9 +483,14 @@ def import_rollouts(
         from value_assets.core.dataset import validate_dataset
         from value_assets.core.manifest import load_manifest
 
+        # Every row already passed the same rules at its input's location; a refusal here is named
+        # at the input row too, never in the staged file that is about to be removed.
         loaded = load_manifest(manifest_path)
         for ref in loaded.splits():
-            validate_dataset(ref, loaded.objective, vocab_size=tokenizer.vocab_size)
+            try:
+                validate_dataset(ref, loaded.objective, vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len)
+            except InputError as exc:
+                raise _at_input(exc, ref.path, splits[ref.split]) from None
         if inbox_manifest is not None:
             # The manifest moves to the watched folder, its dataset paths re-based there (and
             # checked again where it will be read).
