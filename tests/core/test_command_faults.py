@@ -126,6 +126,32 @@ def test_a_truncated_line_is_placed_at_its_end(tmp_path, capsys):
     assert rc == 2 and "at line 4 column 3" in err, err
 
 
+# ---- defect 9: inputs with the same stem ------------------------------------------------------------------------
+
+
+def test_inputs_with_the_same_stem_get_distinct_default_ids(tmp_path):
+    """Two valid inputs d1/r.jsonl and d2/r.jsonl were refused as repeated ids (default ids were
+    FILE-STEM:LINE)."""
+    for d in ("d1", "d2"):
+        (tmp_path / d).mkdir()
+    a = write_jsonl(tmp_path / "d1" / "r.jsonl", records(prompts=4, samples=2))
+    b = write_jsonl(tmp_path / "d2" / "r.jsonl", records(prompts=4, samples=2))
+    res = import_rollouts([a, b], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25)
+    ids = [
+        json.loads(line)["sample_id"]
+        for split in ("train", "heldout")
+        for line in (tmp_path / "out" / f"{split}.jsonl").read_text().splitlines()
+    ]
+    assert len(ids) == len(set(ids)) == 16 == res.train_rows + res.heldout_rows
+    assert {"d1/r:1", "d2/r:1"} <= set(ids)
+    # one input alone keeps the documented FILE-STEM:LINE ids
+    import_rollouts([a], CharTokenizer(), tmp_path / "one", fields=GENERIC, heldout_fraction=0.0)
+    assert json.loads((tmp_path / "one" / "train.jsonl").read_text().splitlines()[0])["sample_id"] == "r:1"
+    # the same file twice still repeats its ids, refused by name
+    with pytest.raises(InputError, match="sample id 'r:1' repeats"):
+        import_rollouts([a, a], CharTokenizer(), tmp_path / "twice", fields=GENERIC, heldout_fraction=0.0)
+
+
 # ---- defect 8: refusals are located at the input row, not in a staged file -----------------------------------
 
 

@@ -13,6 +13,8 @@ Decisions:
   sha256(seed, group key), and the first round(fraction x groups) go to held-out (at least one
   group each side). The assignment depends on the seed and the group keys only, never on file
   order. The group key is the rendered prompt text unless a group field is named.
+- Default sample ids are `FILE-STEM:LINE` (`:rN` for Parquet rows); when two inputs share a stem,
+  their paths relative to the inputs' common folder (without the suffix) replace the stems.
 - Chat roles must be ones a chat template knows (`CHAT_ROLES`): a template renders an unknown or
   empty role silently (as a role the actor never saw, or not at all). A template that refuses a
   prompt (its own `raise_exception`, a syntax error) is refused at the record's `file:line`.
@@ -254,6 +256,19 @@ def _label(x: float) -> str:
     return repr(float(x))
 
 
+def _default_id_prefixes(inputs: Sequence[Path]) -> dict[str, str]:
+    """The prefix of each input's default sample ids (keyed by the path as its records name it):
+    its file stem, or, where two inputs share a stem, its path relative to the inputs' common folder
+    without the suffix (`d1/r`, `d2/r`). The same file given twice keeps one prefix (its records
+    then repeat ids, refused by name)."""
+    stems = [p.stem for p in inputs]
+    if len(set(stems)) == len(stems):
+        return {str(p): p.stem for p in inputs}
+    resolved = [p.resolve() for p in inputs]
+    common = Path(os.path.commonpath([str(r.parent) for r in resolved]))
+    return {str(p): r.relative_to(common).with_suffix("").as_posix() for p, r in zip(inputs, resolved, strict=True)}
+
+
 def _check_imported_row(
     sid: str,
     tokens: list[int],
@@ -385,6 +400,7 @@ def import_rollouts(
     rows: list[_Row] = []
     seen: dict[str, str] = {}
     templated_any = False
+    id_prefix = _default_id_prefixes([Path(p) for p in inputs])
     for r in records:
         try:
             text, templated = tokenizer.render_prompt(r.prompt, chat_template)
@@ -400,11 +416,8 @@ def import_rollouts(
         tokens = [int(t) for t in prompt_ids] + [int(t) for t in response_ids]
         if max_seq_len is not None and len(tokens) > max_seq_len:
             raise InputError(r.where, f"{len(tokens)} tokens exceed --max-seq-len {max_seq_len}")
-        sid = (
-            r.sample_id
-            if r.sample_id is not None
-            else f"{Path(r.where.split(':')[0]).stem}:{r.where.rsplit(':', 1)[1].replace('row ', 'r')}"
-        )
+        file_part, line_part = r.where.rsplit(":", 1)
+        sid = r.sample_id if r.sample_id is not None else f"{id_prefix[file_part]}:{line_part.replace('row ', 'r')}"
         if sid in seen:
             raise InputError(r.where, f"sample id {sid!r} repeats {seen[sid]}")
         seen[sid] = r.where

@@ -351,7 +351,11 @@ def add_import_command(sub) -> None:
     r.add_argument("--prompt-field", help="field holding the prompt text or chat messages (overrides the preset)")
     r.add_argument("--response-field", help="field holding the response text (overrides the preset)")
     r.add_argument("--reward-field", help="field holding the scalar reward (overrides the preset)")
-    r.add_argument("--id-field", help="field holding a unique sample id (default: FILE-STEM:LINE)")
+    r.add_argument(
+        "--id-field",
+        help="field holding a unique sample id (default: FILE-STEM:LINE; where two inputs share a stem, their "
+        "paths relative to the inputs' common folder replace the stems: d1/r:1, d2/r:1)",
+    )
     r.add_argument(
         "--group-field", help="field naming the prompt group for the split (default: the rendered prompt text)"
     )
