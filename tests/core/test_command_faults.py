@@ -191,6 +191,22 @@ def test_a_refusal_of_the_staged_file_is_mapped_back_to_the_input_row(tmp_path):
     assert (other.where, other.message) == (str(staged), "file-level")
 
 
+# ---- defect 13: --max-seq-len refuses at import what training would refuse ------------------------------------
+
+
+def test_max_seq_len_refuses_a_long_row_at_import(tmp_path):
+    recs = records(prompts=4, samples=2)
+    recs[3]["response"] = "x" * 5000
+    src = write_jsonl(tmp_path / "r.jsonl", recs)
+    with pytest.raises(InputError) as err:
+        import_rollouts(
+            [src], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25, max_seq_len=512
+        )
+    assert err.value.where == f"{src}:4" and "exceed --max-seq-len 512" in err.value.message
+    res = import_rollouts([src], CharTokenizer(), tmp_path / "out", fields=GENERIC, heldout_fraction=0.25)
+    assert res.longest_row_tokens > 5000 and res.longest_row_where == f"{src}:4"  # what the CLI reports
+
+
 # ---- defect 7: chat roles -----------------------------------------------------------------------------------------
 
 

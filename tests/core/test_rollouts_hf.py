@@ -130,3 +130,34 @@ def test_a_chat_template_that_refuses_exits_2_at_the_record(tmp_path, capsys, te
     where = f"{src}:2" if "raise" in template else f"{src}:1"
     assert f"value-assets: error: {where}: {folder} chat template: refused this prompt" in err and needle in err, err
     assert not (tmp_path / "ds").exists()
+
+
+def test_max_seq_len_is_an_import_option(tmp_path, capsys):
+    """Issue 33, defect 13: a 3.5-million-token row was imported without a word. What training
+    would refuse (a row longer than the backbone's maximum length) is refused at import, located;
+    without the option the summary says how long the longest row is, and a row beyond the
+    tokenizer's own model_max_length (where its files state one) is named in a warning."""
+    import shutil
+
+    recs = [
+        {"prompt": f"Q{i}", "response": "word " * (3000 if i == 2 else 3), "reward": float(i % 2)} for i in range(4)
+    ]
+    src = _write(tmp_path / "r.jsonl", recs)
+    args = ["import-rollouts", str(src), "--heldout-fraction", "0.25"]
+    assert main([*args, "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds"), "--max-seq-len", "512"]) == 2
+    assert f"{src}:3: " in capsys.readouterr().err and not (tmp_path / "ds").exists()
+    assert main([*args, "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds"), "--max-seq-len", "1"]) == 2
+    assert "--max-seq-len: must be an integer >= 2" in capsys.readouterr().err
+    assert main([*args, "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["longest_row_tokens"] > 3000
+    assert "warning" not in out.err  # SmolLM2's files state no context length (transformers' 1e30 placeholder)
+    manifest = json.loads((tmp_path / "ds" / "rollouts.json").read_text())
+    assert manifest["provenance"]["longest_row_tokens"] > 3000 and manifest["provenance"]["max_seq_len"] is None
+    limited = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, limited)
+    config = json.loads((limited / "tokenizer_config.json").read_text())
+    (limited / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 2048}))
+    assert main([*args, "--tokenizer", str(limited), "--out", str(tmp_path / "ds2")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: the longest row ({src}:3) has" in err and "model_max_length 2048" in err, err

@@ -238,6 +238,8 @@ class ImportResult:
     reward_range: tuple[float, float]
     reward_range_source: str
     label_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    longest_row_tokens: int = 0
+    longest_row_where: str = ""
 
 
 def split_groups(groups: Iterable[str], fraction: float, seed: int) -> set[str]:
@@ -401,6 +403,7 @@ def import_rollouts(
     seen: dict[str, str] = {}
     templated_any = False
     id_prefix = _default_id_prefixes([Path(p) for p in inputs])
+    longest: tuple[int, str] = (0, "")
     for r in records:
         try:
             text, templated = tokenizer.render_prompt(r.prompt, chat_template)
@@ -416,6 +419,8 @@ def import_rollouts(
         tokens = [int(t) for t in prompt_ids] + [int(t) for t in response_ids]
         if max_seq_len is not None and len(tokens) > max_seq_len:
             raise InputError(r.where, f"{len(tokens)} tokens exceed --max-seq-len {max_seq_len}")
+        if len(tokens) > longest[0]:
+            longest = (len(tokens), r.where)
         file_part, line_part = r.where.rsplit(":", 1)
         sid = r.sample_id if r.sample_id is not None else f"{id_prefix[file_part]}:{line_part.replace('row ', 'r')}"
         if sid in seen:
@@ -485,6 +490,8 @@ def import_rollouts(
                     "heldout_groups": n_groups["heldout"],
                 },
                 "label_counts": label_counts,
+                "max_seq_len": max_seq_len,
+                "longest_row_tokens": longest[0],
             },
         }
         if training is not None:
@@ -532,4 +539,6 @@ def import_rollouts(
         reward_range=(low, high),
         reward_range_source=source,
         label_counts=label_counts,
+        longest_row_tokens=longest[0],
+        longest_row_where=longest[1],
     )

@@ -273,6 +273,10 @@ def cmd_import_rollouts(args) -> int:
             raise InputError(
                 "--reward-range", f"LOW and HIGH must be numbers, got {' '.join(args.reward_range)!r}"
             ) from None
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        from value_assets.core.errors import InputError
+
+        raise InputError("--max-seq-len", f"must be an integer >= 2, got {args.max_seq_len}")
     training = _training_spec_to_embed(args.training) if args.training else None
     tok = HFTokenizer(args.tokenizer, append_eos=not args.no_eos)
     res = import_rollouts(
@@ -289,12 +293,21 @@ def cmd_import_rollouts(args) -> int:
         num_bins=args.num_bins,
         name=args.name,
         tokenizer_path=str(args.tokenizer),
+        max_seq_len=args.max_seq_len,
         inbox=args.inbox,
         training=training,
     )
     if res.reward_range_source == "auto":
         print(
             f"value-assets: reward range taken from the data: [{res.reward_range[0]!r}, {res.reward_range[1]!r}]",
+            file=sys.stderr,
+        )
+    limit = tok.model_max_length
+    if args.max_seq_len is None and limit is not None and res.longest_row_tokens > limit:
+        print(
+            f"value-assets: warning: the longest row ({res.longest_row_where}) has {res.longest_row_tokens} tokens, "
+            f"more than the tokenizer's model_max_length {limit}: training refuses rows longer than the backbone's "
+            "maximum sequence length; give --max-seq-len to refuse them here",
             file=sys.stderr,
         )
     print(
@@ -308,6 +321,7 @@ def cmd_import_rollouts(args) -> int:
                 "reward_range": list(res.reward_range),
                 "reward_range_source": res.reward_range_source,
                 "label_counts": res.label_counts,
+                "longest_row_tokens": res.longest_row_tokens,
             },
             sort_keys=True,
         )
@@ -385,6 +399,13 @@ def add_import_command(sub) -> None:
         "--name",
         default="rollouts",
         help="manifest stem, a plain file name inside --out (or --inbox) (default: %(default)s)",
+    )
+    r.add_argument(
+        "--max-seq-len",
+        type=int,
+        metavar="N",
+        help="refuse a row of more than N tokens, as training refuses rows longer than the backbone's maximum "
+        "sequence length (default: no limit; a warning names a row beyond the tokenizer's model_max_length)",
     )
     r.add_argument(
         "--inbox",

@@ -63,6 +63,10 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken folder
             raise InputError(str(folder), f"cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
         self.vocab_size = len(self.tok)
+        # The context length the tokenizer's files state, where they state a real one (transformers
+        # puts a huge placeholder, int(1e30), where they do not).
+        limit = getattr(self.tok, "model_max_length", None)
+        self.model_max_length = int(limit) if isinstance(limit, int) and 0 < limit < 1 << 31 else None
         self.append_eos = append_eos
         if append_eos and self.tok.eos_token_id is None:
             raise InputError(str(folder), "the tokenizer has no EOS token; use --no-eos")
