@@ -206,3 +206,31 @@ def test_verify_refuses_an_edited_file_list(tmp_path):
     record["handoff"]["miles"]["files"] = record["handoff"]["miles"]["files"][1:]
     with pytest.raises(InputError, match="does not hash to its files_sha256"):
         verify_handoff(record, "record")
+
+
+@pytest.mark.parametrize("linked", ["miles", "handoff"])
+def test_a_bundle_folder_that_is_a_symlink_is_refused_however_identical(tmp_path, capsys, linked):
+    """Issue 33, defect 5: `handoff/miles` (or `handoff/` itself) pointing at an identical copy
+    outside the store: every file matches the record, but --critic-load would resolve to a folder the
+    store's permissions do not cover. `value-assets handoff` verified it and re-promotion re-pinned
+    it; now it is refused, not reused, and promotion never installs bundles through the link."""
+    import shutil
+
+    from value_assets.core.handoff import install_bundles
+
+    record, path, miles = bundles(tmp_path, CLASSIFICATION)
+    real = tmp_path / "handoff" / "miles" if linked == "miles" else tmp_path / "handoff"
+    outside = tmp_path / "elsewhere" / real.name
+    outside.parent.mkdir()
+    shutil.copytree(real, outside)
+    shutil.rmtree(real)
+    real.symlink_to(outside, target_is_directory=True)
+    assert main(["handoff", str(path), *pin(path)]) == 2
+    assert f"{real}: is a symlink" in capsys.readouterr().err
+    assert reusable_handoff(record, contract_sha256=SHA_C, miles_contract=miles, scalar_hf=False) is None
+    if linked == "handoff":
+        (tmp_path / "staging" / "miles").mkdir(parents=True)
+        with pytest.raises(InputError, match="is a symlink"):
+            install_bundles(tmp_path / "staging", real, ("miles",))
+        assert (tmp_path / "staging" / "miles").is_dir() and (outside / "miles").is_dir()  # nothing moved
+        assert not (tmp_path / "staging" / "replaced-miles").exists()

@@ -43,6 +43,7 @@ from value_assets.core.handoff import (
     HF_BUNDLE,
     MILES_BUNDLE,
     build_handoff,
+    check_bundle_location,
     install_bundles,
     miles_bundle_record,
     model_identity,
@@ -410,6 +411,8 @@ def export_handoff(
     if reused is not None:
         context.log.info(f"hand-off bundles for contract {ref.sha256} already match the registry record: reused")
         return reused, True
+    with fail_on_bad_input("promoted_critic: hand-off folder"):
+        check_bundle_location(artifacts.handoff_dir(key) / MILES_BUNDLE, itself=False)  # never exported through a link
     staging = artifacts.handoff_staging_dir(key, context.run.run_id)
     if staging.exists():
         shutil.rmtree(staging)

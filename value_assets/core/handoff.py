@@ -40,10 +40,29 @@ def model_identity(contract: Mapping[str, Any], contract_sha256: str) -> str:
     return f"value-assets:{backbone}@{contract_sha256}"
 
 
+def check_bundle_location(folder: str | Path, *, itself: bool = True) -> Path:
+    """A bundle folder (`<partition>/handoff/<name>`), its `handoff/` folder and its partition
+    folder must be folders of the artifacts store itself, never symlinks: a symlink at any of them
+    sends `--critic-load` to a folder the store's permissions do not cover, however identical its
+    files (issue 33, defect 5). Symlinks inside a bundle are refused by `describe_files`. Not
+    `itself`: only the folders above it (a bundle about to be replaced may be a link: it is moved
+    aside, never followed). The artifacts root itself may be a symlink."""
+    root = Path(folder)
+    for level in ((root,) if itself else ()) + (root.parent, root.parent.parent):
+        if level.is_symlink():
+            raise InputError(
+                str(level),
+                "is a symlink: a hand-off bundle is read from the artifacts store itself, never through a link to "
+                "another folder",
+            )
+    return root
+
+
 def describe_files(folder: str | Path) -> list[dict[str, Any]]:
     """Every regular file under `folder`: [{path (relative, '/'), size, sha256}], sorted by path.
-    A symlink anywhere in the bundle is refused: the hashes must be of the bytes in the folder."""
-    root = Path(folder)
+    A symlink anywhere in the bundle, or at its root and the folders above it that the store owns
+    (`check_bundle_location`), is refused: the hashes must be of the bytes in the folder."""
+    root = check_bundle_location(folder)
     if not root.is_dir():
         raise InputError(str(root), "bundle folder does not exist")
     out = []
@@ -207,6 +226,7 @@ def install_bundles(staging: str | Path, handoff_dir: str | Path, names: tuple[s
     """Move freshly exported bundles `staging/<name>` to `handoff_dir/<name>`, each old one moved
     aside into `staging` first (the caller removes `staging`). Renames within one filesystem."""
     staging, handoff_dir = Path(staging), Path(handoff_dir)
+    check_bundle_location(handoff_dir / MILES_BUNDLE, itself=False)  # never installed through a link
     for name in (MILES_BUNDLE, HF_BUNDLE):
         final = handoff_dir / name
         if final.exists() or final.is_symlink():
