@@ -1,18 +1,32 @@
 """The warm cluster's folder (`core.warm_folder.private_folder`): its `cluster.json` names the Ray
 cluster every GPU job of the instance joins, and its default place is the shared temp dir, so a
-folder another user planted or may write is refused before anything in it is read."""
+folder another user planted or may write is refused before anything in it is read. A `cluster.json`
+is believed only while its helper lives: the helper's life-long `helper.lock` and its pid's start
+time, never the pid alone (issue 33, defect 2)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from value_assets.core.errors import InputError
-from value_assets.core.warm_folder import INFO_NAME, default_folder, private_folder, stop_warm_cluster, use_warm_cluster
+from value_assets.core.warm_folder import (
+    INFO_NAME,
+    default_folder,
+    private_folder,
+    read_live,
+    stop_warm_cluster,
+    use_warm_cluster,
+    write_info,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +91,85 @@ def test_a_planted_folder_is_refused_before_its_cluster_is_joined(tmp_path, monk
         stop_warm_cluster(folder)  # nor is the pid it names signalled
 
 
-def test_this_users_folder_is_joined(tmp_path):
+def test_a_serving_helpers_folder_is_joined(tmp_path):
+    from value_assets.core.warm_folder import HELPER_LOCK
+
     folder = private_folder(tmp_path / "warm")
-    planted(folder)  # the same file, in a folder of this user's: served by a live pid, so joined
-    assert join(folder).address == "203.0.113.7:6379"
+    with open(folder / HELPER_LOCK, "a+") as lock:  # this process stands in for a serving helper
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        write_info(folder, "203.0.113.7:6379")
+        assert join(folder).address == "203.0.113.7:6379"
+
+
+def _record(folder: Path, pid: int, started: float | None) -> None:
+    (folder / INFO_NAME).write_text(
+        json.dumps({"address": "127.0.0.1:1", "pool": "warm", "pid": pid, "started": started})
+    )
+
+
+@pytest.mark.parametrize("how", ["no helper holds the lock", "the pid is another process now"])
+def test_a_stale_cluster_file_with_a_reused_pid_is_removed_not_trusted(tmp_path, how):
+    """A helper killed without its `finally` (SIGKILL, OOM) leaves its cluster.json; once its pid
+    names an unrelated process, believing the pid sent every job to the dead Ray (it hung) and
+    `stop_warm_cluster` sent SIGTERM to that process."""
+    from value_assets.core.warm_folder import HELPER_LOCK, process_started  # (imported here: new names)
+
+    folder = private_folder(tmp_path / "warm")
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with contextlib.ExitStack() as stack:
+            if how == "no helper holds the lock":  # the dead helper's record, its pid now the unrelated process's
+                started = process_started(unrelated.pid)
+            else:  # a live helper holds the lock, but the record's pid is not the process that started then
+                lock = stack.enter_context(open(folder / HELPER_LOCK, "a+"))
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                started = process_started(unrelated.pid) - 3600
+            _record(folder, unrelated.pid, started)
+            assert read_live(folder) is None and not (folder / INFO_NAME).exists()
+            _record(folder, unrelated.pid, started)
+            with pytest.raises(subprocess.CalledProcessError):
+                join(folder)  # not joined: a new helper is started (here /bin/false, which fails)
+            _record(folder, unrelated.pid, started)
+            assert stop_warm_cluster(folder) is False
+        assert unrelated.poll() is None  # never signalled
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+_HELPER = """
+import sys, time
+from pathlib import Path
+from value_assets.core.warm_folder import hold_helper_lock, write_info
+lock = hold_helper_lock(Path(sys.argv[1]))
+write_info(Path(sys.argv[1]), "127.0.0.1:1")
+print("serving", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_helper_killed_outright_leaves_a_file_no_job_believes(tmp_path):
+    """SIGKILL runs no `finally`: the helper's cluster.json stays, but the lock it held for its life
+    is released by the kernel, so the next job removes the file and starts a cluster of its own
+    (here /bin/false: the start fails, the dead address is never joined). The helper's Ray is ended
+    by its reaper (tests/job/test_faults.py::test_a_killed_driver_takes_its_local_ray_along)."""
+    folder = private_folder(tmp_path / "warm")
+    root = Path(__file__).resolve().parents[2]
+    helper = subprocess.Popen(
+        [sys.executable, "-c", _HELPER, str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
+    try:
+        assert helper.stdout.readline().strip() == "serving"
+        live = read_live(folder)
+        assert live is not None and live.pid == helper.pid  # while it lives, it is believed
+    finally:
+        helper.kill()
+        helper.wait()
+    assert (folder / INFO_NAME).exists()
+    with pytest.raises(subprocess.CalledProcessError):
+        join(folder)
+    assert not (folder / INFO_NAME).exists() and stop_warm_cluster(folder) is False

@@ -158,3 +158,12 @@ def test_the_lease_passes_on_only_when_its_holder_is_gone():
     assert worker.acquire_lease({**live, "token": "d"})  # "c"'s process has exited
     worker.return_lease("wrong token")
     assert not worker.acquire_lease({**live, "token": "e"})
+    # A holder is its pid and its start time: a pid that now names another process holds nothing
+    # (the pool would otherwise wait on it forever; issue 33, defect 2).
+    from value_assets.core.warm_folder import process_started
+
+    worker.return_lease("d")
+    started = process_started(os.getpid())
+    assert worker.acquire_lease({**live, "token": "f", "started": started - 3600})
+    assert worker.acquire_lease({**live, "token": "g", "started": started})  # "f"'s pid is another process now
+    assert not worker.acquire_lease({**live, "token": "h"})  # "g" is this very process

@@ -10,7 +10,14 @@ The helper ends the cluster once no job has used it for `idle_s` seconds, on SIG
 
 Files in the folder:
 
-- `cluster.json`: the helper's pid, the cluster's address and the pool name; present while it serves.
+- `cluster.json`: the helper's pid and the start time of that process, the cluster's address and the
+  pool name; present while it serves.
+- `helper.lock`: held exclusively by the helper for its whole life (the kernel releases it when the
+  helper dies, SIGKILL included). A `cluster.json` is believed only while this lock is held and its
+  pid is still the process that started at the recorded time: a helper killed without its `finally`
+  leaves its `cluster.json`, and once its pid is reused by an unrelated process, liveness by pid
+  alone would send every job to a dead Ray and `stop_warm_cluster` would signal that process. A
+  stale `cluster.json` is removed, never trusted (issue 33, defect 2).
 - `start.lock`: held exclusively to start a helper, to read `cluster.json`, and by the helper when it
   decides to end (so no job joins a cluster that is ending).
 - `use.lock`: held shared by every job while it runs; its mtime is the end of the last job. The
@@ -35,6 +42,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from value_assets.core.errors import InputError
 
@@ -43,6 +51,7 @@ POOL_ENV = "VALUE_ASSETS_WORKER_POOL"
 POOL_NAME = "warm"
 INFO_NAME = "cluster.json"
 START_LOCK = "start.lock"
+HELPER_LOCK = "helper.lock"
 USE_LOCK = "use.lock"
 LOG_NAME = "helper.log"
 
@@ -52,6 +61,7 @@ class WarmCluster:
     address: str
     pool: str
     pid: int
+    started: float | None = None  # the helper process's start time (`process_started`)
 
     def job_env(self) -> dict[str, str]:
         """The environment that makes a GPU job join this cluster and its worker pool."""
@@ -108,7 +118,8 @@ def locked(path: Path, mode: int) -> Iterator[None]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (one we may not signal counts as running)."""
+    """Whether process `pid` runs on this host (one we may not signal counts as running). A pid
+    alone does not say which process: see `process_alive`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -118,15 +129,90 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+UNKNOWN_START = -1.0  # where the system has no /proc (macOS): the pid alone, and the helper's lock
+
+
+def process_started(pid: int) -> float | None:
+    """When process `pid` started (clock ticks since boot, from /proc/<pid>/stat), or None when
+    there is no such process (or only its zombie: it has ended). With the pid it names one process:
+    a pid reused later has another start time. (Read from /proc, not psutil: the core imports
+    nothing it does not need.)"""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if not Path("/proc/self/stat").exists():
+            return UNKNOWN_START if pid_alive(pid) else None
+        return None
+    except OSError:
+        return None
+    try:
+        fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces and ')'
+        return None if fields[0] == "Z" else float(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def process_alive(pid: int, started: float | None) -> bool:
+    """Whether the process that was `pid` when it started at `started` still runs. Without a
+    recorded start time (a record written by older code) the pid alone decides."""
+    if started is None:
+        return pid_alive(pid)
+    now = process_started(pid)
+    return now is not None and now == started
+
+
+def helper_running(folder: Path) -> bool:
+    """Whether a helper holds the folder's `helper.lock` (taken for its whole life)."""
+    try:
+        handle = open(folder / HELPER_LOCK, "rb")
+    except FileNotFoundError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def hold_helper_lock(folder: Path) -> TextIO:
+    """The helper's life-long exclusive lock (keep the returned file open; closing it or dying
+    releases it). Not inherited by processes the helper starts (Python opens files non-inheritable).
+    BlockingIOError: another helper serves this folder."""
+    handle = open(folder / HELPER_LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
 def read_live(folder: Path) -> WarmCluster | None:
-    """The serving helper's cluster, or None (no file, unreadable, or its helper has exited).
-    Call with `start.lock` held."""
+    """The serving helper's cluster, or None (no file, unreadable, or its helper has exited). A
+    `cluster.json` whose helper is gone (no one holds `helper.lock`, or its pid now names another
+    process), or that is unreadable, is removed. Call with `start.lock` held."""
+    cluster: WarmCluster | None
     try:
         info = json.loads((folder / INFO_NAME).read_text())
-        cluster = WarmCluster(address=str(info["address"]), pool=str(info["pool"]), pid=int(info["pid"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        started = info.get("started")
+        cluster = WarmCluster(
+            address=str(info["address"]),
+            pool=str(info["pool"]),
+            pid=int(info["pid"]),
+            started=None if started is None else float(started),
+        )
+    except FileNotFoundError:
         return None
-    if not pid_alive(cluster.pid):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        cluster = None  # unreadable: as stale as a dead helper's
+    if (
+        cluster is None
+        or cluster.started is None
+        or not helper_running(folder)
+        or not process_alive(cluster.pid, cluster.started)
+    ):
         with contextlib.suppress(OSError):
             (folder / INFO_NAME).unlink()
         return None
@@ -134,9 +220,11 @@ def read_live(folder: Path) -> WarmCluster | None:
 
 
 def write_info(folder: Path, address: str, pool: str = POOL_NAME) -> None:
-    """Publish the helper's cluster (atomically: a reader sees the whole file or none)."""
+    """Publish the helper's cluster (atomically: a reader sees the whole file or none). The caller
+    holds `helper.lock` (`hold_helper_lock`)."""
     tmp = folder / f".{INFO_NAME}.{os.getpid()}"
-    tmp.write_text(json.dumps({"address": address, "pool": pool, "pid": os.getpid()}))
+    record = {"address": address, "pool": pool, "pid": os.getpid(), "started": process_started(os.getpid())}
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / INFO_NAME)
 
 
@@ -161,8 +249,9 @@ def _start(folder: Path, python: str, idle_s: float, num_cpus: int | None, timeo
             text=True,
         )
     helper = int(forked.stdout.split()[-1])
+    helper_started = process_started(helper)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and pid_alive(helper):
+    while time.monotonic() < deadline and process_alive(helper, helper_started):
         cluster = read_live(folder)
         if cluster is not None:
             return cluster
@@ -197,14 +286,15 @@ def stop_warm_cluster(folder: Path, timeout_s: float = 60.0) -> bool:
     private_folder(folder)
     with locked(folder / START_LOCK, fcntl.LOCK_EX):
         cluster = read_live(folder)
-    if cluster is None:
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(cluster.pid, signal.SIGTERM)
+        if cluster is None:
+            return False
+        if process_alive(cluster.pid, cluster.started):  # the helper itself, not a process that took its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(cluster.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while pid_alive(cluster.pid) and time.monotonic() < deadline:
+    while process_alive(cluster.pid, cluster.started) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not pid_alive(cluster.pid)
+    return not process_alive(cluster.pid, cluster.started)
 
 
 def pipes_python(command: Sequence[str], module: str) -> str | None:

@@ -278,7 +278,14 @@ class WorkerPool:
 
         import ray
 
-        holder = {"token": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname()}
+        from value_assets.core.warm_folder import process_started
+
+        holder = {
+            "token": uuid.uuid4().hex,
+            "pid": os.getpid(),
+            "started": process_started(os.getpid()),
+            "host": socket.gethostname(),
+        }
         actors = cls._existing(name, world_size, bundle, strategy)
         if actors is not None:
             deadline = time.monotonic() + timeout_s

@@ -3,10 +3,12 @@
 
 Usage: python -m value_assets.gpu.workers.warm_helper --dir DIR --idle-s SECONDS [--num-cpus N] [--detach]
 
-It starts Ray, publishes the address in DIR/cluster.json and serves until no job has held
-DIR/use.lock for SECONDS, or until SIGTERM/SIGINT; then it withdraws cluster.json (under
-start.lock, so no job joins an ending cluster) and shuts Ray down, detached workers included. If
-it is killed outright, its reaper ends the Ray processes it started (workers/reaper.py).
+It takes DIR/helper.lock for its whole life (its identity: a cluster.json is believed only while
+that lock is held and its pid is still the process that started at the recorded time), starts Ray,
+publishes the address in DIR/cluster.json and serves until no job has held DIR/use.lock for
+SECONDS, or until SIGTERM/SIGINT; then it withdraws cluster.json (under start.lock, so no job joins
+an ending cluster) and shuts Ray down, detached workers included. If it is killed outright, its
+reaper ends the Ray processes it started (workers/reaper.py), and the kernel releases its lock.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ import sys
 import time
 from pathlib import Path
 
-from value_assets.core.warm_folder import INFO_NAME, LOG_NAME, POOL_NAME, START_LOCK, USE_LOCK, locked, write_info
+from value_assets.core.warm_folder import (
+    INFO_NAME,
+    LOG_NAME,
+    POOL_NAME,
+    START_LOCK,
+    USE_LOCK,
+    hold_helper_lock,
+    locked,
+    write_info,
+)
 
 POLL_S = 0.5
 
@@ -39,6 +50,18 @@ def _idle_for(folder: Path, since: float) -> float | None:
 
 
 def serve(folder: Path, idle_s: float, num_cpus: int | None) -> int:
+    try:
+        identity = hold_helper_lock(folder)  # released by the kernel when this process ends, however it ends
+    except BlockingIOError:
+        print("another helper holds this folder's helper.lock: not starting a second cluster", flush=True)
+        return 1
+    try:
+        return _serve(folder, idle_s, num_cpus)
+    finally:
+        identity.close()
+
+
+def _serve(folder: Path, idle_s: float, num_cpus: int | None) -> int:
     import ray
 
     from value_assets.gpu.workers.cluster import _start_reaper

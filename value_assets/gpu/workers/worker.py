@@ -266,12 +266,13 @@ class CriticWorker:
 
 
 def _alive(holder: dict[str, Any]) -> bool:
-    """Whether a lease holder still runs (same host: by pid; another host: assumed alive)."""
+    """Whether a lease holder still runs (same host: the process with its pid and start time, so a
+    pid reused by another process does not hold the pool forever; another host: assumed alive)."""
     import socket
 
-    from value_assets.core.warm_folder import pid_alive
+    from value_assets.core.warm_folder import process_alive
 
-    return holder.get("host") != socket.gethostname() or pid_alive(int(holder["pid"]))
+    return holder.get("host") != socket.gethostname() or process_alive(int(holder["pid"]), holder.get("started"))
 
 
 def placement() -> dict[str, str]:
