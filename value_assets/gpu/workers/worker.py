@@ -47,13 +47,28 @@ class CriticWorker:
         self.optimizer = None
         self._lease: dict[str, Any] | None = None
         self._rendezvous = None  # rank 0: the store `address` bound, until `setup` joins through it
+        self._in_use = False  # configured for a job that has not released it
         if spec is not None:
             self.configure(spec, rank=rank, threads=threads)
 
     def configure(self, spec: WorkerSpec, *, rank: int, threads: int | None = None) -> int:
         """Take on one job's rank and spec (a fresh worker in its constructor, a pooled one per
-        job, after `release`); returns this process's id. `threads`: torch's intra-op threads (CPU
-        workers share the host's cores)."""
+        job); returns this process's id. `threads`: torch's intra-op threads (CPU workers share the
+        host's cores).
+
+        A pooled worker is reset first if the last job left anything behind: a job whose driver died
+        (SIGKILL, OOM) never called `release`, and its process group, megatron's parallel state,
+        model and optimizer are still there (`setup` then failed: "data parallel group is already
+        initialized"). Whatever state the worker is found in, it is reset here, never reused as is
+        (issue 33, defect 1). A worker still busy in the dead job's call does not get here: the next
+        driver's lease call times out and the pool is replaced."""
+        if self._in_use:
+            print(
+                f"worker {os.getpid()}: the previous job left its state (its driver did not release it): reset",
+                flush=True,
+            )
+            self.release()
+        self._in_use = True  # until `release` completes: any state between is unknown to the next job
         self.spec = spec
         self.rank = rank
         self.model = None
@@ -251,6 +266,7 @@ class CriticWorker:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        self._in_use = False
 
     def acquire_lease(self, holder: dict[str, Any]) -> bool:
         """The pool's lease (kept by its first worker): granted when free, or when its holder, a
