@@ -66,7 +66,7 @@ def no_cluster(monkeypatch):
     """Refusals must come before any worker is reserved (and so before any byte is deserialized)."""
     from value_assets.gpu.workers import cluster
 
-    monkeypatch.setattr(cluster, "start_workers", lambda **_: pytest.fail("the cluster must not be reserved"))
+    monkeypatch.setattr(cluster, "start_workers", lambda *_, **__: pytest.fail("the cluster must not be reserved"))
 
 
 def last_save(critic: Path) -> Path:
@@ -195,6 +195,32 @@ def test_an_unwritable_report_folder_is_refused_before_the_workers(critic, manif
             subprocess.run(["umount", str(folder)], check=False)
         else:
             folder.chmod(0o755)
+
+
+# ---- issue 33, defect 10: two runs into one output folder ------------------------------------------------------
+
+
+def test_a_second_run_into_a_folder_a_run_is_writing_is_refused_before_it_reads_it(critic, manifest, no_cluster):
+    """Two `train` runs into one --output: the loser was refused only at its save, after writing its
+    steps into the winner's metrics.jsonl (the published critic's curve and loss metadata)."""
+    import fcntl
+
+    metrics = (critic / "metrics.jsonl").read_bytes()
+    fd = os.open(critic, os.O_RDONLY)  # a run in progress holds the folder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(InputError, match="another training run is writing into this folder now") as err:
+            train(cfg_for(manifest, critic, epochs=2), log=quiet)
+        assert err.value.where == str(critic)
+    finally:
+        os.close(fd)
+    assert (critic / "metrics.jsonl").read_bytes() == metrics
+    with pytest.raises(InputError, match="descends from bootstrap model"):  # free again: judged by its settings
+        train(cfg_for(manifest, critic, epochs=2, backbone=str(critic / iter_dirname(4))), log=quiet)
+    fresh = critic.parent / "fresh"
+    with pytest.raises(InputError, match="micro_batch_tokens"):  # refused before any write: no folder is left
+        train(cfg_for(manifest, fresh / "deep", micro_batch_tokens=8), log=quiet)
+    assert not fresh.exists()
 
 
 # ---- issue 33, defect 11: an export the system refuses ---------------------------------------------------------

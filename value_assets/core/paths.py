@@ -1,4 +1,5 @@
-"""Output paths a user names, and outputs written all-or-nothing (issue 33: defects 3, 11).
+"""Output paths a user names, outputs written all-or-nothing, and output folders one run holds
+(issue 33: defects 3, 10, 11).
 
 * `plain_name` refuses a name that is not one ordinary path component (`../x`, `a/b`, `""`, `.x`):
   a `--name` names a file inside a folder the command chose, never a path of its own.
@@ -10,6 +11,9 @@
   at most a hidden `.<name>.*.tmp` file, never a partial file under the destination's name.
 * `staged_folder` does the same for a new output folder (`--out` of import-rollouts, export-hf,
   export-miles): built under a hidden temporary name beside it, renamed into place when complete.
+* `exclusive_folder` holds an output folder for one run (flock on the folder itself, released
+  however the run ends): a second run into the same folder is refused before it reads or writes
+  anything there (two `train` runs into one `--output` interleaved their metrics, defect 10).
 * `write_refusal` finds the system's refusal (a full disk, a file-size limit, permissions) behind
   the error of a writer that lost the OSError (safetensors, torch, torch_dist).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -79,6 +84,43 @@ def staged_file(path: str | os.PathLike[str], *, shown_as: str | os.PathLike[str
         if isinstance(exc, OSError) and not isinstance(exc, PublishError):
             raise PublishError(named, exc) from exc
         raise
+
+
+@contextlib.contextmanager
+def exclusive_folder(path: str | os.PathLike[str], what: str) -> Iterator[Path]:
+    """`path` (created if missing) held exclusively for the `with` block; InputError at once if
+    another process holds it. Folders this call created are removed again if they are still empty
+    at the end (a refused or failed run leaves nothing behind)."""
+    folder = Path(path)
+    missing = []
+    probe = folder
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise PublishError(folder, exc) from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(
+                str(folder),
+                f"another {what} is writing into this folder now (it holds the folder's lock); two runs into one "
+                "folder would mix their files: wait for it, or pick another folder",
+            ) from None
+        try:
+            yield folder
+        finally:
+            for made in missing:  # deepest first
+                try:
+                    made.rmdir()
+                except OSError:
+                    break  # not empty (the run wrote there) or gone
+    finally:
+        os.close(fd)
 
 
 # What the system answers a write it refuses (not a bug: the command exits 2 naming the path).

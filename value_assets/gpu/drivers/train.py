@@ -37,7 +37,7 @@ from value_assets.core.hashing import sha256_file
 from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
 from value_assets.core.memory import Layout, auto_micro_batch_tokens
-from value_assets.core.paths import write_refusal
+from value_assets.core.paths import exclusive_folder, write_refusal
 from value_assets.core.plan import (
     BatchPlan,
     assign_to_ranks,
@@ -413,6 +413,14 @@ def _refusal(exc: OSError) -> str:
 def train(
     cfg: TrainJob, log: Callable[[str], None] = print, on_step: Callable[[int, dict], None] | None = None
 ) -> TrainResult:
+    """Train into `cfg.output`, held for this run alone (`core.paths.exclusive_folder`): a second run
+    into the same folder is refused before it reads the folder, so it never resumes from, nor writes
+    metrics into, a folder another run is writing."""
+    with exclusive_folder(cfg.output, "training run"):
+        return _train(cfg, log, on_step)
+
+
+def _train(cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, dict], None] | None) -> TrainResult:
     from value_assets.gpu.drivers.metrics_log import MetricsLog
     from value_assets.gpu.workers.cluster import start_workers
 
