@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from itertools import pairwise
 
@@ -169,6 +170,52 @@ def test_evaluate_rows_alignment(dist):
     # response token j (prompt_len 6) is predicted at position 6 + j - 1
     np.testing.assert_allclose(out[42]["values"], v[5:9], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out[42]["returns"], [0.1, 0.2, 0.3, 0.4], atol=1e-7)
+
+
+# CPU kernels whose default algorithm depends on thread timing: they add into the same element from
+# several threads with atomics (torch documents them under use_deterministic_algorithms).
+_RACY_ON_CPU = {"index_put_", "index_put", "_index_put_impl_", "put_", "put"}
+
+
+def test_a_training_step_runs_no_cpu_kernel_that_adds_with_atomics(dist):
+    """The critic's forward and backward on CPU are the same bits every time for a given thread
+    count (issue 33, defect 12). megatron's deterministic_mode embeds by indexing, whose CPU
+    backward is index_put_(accumulate=True): with more than one intra-op thread it adds the rows of
+    repeated token ids with atomics, in whatever order the threads run, so runs (pooled or fresh
+    workers alike) differed in the last bits of the embedding gradient, then of every weight.
+    Checked on the ops themselves (a race shows only when threads overlap), and once by repetition."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from value_assets.gpu.model.gpt_critic import build_critic, critic_forward
+
+    class Racy(TorchDispatchMode):
+        found: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 and isinstance(args[3], bool) else False)
+            if func.__name__.split(".")[0] in _RACY_ON_CPU and accumulate:
+                self.found.append(func.__name__)
+            return func(*args, **kwargs)
+
+    model = build_critic(BackboneConfig.tiny(), Objective())
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, 16, (512,), generator=g)  # few distinct ids: many rows added to at once
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    pos = torch.cat([torch.arange(256), torch.arange(256)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        grads = []
+        for k in range(2):
+            model.zero_grad(set_to_none=True)
+            with Racy() if k == 0 else contextlib.nullcontext():
+                critic_forward(model, toks, pos, cu, 256).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        torch.set_num_threads(threads)
+    assert Racy.found == []
+    assert [n for n in grads[0] if not torch.equal(grads[0][n], grads[1][n])] == []
 
 
 def test_compat_is_idempotent_and_cpu_only():

@@ -103,7 +103,12 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        deterministic_mode=not cuda,
+        # megatron's deterministic_mode embeds by indexing (`weight[ids]`), whose CPU backward is
+        # index_put_(accumulate=True): with more than one intra-op thread it adds rows with atomics,
+        # in whatever order the threads run, so repeated runs differed in the last bits of the
+        # embedding gradient (issue 33, defect 12). F.embedding's CPU backward is bitwise
+        # reproducible at any thread count; on CUDA megatron used F.embedding already.
+        deterministic_mode=False,
     )
 
 
