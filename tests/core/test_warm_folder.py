@@ -101,6 +101,30 @@ def test_a_serving_helpers_folder_is_joined(tmp_path):
         assert join(folder).address == "203.0.113.7:6379"
 
 
+@pytest.mark.parametrize("mode", ["token", "disabled"])
+def test_a_job_is_told_the_clusters_ray_authentication(tmp_path, monkeypatch, mode):
+    """Ray 2.60 starts a cluster with token authentication unless RAY_AUTH_MODE says otherwise, but
+    a process joining by address never turns it on: without the mode in its environment the job
+    was refused ("InvalidAuthToken"), and the README's walkthrough failed in a plain shell."""
+    from value_assets.core.warm_folder import HELPER_LOCK
+
+    folder = private_folder(tmp_path / "warm")
+    with open(folder / HELPER_LOCK, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)  # as the helper's ray.init left it
+        write_info(folder, "127.0.0.1:1")
+        monkeypatch.delenv("RAY_AUTH_MODE")  # the launcher's own environment says nothing
+        env = join(folder).job_env()
+        assert env["RAY_AUTH_MODE"] == mode and env["RAY_ADDRESS"] == "127.0.0.1:1"
+        # a record naming a mode Ray does not know is as unreadable as a torn one: removed, not joined
+        record = json.loads((folder / INFO_NAME).read_text())
+        (folder / INFO_NAME).write_text(json.dumps({**record, "auth_mode": "none"}))
+        assert read_live(folder) is None and not (folder / INFO_NAME).exists()
+    monkeypatch.setenv("RAY_AUTH_MODE", "off")
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE='off'"):
+        write_info(folder, "127.0.0.1:1")
+
+
 def _record(folder: Path, pid: int, started: float | None) -> None:
     (folder / INFO_NAME).write_text(
         json.dumps({"address": "127.0.0.1:1", "pool": "warm", "pid": pid, "started": started})

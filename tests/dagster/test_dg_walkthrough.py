@@ -70,8 +70,12 @@ def test_rollouts_and_an_actor_to_a_promoted_critic_and_the_rl_settings(tmp_path
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
-    env.pop("VALUE_ASSETS_DEFAULT_TRAINING", None)
-    env.pop("RAY_ADDRESS", None)
+    # A plain shell, not the Makefile's or the test session's: no Ray settings (Ray's own defaults:
+    # token authentication for the cluster the launcher starts), and a home of its own (Ray keeps
+    # its token in ~/.ray).
+    for name in ("VALUE_ASSETS_DEFAULT_TRAINING", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(name, None)
+    env["HOME"] = str(tmp_path / "home")
 
     # 1. The lineage's training spec (README): which actor, how it trains, how it is gated.
     (project / "spec.json").write_text(json.dumps({

@@ -66,7 +66,7 @@ def test_the_warm_cluster_is_shared_kept_while_used_and_ended_when_idle_or_stopp
 def _warm_cluster_lifecycle(folder):
     with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as first:
         assert json.loads((folder / INFO_NAME).read_text())["address"] == first.address
-        assert first.job_env() == {"RAY_ADDRESS": first.address, POOL_ENV: "warm"}
+        assert first.job_env() == {"RAY_ADDRESS": first.address, POOL_ENV: "warm", "RAY_AUTH_MODE": "disabled"}
         assert ray_processes_of(first.address)
         time.sleep(3)  # longer than the idle limit, but a job holds it
         assert alive(first.pid) and read_live(folder) == first

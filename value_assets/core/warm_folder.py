@@ -10,8 +10,10 @@ The helper ends the cluster once no job has used it for `idle_s` seconds, on SIG
 
 Files in the folder:
 
-- `cluster.json`: the helper's pid and the start time of that process, the cluster's address and the
-  pool name; present while it serves.
+- `cluster.json`: the helper's pid and the start time of that process, the cluster's address, the
+  pool name and the cluster's Ray authentication mode (a job joining by address must be told it:
+  Ray 2.60 turns token authentication on for a cluster it starts, never for a joining process);
+  present while it serves.
 - `helper.lock`: held exclusively by the helper for its whole life (the kernel releases it when the
   helper dies, SIGKILL included). A `cluster.json` is believed only while this lock is held and its
   pid is still the process that started at the recorded time: a helper killed without its `finally`
@@ -53,6 +55,8 @@ INFO_NAME = "cluster.json"
 START_LOCK = "start.lock"
 HELPER_LOCK = "helper.lock"
 USE_LOCK = "use.lock"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+AUTH_MODES = ("disabled", "token")
 LOG_NAME = "helper.log"
 
 
@@ -62,10 +66,15 @@ class WarmCluster:
     pool: str
     pid: int
     started: float | None = None  # the helper process's start time (`process_started`)
+    # The cluster's Ray authentication: Ray 2.60 gives a cluster that `ray.init` starts token
+    # authentication unless RAY_AUTH_MODE says otherwise, but never turns it on in a process that
+    # joins by address. The job must be told, or it is refused ("InvalidAuthToken"); the token
+    # itself is where this user's Ray keeps it (~/.ray/auth_token, RAY_AUTH_TOKEN[_PATH]).
+    auth_mode: str = "disabled"
 
     def job_env(self) -> dict[str, str]:
         """The environment that makes a GPU job join this cluster and its worker pool."""
-        return {"RAY_ADDRESS": self.address, POOL_ENV: self.pool}
+        return {"RAY_ADDRESS": self.address, POOL_ENV: self.pool, AUTH_MODE_ENV: self.auth_mode}
 
 
 def default_folder(instance_root: str | os.PathLike[str] | None) -> Path:
@@ -197,11 +206,15 @@ def read_live(folder: Path) -> WarmCluster | None:
     try:
         info = json.loads((folder / INFO_NAME).read_text())
         started = info.get("started")
+        auth_mode = info.get("auth_mode", "disabled")  # a helper before the field: Ray's default then
+        if auth_mode not in AUTH_MODES:
+            raise ValueError(f"auth_mode {auth_mode!r}")
         cluster = WarmCluster(
             address=str(info["address"]),
             pool=str(info["pool"]),
             pid=int(info["pid"]),
             started=None if started is None else float(started),
+            auth_mode=auth_mode,
         )
     except FileNotFoundError:
         return None
@@ -219,11 +232,21 @@ def read_live(folder: Path) -> WarmCluster | None:
     return cluster
 
 
-def write_info(folder: Path, address: str, pool: str = POOL_NAME) -> None:
+def write_info(folder: Path, address: str, pool: str = POOL_NAME, auth_mode: str | None = None) -> None:
     """Publish the helper's cluster (atomically: a reader sees the whole file or none). The caller
-    holds `helper.lock` (`hold_helper_lock`)."""
+    holds `helper.lock` (`hold_helper_lock`). `auth_mode`: its Ray's, by default this process's
+    RAY_AUTH_MODE as `ray.init` left it (it sets "token" where it turned authentication on)."""
+    auth_mode = auth_mode or os.environ.get(AUTH_MODE_ENV) or "disabled"
+    if auth_mode not in AUTH_MODES:
+        raise ValueError(f"{AUTH_MODE_ENV}={auth_mode!r}: Ray knows {', '.join(AUTH_MODES)}")
     tmp = folder / f".{INFO_NAME}.{os.getpid()}"
-    record = {"address": address, "pool": pool, "pid": os.getpid(), "started": process_started(os.getpid())}
+    record = {
+        "address": address,
+        "pool": pool,
+        "pid": os.getpid(),
+        "started": process_started(os.getpid()),
+        "auth_mode": auth_mode,
+    }
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / INFO_NAME)
 
