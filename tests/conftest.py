@@ -101,20 +101,28 @@ def pytest_runtest_teardown(item, nextitem):
 # session's Ray (RAY_MODULES) come first and together: each worker then stops its Ray once, early
 # (`_SessionRay`), instead of keeping it idle to the end or starting it again.
 SLOW_MODULES = (
-    "tests/dagster/test_dg_ray_multinode.py",
     "tests/job/test_faults.py",
+    "tests/dagster/test_dg_ray_multinode.py",
     "tests/job/test_job.py",
     "tests/job/test_worker_pool.py",
     "tests/job/test_memory_job.py",
     "tests/dagster/test_dg_engine.py",
     "tests/dagster/test_dg_ui.py",
+    "tests/dagster/test_dg_walkthrough.py",
+    "tests/engine/test_distributed.py",
+    "tests/job/test_warm_cluster.py",
     "tests/dagster/test_dg_pipeline.py",
     "tests/dagster/test_dg_promotion.py",
-    "tests/engine/test_distributed.py",
-    "tests/engine/test_memory_features.py",
-    "tests/job/test_warm_cluster.py",
-    "tests/hf/test_miles_megatron_load.py",
     "tests/dagster/test_dg_handoff.py",
+    "tests/engine/test_memory_features.py",
+    "tests/dagster/test_dg_champion.py",
+    "tests/dagster/test_dg_cli.py",
+    "tests/dagster/test_dg_executor.py",
+    "tests/hf/test_miles_export.py",
+    "tests/core/test_stats.py",
+    "tests/hf/test_miles_megatron_load.py",
+    "tests/engine/test_compat.py",
+    "tests/core/test_rollouts_hf.py",
     "tests/hf/test_hf_parallel.py",
 )
 
