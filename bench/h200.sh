@@ -85,11 +85,12 @@ case "$step" in
       --arm a=fresh --seeds 0 --steps 3 --eval-every 3 2>&1 | grep -vi warn | tee "$out/rl-calibrate.log" \
       | grep -E "step [0-9]+ |: done in|Error|Traceback" | cut -c1-300 ;;
   rl)
-    # Issue 28: PPO for the seeds given ("0", or "0 1"), every arm, until RL_DEADLINE seconds; a second
+    seeds="${*:2}"
+    # Issue 28: PPO for the seeds given (rl 0, or rl 0 1), every arm, until RL_DEADLINE seconds; a second
     # call on the same machine goes on where the first stopped. Brings back every run's steps and metadata.
     python3 bench/rl_with_critic.py run --actor /tmp/smol --tasks bench/data/real_rollouts_tasks.jsonl --out /tmp/rl/runs \
       --arm a=fresh --critics /tmp/rl/critics/critics.json --split-manifest /tmp/rl/critics/inbox/rl-full.json \
-      --seeds ${2:-0} --deadline-s ${RL_DEADLINE:-540} ${RL_ARGS:-} 2>&1 | grep -vi warn | tee "$out/rl.log" \
+      --seeds ${seeds:-0} --deadline-s ${RL_DEADLINE:-540} ${RL_ARGS:-} 2>&1 | grep -vi warn | tee "$out/rl.log" \
       | grep -E "value check|step [0-9]*[05] |: (done|out_of_time) in|stopping|ready in|Error|Traceback" | cut -c1-300
     tar -C /tmp/rl -czf "$out/rl_runs.tgz" --exclude='*/trl' runs critics/critics.json ;;
 esac
