@@ -4,7 +4,8 @@ Per arm: final held-out success with a 95% t-interval over seeds, its difference
 arm paired by seed (final and the mean over the held-out curve), steps to reach the reference arm's
 final success, the early mean advantage (advantage bias) and value EV, the value EV over all steps,
 the gate's token EV and the largest TRL-vs-product value difference; then whether the gate's EV
-ranks the arms as their RL benefit does (Spearman). Runs whose settings differ are refused.
+ranks the arms as their RL benefit does (Spearman). Runs whose settings differ are refused, and so
+is a seed whose arms ran on different cards or micro-batches (differences are paired by seed).
 """
 
 from __future__ import annotations
@@ -49,6 +50,32 @@ def load_runs(root: Path) -> dict[str, dict[int, dict]]:
     return runs
 
 
+def execution(meta: dict) -> dict:
+    """Where and how a run was executed: the card and the micro-batches of each PPO mini-batch
+    (runs made before `execution` was recorded used one)."""
+    return {
+        "device": (meta.get("versions") or {}).get("cuda") or "cpu",
+        "micro_batches": (meta.get("execution") or {}).get("micro_batches", 1),
+    }
+
+
+def seed_blocks(runs: dict) -> dict[int, dict]:
+    """{seed: execution} once every arm of each seed ran the same way: differences are paired by seed,
+    so a seed is one block (sessions may differ, a seed's arms may not)."""
+    blocks: dict[int, dict[str, list[str]]] = {}
+    for arm, seeds in runs.items():
+        for seed, r in seeds.items():
+            key = json.dumps(execution(r["meta"]), sort_keys=True)
+            blocks.setdefault(seed, {}).setdefault(key, []).append(arm)
+    for seed, ways in blocks.items():
+        if len(ways) > 1:
+            raise SystemExit(
+                f"seed {seed}: its arms ran in different ways, not a paired block: "
+                + "; ".join(f"{sorted(arms)} {key}" for key, arms in sorted(ways.items()))
+            )
+    return {seed: json.loads(next(iter(ways))) for seed, ways in sorted(blocks.items())}
+
+
 def _curve(run: dict, key: str = "sampled") -> list[tuple[int, float]]:
     return [(s["step"], s["heldout"][key]) for s in run["steps"] if "heldout" in s]
 
@@ -64,11 +91,17 @@ def summarize(runs: dict, plan: dict, ref: str, early: int) -> dict[str, Any]:
     }
     if len(settings) > 1:
         raise SystemExit(f"the runs were made with different settings, not comparable: {sorted(settings)}")
+    blocks = seed_blocks(runs)
     done = {arm: {s: r for s, r in seeds.items() if r["meta"].get("status") == "done"} for arm, seeds in runs.items()}
     ref_final = {s: _curve(r)[-1][1] for s, r in done.get(ref, {}).items() if _curve(r)}
     ref_auc = {s: _mean(v for _, v in _curve(r)) for s, r in done.get(ref, {}).items() if _curve(r)}
     target = _mean(ref_final.values())
-    out: dict[str, Any] = {"plan": plan, "target": {"reference_arm": ref, "final_heldout_sampled": target}, "arms": {}}
+    out: dict[str, Any] = {
+        "plan": plan,
+        "target": {"reference_arm": ref, "final_heldout_sampled": target},
+        "seeds": blocks,
+        "arms": {},
+    }
 
     def reach(curve) -> int | None:
         return next((st for st, v in curve if target is not None and v is not None and v >= target), None)
@@ -174,7 +207,13 @@ def table(results: dict, early: int) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     rk = results["ranking"]
+    seeds = "; ".join(
+        f"seed {s}: {e['device']}, {e['micro_batches']} micro-batch{'es' if e['micro_batches'] > 1 else ''}"
+        for s, e in results["seeds"].items()
+    )
     lines += [
+        "",
+        f"Each seed's arms ran on one card the same way ({seeds}).",
         "",
         f"Ranking by the gate's held-out token EV: {rk['by_gate_token_ev']}; by RL benefit (AUC minus {ref}): "
         f"{rk['by_rl_benefit_auc']}; Spearman {rk['spearman']} over {rk['arms']} arms.",

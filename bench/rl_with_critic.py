@@ -234,6 +234,9 @@ def run_one(args, arm: str, spec: dict, seed: int, items: tuple[list, list], dea
         "value_class": type(value_model).__name__,
         "loading_info": loading,
         "settings": settings(args),
+        # How the work was executed (not a setting: the report pairs arms only within a seed, and
+        # refuses a seed whose arms ran on other cards or micro-batches).
+        "execution": {"micro_batches": args.micro_batches},
         "train_prompts": len(train_items),
         "eval_prompts": len(eval_items),
         "versions": T.versions(),
@@ -247,8 +250,8 @@ def run_one(args, arm: str, spec: dict, seed: int, items: tuple[list, list], dea
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
-        per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=args.batch // args.micro_batches,
+        gradient_accumulation_steps=args.micro_batches,
         total_episodes=args.steps * args.batch,
         local_rollout_forward_batch_size=args.batch,
         lr_scheduler_type="constant",
@@ -298,6 +301,8 @@ def run_one(args, arm: str, spec: dict, seed: int, items: tuple[list, list], dea
 def cmd_run(args) -> None:
     from bench import _rl_trl as T
 
+    if args.micro_batches < 1 or args.batch % args.micro_batches:
+        raise SystemExit(f"--micro-batches {args.micro_batches}: must divide --batch {args.batch}")
     deadline = time.time() + args.deadline_s if args.deadline_s else None
     train_items, held_items = split_items(load_items(Path(args.tasks), args.families), args.split_manifest)
     eval_items = eval_subset(held_items, args.families, args.eval_prompts)
@@ -633,6 +638,11 @@ def main() -> None:
     r.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES))
     r.add_argument("--steps", type=int, default=50, help="PPO steps (fixed once, from arm a's step time)")
     r.add_argument("--batch", type=int, default=256, help="prompts (one sample each) per step; CPU smoke only")
+    r.add_argument(
+        "--micro-batches", type=int, default=1,
+        help="split each PPO mini-batch into N micro-batches whose gradients are accumulated (memory only: "
+        "one optimizer step per mini-batch as before); every arm of a seed must run with the same N",
+    )  # fmt: skip
     r.add_argument("--response-length", type=int, default=16, help="CPU smoke only")
     r.add_argument("--eval-every", type=int, default=5)
     r.add_argument("--eval-prompts", type=int, default=270)

@@ -1,7 +1,8 @@
 """bench/_rl_report.py, the issue-28 report, on runs gathered from several device sessions: every
 session retrains the critics, so each seed's runs carry their own critic and gate EV; the table
 takes the mean over the runs (not the last session's plan), pairs differences by seed, and refuses
-runs made with other settings. Checked against sums done by hand here."""
+runs made with other settings, and a seed whose arms ran on other cards or micro-batches. Checked
+against sums done by hand here."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def rl_report():
 SETTINGS = {"steps": 10, "batch": 256}
 
 
-def write_run(root: Path, arm: str, seed: int, heldout: list[float], gate_ev: float | None, settings=SETTINGS):
+def write_run(root: Path, arm: str, seed: int, heldout: list[float], gate_ev: float | None, settings=SETTINGS, **extra):
     d = root / f"{arm}-s{seed}"
     d.mkdir(parents=True)
     steps = [{"step": 5 * i, "heldout": {"sampled": h, "greedy": h}} for i, h in enumerate(heldout)]
@@ -36,7 +37,7 @@ def write_run(root: Path, arm: str, seed: int, heldout: list[float], gate_ev: fl
         "kind": "record", "gate_passed": True, "gate_ev": {"token": gate_ev, "trajectory": gate_ev + 0.01},
         "gate_ev_interval": {"token": [gate_ev - 0.1, gate_ev + 0.1]},
     }  # fmt: skip
-    meta = {"status": "done", "settings": settings, "spec": spec, "value_check": {"max_abs_diff": 1e-6}}
+    meta = {"status": "done", "settings": settings, "spec": spec, "value_check": {"max_abs_diff": 1e-6}, **extra}
     (d / "done.json").write_text(json.dumps(meta))
 
 
@@ -69,4 +70,27 @@ def test_a_single_run_keeps_its_critics_interval_and_other_settings_are_refused(
     assert out["arms"]["b"]["gate_ev_interval"] == {"token": [pytest.approx(0.2), pytest.approx(0.4)]}
     write_run(tmp_path, "b", 1, [0.1, 0.9], 0.3, settings={**SETTINGS, "steps": 50})
     with pytest.raises(SystemExit, match="different settings"):
+        rl_report.summarize(rl_report.load_runs(tmp_path), {}, "a", 5)
+
+
+H200 = {"versions": {"cuda": "NVIDIA H200"}}
+H100 = {"versions": {"cuda": "NVIDIA H100 80GB HBM3"}}
+
+
+def test_a_seed_is_one_block_sessions_may_differ_a_seeds_arms_may_not(rl_report, tmp_path):
+    # seed 0 on an H200 in one micro-batch (no `execution` recorded yet), seed 1 on an H100 in two
+    write_run(tmp_path, "a", 0, [0.1, 0.7], None, **H200)
+    write_run(tmp_path, "b", 0, [0.1, 0.9], 0.3, **H200)
+    write_run(tmp_path, "a", 1, [0.1, 0.6], None, **H100, execution={"micro_batches": 2})
+    write_run(tmp_path, "b", 1, [0.1, 0.7], 0.3, **H100, execution={"micro_batches": 2})
+    out = rl_report.summarize(rl_report.load_runs(tmp_path), {}, "a", 5)
+    assert out["seeds"] == {
+        0: {"device": "NVIDIA H200", "micro_batches": 1},
+        1: {"device": "NVIDIA H100 80GB HBM3", "micro_batches": 2},
+    }
+    assert out["arms"]["b"]["final_minus_reference"][0] == pytest.approx(0.15)  # (0.2 + 0.1) / 2
+    assert "seed 1: NVIDIA H100 80GB HBM3, 2 micro-batches" in rl_report.table(out, 5)
+    # arm c of seed 0 run later on the H100 with two micro-batches: not paired with seed 0's a and b
+    write_run(tmp_path, "c", 0, [0.1, 0.8], 0.2, **H100, execution={"micro_batches": 2})
+    with pytest.raises(SystemExit, match=r"seed 0: its arms ran in different ways.*\['c'\]"):
         rl_report.summarize(rl_report.load_runs(tmp_path), {}, "a", 5)
