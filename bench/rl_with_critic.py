@@ -497,12 +497,12 @@ def cmd_critics(args) -> None:
     from value_assets.core import vocabulary as v
     from value_assets.core.hashing import sha256_file
     from value_assets.core.training_spec import spec_of_manifest
-    from value_assets.definitions import make_definitions, resources_by_deployment_name
+    from value_assets.definitions import make_definitions, resources_for
     from value_assets.partitions import partition_key_for
     from value_assets.run_inbox import lineage_state, run_inbox, use_home
 
     home = use_home(ROOT)
-    resources = resources_by_deployment_name()["local"]
+    resources = resources_for("local")
     artifacts = Path(resources["artifacts"].root).resolve()
     critics_file = work / "critics.json"
     critics = json.loads(critics_file.read_text()) if critics_file.is_file() else {}

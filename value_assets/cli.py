@@ -325,13 +325,13 @@ def cmd_handoff(args) -> int:
 def cmd_run_manifests(args) -> int:
     """Process the watched manifest folder once, as the daemon's sensor would, running each
     requested `full` run in this process (value_assets/run_inbox.py)."""
-    from value_assets.definitions import deployment_name, project_root, resources_by_deployment_name
+    from value_assets.definitions import deployment_name, project_root, resources_for
     from value_assets.run_inbox import run_inbox, use_home
 
     home = use_home(project_root())
     from dagster import DagsterInstance
 
-    resources = resources_by_deployment_name()[deployment_name()]
+    resources = resources_for(deployment_name())
     print(f"# instance {home}; watched folder {resources['inbox'].folder_path}", file=sys.stderr)
     with DagsterInstance.get() as instance:
         states = run_inbox(instance, resources, say=lambda m: print(m, file=sys.stderr, flush=True))

@@ -13,7 +13,7 @@ variables so the same image serves every deployment:
 | VALUE_ASSETS_GPU_COMMAND | local | `<this python> -m value_assets.gpu.pipes_job`; e.g. a GPU venv's python |
 | RAY_ADDRESS | ray | required: the Ray dashboard address |
 | VALUE_ASSETS_GPU_IMAGE | kubernetes | required: the GPU job image |
-| VALUE_ASSETS_K8S_NAMESPACE, VALUE_ASSETS_K8S_PVCS (`claim=/mount,...`), VALUE_ASSETS_GPUS | kubernetes | |
+| VALUE_ASSETS_K8S_* (pods: docs/operations.md#environment-variables), VALUE_ASSETS_GPUS | kubernetes | |
 
 This process never imports torch, megatron or `value_assets.gpu` (tests/dagster/test_dg_layers.py loads it;
 tests/test_imports.py checks every module statically).
@@ -21,6 +21,7 @@ tests/test_imports.py checks every module statically).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ from dagster import Definitions, EnvVar, ExecutorDefinition, multi_or_in_process
 
 from value_assets.assets import ALL_ASSETS
 from value_assets.checks import ALL_CHECKS
+from value_assets.core.pod_sizing import parse_quantity
 from value_assets.core.training_spec import DEFAULT_TRAINING_ENV
 from value_assets.jobs import ALL_JOBS
 from value_assets.resources import ArtifactStore, K8sPodLauncher, ManifestInbox, RayJobLauncher, SubprocessLauncher
@@ -50,12 +52,77 @@ def project_root() -> Path:
     return here if (here / "pyproject.toml").is_file() else Path.cwd()
 
 
-def _pvcs(spec: str) -> dict[str, str]:
-    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
-    return {claim.strip(): mount.strip() for claim, mount in pairs}
+def _pairs(env: Mapping[str, str], name: str, sep: str) -> dict[str, str]:
+    """`a<sep>b,c<sep>d` from the variable `name` (unset or empty: none); a malformed item names it."""
+    out: dict[str, str] = {}
+    for item in (i.strip() for i in env.get(name, "").split(",")):
+        if not item:
+            continue
+        key, found, value = item.partition(sep)
+        if not found or not key.strip() or not value.strip():
+            raise ValueError(f"{name}: {item!r} is not of the form KEY{sep}VALUE (items separated by commas)")
+        out[key.strip()] = value.strip()
+    return out
 
 
-def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[str, dict[str, Any]]:
+def _names(env: Mapping[str, str], name: str) -> list[str]:
+    """`a,b` from the variable `name`: the names, without blanks."""
+    return [n.strip() for n in env.get(name, "").split(",") if n.strip()]
+
+
+def _json_list(env: Mapping[str, str], name: str) -> list[dict[str, Any]] | None:
+    """The variable `name` as a JSON list of objects; None when unset or empty."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name}: not JSON ({err.msg} at character {err.pos})") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"{name}: must be a JSON list of objects, got {text[:80]!r}")
+    return value
+
+
+# The `kubernetes` launcher's settings, from the code location's environment (docs/operations.md).
+K8S_SIZES = {
+    "VALUE_ASSETS_K8S_CPU_PER_GPU": "cpu_per_gpu",
+    "VALUE_ASSETS_K8S_MEMORY_PER_GPU": "memory_per_gpu",
+    "VALUE_ASSETS_K8S_SHM_PER_GPU": "shm_per_gpu",
+}
+
+
+def k8s_launcher(env: Mapping[str, str] = os.environ) -> K8sPodLauncher:
+    """The `kubernetes` deployment's launcher. A malformed variable is a ValueError naming it."""
+    settings: dict[str, Any] = {
+        "namespace": env.get("VALUE_ASSETS_K8S_NAMESPACE") or None,
+        "pvc_mounts": _pairs(env, "VALUE_ASSETS_K8S_PVCS", "="),
+        "node_selector": _pairs(env, "VALUE_ASSETS_K8S_NODE_SELECTOR", "="),
+        "service_account_name": env.get("VALUE_ASSETS_K8S_SERVICE_ACCOUNT") or None,
+        "image_pull_secrets": _names(env, "VALUE_ASSETS_K8S_IMAGE_PULL_SECRETS"),
+        "env": {"VALUE_ASSETS_ARTIFACTS": env.get("VALUE_ASSETS_ARTIFACTS", "/artifacts")},
+    }
+    gpus = env.get("VALUE_ASSETS_GPUS", "1")
+    if not gpus.isdigit() or int(gpus) < 1:
+        raise ValueError(f"VALUE_ASSETS_GPUS={gpus!r}: a whole number of GPUs, at least 1")
+    settings["gpus"] = int(gpus)
+    tolerations = _json_list(env, "VALUE_ASSETS_K8S_TOLERATIONS")
+    if tolerations is not None:
+        settings["tolerations"] = tolerations
+    for variable, field in K8S_SIZES.items():
+        if env.get(variable):
+            try:
+                parse_quantity(env[variable], setting=variable)
+            except ValueError as err:
+                raise ValueError(str(err)) from None
+            settings[field] = env[variable]
+    return K8sPodLauncher(image=EnvVar("VALUE_ASSETS_GPU_IMAGE"), **settings)
+
+
+def resources_for(deployment: str, env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The resources of one deployment (`local`, `ray` or `kubernetes`): only its launcher differs."""
+    if deployment not in DEPLOYMENTS:
+        raise ValueError(f"{DEPLOYMENT_ENV}={deployment!r}; expected one of {DEPLOYMENTS}")
     shared = {
         "artifacts": ArtifactStore(root=env.get("VALUE_ASSETS_ARTIFACTS") or str(project_root() / "artifacts")),
         "inbox": ManifestInbox(
@@ -64,25 +131,12 @@ def resources_by_deployment_name(env: Mapping[str, str] = os.environ) -> dict[st
             default_training=env.get(DEFAULT_TRAINING_ENV) or None,
         ),
     }
-    return {
-        "local": {
-            **shared,
-            "launcher": SubprocessLauncher(
-                command=shlex.split(env["VALUE_ASSETS_GPU_COMMAND"]) if env.get("VALUE_ASSETS_GPU_COMMAND") else None
-            ),
-        },
-        "ray": {**shared, "launcher": RayJobLauncher(address=EnvVar("RAY_ADDRESS"))},
-        "kubernetes": {
-            **shared,
-            "launcher": K8sPodLauncher(
-                image=EnvVar("VALUE_ASSETS_GPU_IMAGE"),
-                namespace=env.get("VALUE_ASSETS_K8S_NAMESPACE") or None,
-                gpus=int(env.get("VALUE_ASSETS_GPUS", "1")),
-                pvc_mounts=_pvcs(env.get("VALUE_ASSETS_K8S_PVCS", "")),
-                env={"VALUE_ASSETS_ARTIFACTS": env.get("VALUE_ASSETS_ARTIFACTS", "/artifacts")},
-            ),
-        },
-    }
+    if deployment == "local":
+        command = env.get("VALUE_ASSETS_GPU_COMMAND")
+        return {**shared, "launcher": SubprocessLauncher(command=shlex.split(command) if command else None)}
+    if deployment == "ray":
+        return {**shared, "launcher": RayJobLauncher(address=EnvVar("RAY_ADDRESS"))}
+    return {**shared, "launcher": k8s_launcher(env)}
 
 
 def deployment_name(env: Mapping[str, str] = os.environ) -> str:
@@ -124,4 +178,4 @@ def make_definitions(resources: Mapping[str, Any], executor: ExecutorDefinition 
     )
 
 
-defs = make_definitions(resources_by_deployment_name()[deployment_name()])
+defs = make_definitions(resources_for(deployment_name()))

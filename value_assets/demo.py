@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from value_assets.core import vocabulary as v
-from value_assets.definitions import project_root, resources_by_deployment_name
+from value_assets.definitions import project_root, resources_for
 
 
 def main() -> int:
@@ -37,7 +37,7 @@ def main() -> int:
     from value_assets.core.hashing import sha256_file
     from value_assets.partitions import partition_key_for
 
-    resources = resources_by_deployment_name()["local"]
+    resources = resources_for("local")
     inbox = Path(resources["inbox"].folder)
     artifacts = Path(resources["artifacts"].root).resolve()
     manifests = [make_demo_data(inbox, seed=0), make_demo_data(inbox, seed=0, shuffle_labels=True)]

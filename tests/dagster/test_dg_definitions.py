@@ -13,7 +13,7 @@ from dagster import Definitions
 
 from value_assets.assets import ALL_ASSETS
 from value_assets.checks import ALL_CHECKS
-from value_assets.definitions import deployment_name, make_definitions, resources_by_deployment_name
+from value_assets.definitions import deployment_name, make_definitions, resources_for
 from value_assets.resources import K8sPodLauncher, RayJobLauncher, SubprocessLauncher
 
 pytestmark = pytest.mark.unit
@@ -77,7 +77,7 @@ def test_graph_matches_snapshot(test_defs):
 def test_each_deployment_loads(deployment, launcher, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
     monkeypatch.setenv("VALUE_ASSETS_GPU_IMAGE", "registry.example/value-assets-gpu:test")
-    resources = resources_by_deployment_name()[deployment]
+    resources = resources_for(deployment)
     assert isinstance(resources["launcher"], launcher)
     defs = make_definitions(resources)
     Definitions.validate_loadable(defs)

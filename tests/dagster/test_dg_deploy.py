@@ -1,6 +1,7 @@
 """Deployment artifacts: the pod the Kubernetes launcher submits, the Ray job it would submit,
 and the YAML/Dockerfile under deploy/ (parsed and cross-checked, not applied)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,104 @@ def test_k8s_pod_requests_the_job_configs_gpus():
     # the job config's default is one worker, whatever the launcher's fallback
     _, container = pod_for(K8sPodLauncher(image=GPU_IMAGE, gpus=4), TrainJob(manifest="m.json", output="o"))
     assert container.resources.limits["nvidia.com/gpu"] == "1"
+
+
+DEDICATED = {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}
+
+
+def operator_env(**extra):
+    return {
+        "VALUE_ASSETS_K8S_NAMESPACE": "rl",
+        "VALUE_ASSETS_K8S_PVCS": "value-assets-artifacts=/artifacts",
+        "VALUE_ASSETS_K8S_CPU_PER_GPU": "12",
+        "VALUE_ASSETS_K8S_MEMORY_PER_GPU": "100Gi",
+        "VALUE_ASSETS_K8S_SHM_PER_GPU": "16Gi",
+        "VALUE_ASSETS_K8S_NODE_SELECTOR": "nvidia.com/gpu.product=NVIDIA-H200, pool=train",
+        "VALUE_ASSETS_K8S_TOLERATIONS": json.dumps([DEDICATED]),
+        "VALUE_ASSETS_K8S_SERVICE_ACCOUNT": "critic-trainer",
+        "VALUE_ASSETS_K8S_IMAGE_PULL_SECRETS": "registry-a,registry-b",
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("gpus", "cpu", "memory", "shm"),
+    [(1, "12", "116Gi", "16Gi"), (2, "24", "232Gi", "32Gi"), (8, "96", "928Gi", "128Gi")],
+)
+def test_k8s_pods_carry_what_the_operator_set(gpus, cpu, memory, shm, monkeypatch):
+    """The code location's environment (deploy/helm/values.yaml) sizes and places every GPU pod; CPU,
+    memory and /dev/shm per GPU, the memory holding the memory-backed /dev/shm."""
+    from value_assets.definitions import k8s_launcher
+
+    monkeypatch.setenv("VALUE_ASSETS_GPU_IMAGE", GPU_IMAGE)
+    launcher = k8s_launcher(operator_env()).process_config_and_initialize()
+    pod, container = pod_for(launcher, TrainJob(manifest="m.json", output="/artifacts/p/critic", gpus=gpus))
+    assert container.image == GPU_IMAGE
+    want = {"cpu": cpu, "memory": memory, "nvidia.com/gpu": str(gpus)}
+    assert container.resources.requests == container.resources.limits == want
+    (shm_volume,) = [v for v in pod.spec.volumes if v.name == "dshm"]
+    assert (shm_volume.empty_dir.medium, shm_volume.empty_dir.size_limit) == ("Memory", shm)
+    assert pod.spec.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": "train"}
+    assert [(t.key, t.operator, t.value, t.effect) for t in pod.spec.tolerations] == [
+        ("dedicated", "Equal", "rl", "NoSchedule")
+    ]
+    assert pod.spec.service_account_name == "critic-trainer"
+    assert [s.name for s in pod.spec.image_pull_secrets] == ["registry-a", "registry-b"]
+    assert launcher.namespace == "rl"
+
+
+def test_k8s_pod_defaults_tolerate_gpu_nodes_and_name_no_account():
+    pod, container = pod_for(K8sPodLauncher(image=GPU_IMAGE), TrainJob(manifest="m.json", output="o", gpus=2))
+    assert container.resources.limits == {"cpu": "16", "memory": "144Gi", "nvidia.com/gpu": "2"}
+    assert [(t.key, t.operator, t.effect) for t in pod.spec.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
+    assert pod.spec.service_account_name is None and pod.spec.image_pull_secrets is None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("VALUE_ASSETS_K8S_CPU_PER_GPU", "8 cores", "not a Kubernetes quantity"),
+        ("VALUE_ASSETS_K8S_MEMORY_PER_GPU", "64GB", "not a Kubernetes quantity"),
+        ("VALUE_ASSETS_K8S_SHM_PER_GPU", "0", "more than zero"),
+        ("VALUE_ASSETS_K8S_NODE_SELECTOR", "pool", "KEY=VALUE"),
+        ("VALUE_ASSETS_K8S_PVCS", "claim:/artifacts", "KEY=VALUE"),
+        ("VALUE_ASSETS_K8S_TOLERATIONS", "[{key: dedicated}]", "not JSON"),
+        ("VALUE_ASSETS_K8S_TOLERATIONS", '{"key": "dedicated"}', "JSON list of objects"),
+        ("VALUE_ASSETS_GPUS", "two", "whole number"),
+    ],
+)
+def test_a_malformed_pod_setting_names_the_variable(variable, value, message):
+    from value_assets.definitions import k8s_launcher
+
+    with pytest.raises(ValueError, match=rf"^{variable}.*{message}"):
+        k8s_launcher(operator_env(**{variable: value}))
+
+
+def test_kuberay_gpu_workers_are_sized_like_a_launcher_pod_of_their_gpus():
+    """The Ray worker groups follow the launcher's per-GPU defaults, /dev/shm inside the memory."""
+    from value_assets.core.pod_sizing import pod_size
+
+    launcher = K8sPodLauncher(image=GPU_IMAGE)
+    for path in ("deploy/kuberay/raycluster.yaml", "deploy/kuberay/rayjob.yaml"):
+        (doc,) = load_all(ROOT / path)
+        spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        (group,) = spec["workerGroupSpecs"]
+        pod = group["template"]["spec"]
+        resources = pod["containers"][0]["resources"]
+        gpus = int(resources["limits"]["nvidia.com/gpu"])
+        size = pod_size(
+            gpus,
+            cpu_per_gpu=launcher.cpu_per_gpu,
+            memory_per_gpu=launcher.memory_per_gpu,
+            shm_per_gpu=launcher.shm_per_gpu,
+        )
+        assert (
+            resources["requests"]
+            == resources["limits"]
+            == {"cpu": size.cpu, "memory": size.memory, "nvidia.com/gpu": str(gpus)}
+        ), path
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": size.shm}, path
 
 
 def test_ray_job_params_name_the_pipes_entry():

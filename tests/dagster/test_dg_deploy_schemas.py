@@ -204,45 +204,61 @@ def test_pvcs_are_valid():
         assert errors(validator, doc) == [], doc["metadata"]["name"]
 
 
-def rendered_pods():
-    """The pods K8sPodLauncher renders, configured as the Helm values configure the code location."""
+def helm_code_location_env() -> dict[str, str]:
+    (deployment,) = helm_values()["dagster-user-deployments"]["deployments"]
+    return {e["name"]: e["value"] for e in deployment["env"]}
+
+
+DEDICATED = {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}
+
+
+OPERATOR = {  # what a platform engineer sets beyond the Helm values' defaults
+    "VALUE_ASSETS_K8S_NODE_SELECTOR": "nvidia.com/gpu.product=NVIDIA-H200,pool=train",
+    "VALUE_ASSETS_K8S_TOLERATIONS": json.dumps([DEDICATED]),
+    "VALUE_ASSETS_K8S_IMAGE_PULL_SECRETS": "registry-creds",
+}
+
+
+def rendered_pods(gpu_counts=(8, 1, 2)):
+    """The pods K8sPodLauncher renders, configured by the environment the Helm values give the code
+    location (and, for every second pod, the operator's settings above): train with each GPU count,
+    evaluate, the canary."""
     from kubernetes.client import ApiClient
 
-    from value_assets.definitions import _pvcs
-    from value_assets.resources import K8sPodLauncher
-
-    (deployment,) = helm_values()["dagster-user-deployments"]["deployments"]
-    env = {e["name"]: e["value"] for e in deployment["env"]}
-    launcher = K8sPodLauncher(
-        image=env["VALUE_ASSETS_GPU_IMAGE"],
-        namespace=env["VALUE_ASSETS_K8S_NAMESPACE"],
-        pvc_mounts=_pvcs(env["VALUE_ASSETS_K8S_PVCS"]),
-        env={"VALUE_ASSETS_ARTIFACTS": env["VALUE_ASSETS_ARTIFACTS"]},
-        node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
-    )
-    bootstrap = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
     from value_assets.core.job_configs import EvaluateJob, TrainJob
+    from value_assets.definitions import k8s_launcher
 
-    configs = {
-        "train": TrainJob(manifest="/data/m.json", output="/artifacts/p/critic", gpus=8),
-        "evaluate": EvaluateJob(
-            checkpoint="/artifacts/p/critic",
-            manifest="/data/m.json",
-            contract_sha256="0" * 64,
-            report="/artifacts/p/reports/ev.json",
+    env = helm_code_location_env()
+    launchers = [
+        k8s_launcher(e).model_copy(update={"image": env["VALUE_ASSETS_GPU_IMAGE"]}) for e in (env, {**env, **OPERATOR})
+    ]
+    bootstrap = {"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msg"}
+    configs = [
+        (f"train-{g}", TrainJob(manifest="/data/m.json", output="/artifacts/p/critic", gpus=g)) for g in gpu_counts
+    ]
+    configs += [
+        (
+            "evaluate",
+            EvaluateJob(
+                checkpoint="/artifacts/p/critic",
+                manifest="/data/m.json",
+                contract_sha256="0" * 64,
+                report="/artifacts/p/reports/ev.json",
+            ),
         ),
-        "canary": TrainJob(manifest="/data/m.json", output="/artifacts/p/canary", canary=True),
-    }
-    for task, config in configs.items():
-        pod = launcher.render_pod(f"dagster-run-abc-{task}", task, config.to_json(), bootstrap)
+        ("canary", TrainJob(manifest="/data/m.json", output="/artifacts/p/canary", canary=True)),
+    ]
+    for k, (name, config) in enumerate(configs):
+        task = name.split("-")[0]
+        pod = launchers[k % 2].render_pod(f"dagster-run-abc-{name}", task, config.to_json(), bootstrap)
         body = ApiClient().sanitize_for_serialization(pod)
-        yield task, {"apiVersion": "v1", "kind": "Pod", **body}
+        yield name, {"apiVersion": "v1", "kind": "Pod", **body}
 
 
 def test_launcher_pods_are_valid():
     validator = k8s_validator("pod-v1")
     pods = list(rendered_pods())
-    assert len(pods) == 3
+    assert [name for name, _ in pods] == ["train-8", "train-1", "train-2", "evaluate", "canary"]
     for task, body in pods:
         assert errors(validator, body) == [], task
 

@@ -16,7 +16,7 @@ from value_assets.definitions import (
     STEP_EXECUTOR,
     _forkserver_unless_told,
     make_definitions,
-    resources_by_deployment_name,
+    resources_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,7 @@ def test_the_default_start_method_is_forkserver_and_explicit_settings_are_kept()
         "multiprocess": {"start_method": {"spawn": {}}}
     }
     assert _forkserver_unless_told({"in_process": {}}) == {"in_process": {}}
-    job = make_definitions(resources_by_deployment_name()["local"]).resolve_job_def("full")
+    job = make_definitions(resources_for("local")).resolve_job_def("full")
     assert job.executor_def is STEP_EXECUTOR
 
 

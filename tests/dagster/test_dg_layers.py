@@ -15,8 +15,8 @@ import value_assets.definitions as d
 import value_assets.resources
 d.defs.resolve_asset_graph()
 seen = {}
-for name, resources in d.resources_by_deployment_name().items():
-    d.make_definitions(resources).resolve_asset_graph()
+for name in d.DEPLOYMENTS:
+    d.make_definitions(d.resources_for(name)).resolve_asset_graph()
     seen[name] = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron') or
     m.startswith('value_assets.gpu'))
 print(json.dumps(seen))

@@ -35,9 +35,10 @@ from dagster import (
     PipesSubprocessClient,
 )
 from dagster._core.pipes.client import PipesClientCompletedInvocation
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from value_assets.core.job_configs import TrainJob
+from value_assets.core.pod_sizing import parse_quantity, pod_size
 from value_assets.core.vocabulary import JobConfig, Task
 from value_assets.core.warm_folder import default_folder, pipes_python, stop_warm_cluster, use_warm_cluster
 
@@ -261,8 +262,17 @@ class RayJobLauncher(GpuJobLauncher):
         return submit_when_ready(submit, log=context.log.info)
 
 
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
 class K8sPodLauncher(GpuJobLauncher):
-    """Runs the GPU job as one Kubernetes pod per launch, on GPU nodes."""
+    """Runs the GPU job as one Kubernetes pod per launch, on GPU nodes.
+
+    Everything a cluster differs in is a setting (resource config, or the `VALUE_ASSETS_K8S_*`
+    environment of the code location: docs/operations.md#environment-variables). CPU, memory and
+    `/dev/shm` are per GPU and grow with the job's GPUs (`core/pod_sizing.py`: the memory-backed
+    `/dev/shm` is counted inside the pod's memory).
+    """
 
     launcher_name: ClassVar[str] = "k8s-pod"
 
@@ -272,9 +282,9 @@ class K8sPodLauncher(GpuJobLauncher):
     gpus: int = Field(
         default=1, description="nvidia.com/gpu per pod when the job config names no `gpus` (every job config does)."
     )
-    cpu: str = "8"
-    memory: str = "64Gi"
-    shm_size: str = Field(default="16Gi", description="/dev/shm for NCCL and data loaders.")
+    cpu_per_gpu: str = Field(default="8", description="CPU request and limit per GPU (a Kubernetes quantity).")
+    memory_per_gpu: str = Field(default="64Gi", description="Memory per GPU for the job's processes, without /dev/shm.")
+    shm_per_gpu: str = Field(default="8Gi", description="Memory-backed /dev/shm per GPU (NCCL, data loaders).")
     env: dict[str, str] = Field(default_factory=dict)
     pvc_mounts: dict[str, str] = Field(
         default_factory=dict,
@@ -282,26 +292,42 @@ class K8sPodLauncher(GpuJobLauncher):
         "mounted at the same paths as in the Dagster code location.",
     )
     node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=lambda: [dict(GPU_TOLERATION)],
+        description="The pod's tolerations (default: the nvidia.com/gpu taint of GPU node pools).",
+    )
     service_account_name: str | None = None
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets to pull the GPU image with.")
     image_pull_policy: str = "IfNotPresent"
     load_incluster_config: bool | None = None
     kubeconfig_file: str | None = None
     pod_wait_timeout_s: float = 7 * 24 * 3600.0
+
+    @field_validator("cpu_per_gpu", "memory_per_gpu", "shm_per_gpu")
+    @classmethod
+    def _a_quantity(cls, value: str, info: ValidationInfo) -> str:
+        parse_quantity(value, setting=str(info.field_name))
+        return value
 
     def gpus_for(self, config: Mapping[str, Any]) -> int:
         """The pod's GPUs: the job config's worker slots (`gpus`)."""
         return int(config.get("gpus", self.gpus))
 
     def base_pod_spec(self, task: str, config: Mapping[str, Any]) -> dict[str, Any]:
-        gpus = self.gpus_for(config)
+        size = pod_size(
+            self.gpus_for(config),
+            cpu_per_gpu=self.cpu_per_gpu,
+            memory_per_gpu=self.memory_per_gpu,
+            shm_per_gpu=self.shm_per_gpu,
+        )
         mounts = [{"name": f"pvc-{i}", "mountPath": path} for i, path in enumerate(self.pvc_mounts.values())]
         volumes: list[dict[str, Any]] = [
             {"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": claim}}
             for i, claim in enumerate(self.pvc_mounts)
         ]
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": self.shm_size}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size.shm}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-        resources = {"cpu": self.cpu, "memory": self.memory, "nvidia.com/gpu": str(gpus)}
+        resources = {"cpu": size.cpu, "memory": size.memory, "nvidia.com/gpu": str(size.gpus)}
         container = {
             "name": "gpu-job",
             "imagePullPolicy": self.image_pull_policy,
@@ -312,12 +338,14 @@ class K8sPodLauncher(GpuJobLauncher):
             "containers": [container],
             "volumes": volumes,
             "restartPolicy": "Never",
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "tolerations": [dict(t) for t in self.tolerations],
         }
         if self.node_selector:
             spec["nodeSelector"] = dict(self.node_selector)
         if self.service_account_name:
             spec["serviceAccountName"] = self.service_account_name
+        if self.image_pull_secrets:
+            spec["imagePullSecrets"] = [{"name": name} for name in self.image_pull_secrets]
         return spec
 
     def base_pod_meta(self, task: str) -> dict[str, Any]:
