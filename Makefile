@@ -8,15 +8,36 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui tensorboard test test-fast test-rl rl-deps lint format venv bench clean clean-demo
+.PHONY: demo ui tensorboard test test-fast test-rl rl-deps lint format lock lock-check venv bench clean clean-demo
 
-$(STAMP): pyproject.toml
+# Installed from the lock (locks/dev.txt: every package at the version the tests ran with).
+$(STAMP): pyproject.toml locks/dev.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[gpu,dev]'
+	$(BIN)/python -m pip install -q -c locks/dev.txt -e '.[gpu,dev]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# The locks (uv's pip-compatible compile, constraints files): locks/dev.txt for this environment
+# (make, CI), locks/code-location.txt and locks/gpu.txt for the two images (deploy/Dockerfile),
+# both held to the dev lock's versions. `make lock` adds what pyproject.toml gained and keeps every
+# other pin; `make lock UPGRADE=1` moves every pin to the newest release. `make lock-check` (CI)
+# fails when a lock is not what `make lock` would write.
+LOCK_COMPILE = $(CURDIR)/$(BIN)/uv pip compile --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--custom-compile-command 'make lock' $(if $(UPGRADE),--upgrade)
+COMPILE_LOCKS = $(LOCK_COMPILE) pyproject.toml --extra gpu --extra dev -o locks/dev.txt \
+	&& $(LOCK_COMPILE) pyproject.toml --extra k8s -c locks/dev.txt -o locks/code-location.txt \
+	&& $(LOCK_COMPILE) pyproject.toml --extra gpu -c locks/dev.txt -o locks/gpu.txt
+
+lock: $(STAMP)
+	$(COMPILE_LOCKS)
+
+lock-check: $(STAMP)
+	rm -rf .lock-check && mkdir -p .lock-check && cp -r pyproject.toml locks .lock-check/
+	cd .lock-check && $(COMPILE_LOCKS)
+	diff -r locks .lock-check/locks || { echo "a lock is stale: run make lock and commit locks/"; exit 1; }
+	rm -rf .lock-check
 
 DAGSTER_HOME_DIR ?= $(CURDIR)/.dagster_home
 UI_PORT ?= 3000
