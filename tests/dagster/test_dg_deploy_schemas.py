@@ -65,6 +65,9 @@ def helm_values():
 
 def test_helm_values_match_the_dagster_chart_schema():
     assert errors(chart_validator(), helm_values()) == []
+    trial = load_all(ROOT / "deploy/helm/values-trial.yaml")[0]
+    merged = {**helm_values(), **trial, "postgresql": {**helm_values()["postgresql"], **trial["postgresql"]}}
+    assert errors(chart_validator(), merged) == []
 
 
 def test_chart_schema_catches_what_it_should():
@@ -202,6 +205,8 @@ def test_pvcs_are_valid():
     assert len(docs) == 2
     for doc in docs:
         assert errors(validator, doc) == [], doc["metadata"]["name"]
+        # shared by every pod: a class named on purpose, not the cluster default (often RWO only)
+        assert doc["spec"]["accessModes"] == ["ReadWriteMany"] and doc["spec"]["storageClassName"]
 
 
 def helm_code_location_env() -> dict[str, str]:
