@@ -318,6 +318,8 @@ def cmd_handoff(args) -> int:
     print(shlex.join(settings["miles_args"]))
     if settings["verl"] is not None:
         print("# verl (Hugging Face critic):")
+        if settings.get("verl_tokenizer_missing"):
+            print(f"# {settings['verl_tokenizer_missing']}")
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in settings["verl"].items()))
     return 0
 

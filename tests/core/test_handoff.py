@@ -43,8 +43,9 @@ def contract(objective):
     }
 
 
-def bundles(tmp_path, objective):
-    """Installed bundles as the export writes them (fake weights) and the registry record."""
+def bundles(tmp_path, objective, tokenizer=True):
+    """Installed bundles as the export writes them (fake weights; the actor's tokenizer files in the
+    Hugging Face folder unless `tokenizer` is False) and the registry record."""
     c = contract(objective)
     miles = build_miles_contract(c, model_identity(c, SHA_C))
     root = tmp_path / "handoff"
@@ -56,6 +57,9 @@ def bundles(tmp_path, objective):
     if scalar:
         (root / "hf").mkdir()
         (root / "hf" / "model.safetensors").write_bytes(b"hf")
+        if tokenizer:
+            (root / "hf" / "tokenizer.json").write_text("{}")
+            (root / "hf" / "tokenizer_config.json").write_text("{}")
     record = {
         "schema": "value-assets.promotion.v1",
         "partition_key": "demo-1",
@@ -112,6 +116,21 @@ def test_rl_settings_of_an_mse_critic_name_verl_path(tmp_path):
     ]
     assert "--finetune" not in s["miles_args"]
     assert s["verl"] == {"critic.model.path": str(tmp_path / "handoff" / "hf")}
+    assert "verl_tokenizer_missing" not in s
+
+
+def test_rl_settings_of_a_critic_folder_without_tokenizer_tell_verl_where_it_is(tmp_path, capsys):
+    """verl reads the tokenizer from critic.model.path by default: from a folder without tokenizer
+    files it builds an empty one. Such a hand-off names critic.model.tokenizer_path, to be filled."""
+    record, path, _ = bundles(tmp_path, MSE, tokenizer=False)
+    s = record_rl_settings(record)
+    hf = str(tmp_path / "handoff" / "hf")
+    assert s["verl"] == {"critic.model.path": hf, "critic.model.tokenizer_path": "ACTOR_TOKENIZER_DIR"}
+    assert s["verl_tokenizer_missing"].startswith(f"{hf} holds no tokenizer files")
+    assert main(["handoff", str(path), *pin(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"# {hf} holds no tokenizer files: set critic.model.tokenizer_path" in out
+    assert f"critic.model.path={hf} critic.model.tokenizer_path=ACTOR_TOKENIZER_DIR" in out
 
 
 def test_reusable_handoff_only_for_the_same_contract_with_intact_bundles(tmp_path):

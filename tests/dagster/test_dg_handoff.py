@@ -57,6 +57,9 @@ def test_promotion_records_the_bundles_and_shows_the_rl_settings(
         meta["handoff_command"]
     )
     assert str(meta["miles_bundle"]) == str(miles_dir) and str(meta["verl_critic_model_path"]) == str(hf_dir)
+    # the tiny backbone has no tokenizer: the materialization says verl needs critic.model.tokenizer_path
+    assert str(meta["verl_tokenizer_missing"]).startswith(f"{hf_dir} holds no tokenizer files")
+    assert meta["rl_settings"]["verl"]["critic.model.tokenizer_path"] == "ACTOR_TOKENIZER_DIR"
     assert meta["rl_settings"]["miles_args"][:5] == [
         "--critic-load",
         str(miles_dir),

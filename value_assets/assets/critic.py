@@ -462,6 +462,8 @@ def handoff_metadata(handoff: dict[str, Any], reused: bool) -> dict[str, Any]:
         "hf_files_sha256": hf["files_sha256"] if hf else None,
         "miles_args": MetadataValue.md("```\n" + shlex.join(settings["miles_args"]) + "\n```"),
         "verl_critic_model_path": MetadataValue.path(hf["dir"]) if hf else None,
+        # the critic folder carries no tokenizer files: verl needs critic.model.tokenizer_path
+        "verl_tokenizer_missing": settings.get("verl_tokenizer_missing"),
         "rl_settings": MetadataValue.json(settings),
     }
 

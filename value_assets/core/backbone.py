@@ -13,6 +13,22 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# The files of an actor's Hugging Face folder that decide how text becomes ids; their bytes make the
+# tokenizer's sha, export-hf carries them into a critic's folder, and a hand-off without them tells
+# verl where the tokenizer is.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from value_assets.core.backbone import TOKENIZER_FILES
 from value_assets.core.errors import InputError, show
 from value_assets.core.hashing import is_sha, read_pinned, sha256_bytes, sha256_file
 from value_assets.core.miles import MILES_CONTRACT_NAME, read_miles_contract
@@ -166,13 +167,26 @@ def objective_flags(objective: Mapping[str, Any]) -> list[str]:
     return flags
 
 
+# What `handoff` prints for verl's `critic.model.tokenizer_path` when the critic folder has no
+# tokenizer files: a value the user must replace (verl would otherwise build an empty tokenizer).
+ACTOR_TOKENIZER_PLACEHOLDER = "ACTOR_TOKENIZER_DIR"
+
+
 def rl_settings(
-    *, miles_dir: str, miles_contract_sha256: str, objective: Mapping[str, Any], hf_dir: str | None
+    *,
+    miles_dir: str,
+    miles_contract_sha256: str,
+    objective: Mapping[str, Any],
+    hf_dir: str | None,
+    hf_has_tokenizer: bool = True,
 ) -> dict[str, Any]:
     """The RL side's settings for a promoted critic: Miles' flags (the exported checkpoint has no
     optimizer state, so Megatron-LM loads it with `--no-load-optim`; not `--finetune`, which would
     reset the iteration) and, for an mse critic, verl's critic `model.path` (it loads
-    AutoModelForTokenClassification and reads logits[..., 0])."""
+    AutoModelForTokenClassification and reads logits[..., 0]). verl reads the tokenizer from
+    `critic.model.tokenizer_path`, by default the model path: where the critic folder holds no
+    tokenizer files (no tokenizer was known at export), `critic.model.tokenizer_path` is named with
+    a placeholder for the actor's tokenizer folder and `verl_tokenizer_missing` says why."""
     miles_args = [
         "--critic-load",
         miles_dir,
@@ -189,6 +203,12 @@ def rl_settings(
     }
     if hf_dir is not None:
         out["verl"] = {"critic.model.path": hf_dir}
+        if not hf_has_tokenizer:
+            out["verl"]["critic.model.tokenizer_path"] = ACTOR_TOKENIZER_PLACEHOLDER
+            out["verl_tokenizer_missing"] = (
+                f"{hf_dir} holds no tokenizer files: set critic.model.tokenizer_path to the actor's tokenizer "
+                "folder (or export again with --tokenizer)"
+            )
     return out
 
 
@@ -201,6 +221,7 @@ def record_rl_settings(record: Mapping[str, Any]) -> dict[str, Any]:
         miles_contract_sha256=handoff[MILES_BUNDLE]["contract_sha256"],
         objective=handoff["objective"],
         hf_dir=hf["dir"] if hf else None,
+        hf_has_tokenizer=bool(hf) and any(f["path"] in TOKENIZER_FILES for f in hf["files"]),
     )
 
 

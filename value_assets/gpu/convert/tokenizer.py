@@ -15,21 +15,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from value_assets.core.backbone import TOKENIZER_FILES
 from value_assets.core.errors import InputError, show
-
-# The files that decide how text becomes ids; their bytes make the tokenizer's sha, and export-hf
-# carries them into a critic's folder.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def has_tokenizer_files(folder: Path) -> bool:
