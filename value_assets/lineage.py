@@ -149,15 +149,19 @@ class Lineage:
         return sha
 
     def champion(self, family: str | None) -> Champion | None:
-        """The family's champion (docs/rules.md#champion): the critic of the newest promoted_critic
-        materialization, in another partition, that recorded this family; None when the family has
-        none yet (or no family is named)."""
+        """The family's champion (docs/rules.md#champion): the critic, in another partition, that
+        recorded this family and was promoted most recently *for the first time*; None when the
+        family has none yet (or no family is named). A critic is its (partition, contract): promoting
+        it again (a re-materialization, which is idempotent) does not make it newer, so re-promoting a
+        lineage that a later challenger has beaten does not bring it back as the champion."""
         if family is None:
             return None
         records_filter = AssetRecordsFilter(asset_key=AssetKey(v.PROMOTED_CRITIC))
+        newest: Champion | None = None
+        seen: set[tuple[str, str]] = set()
         cursor = None
-        while True:
-            result = self.instance.fetch_materializations(records_filter, limit=100, cursor=cursor, ascending=False)
+        while True:  # oldest first: a critic's first promotion decides its place
+            result = self.instance.fetch_materializations(records_filter, limit=100, cursor=cursor, ascending=True)
             for record in result.records:
                 materialization = record.asset_materialization
                 if materialization is None or materialization.partition == self.partition_key:
@@ -165,14 +169,18 @@ class Lineage:
                 meta = _values(materialization.metadata)
                 if meta.get(v.FAMILY) != family or not is_sha(meta.get(v.CONTRACT_SHA256)):
                     continue
-                return Champion(
-                    partition_key=str(materialization.partition),
-                    contract_sha256=meta[v.CONTRACT_SHA256],
+                critic = (str(materialization.partition), str(meta[v.CONTRACT_SHA256]))
+                if critic in seen:
+                    continue
+                seen.add(critic)
+                newest = Champion(
+                    partition_key=critic[0],
+                    contract_sha256=critic[1],
                     checkpoint=Path(str(meta.get("checkpoint"))),
                     registry_record_sha256=meta.get(v.REGISTRY_RECORD_SHA256),
                 )
             if not result.has_more:
-                return None
+                return newest
             cursor = result.cursor
 
     def saves(self, critic_dir: Path) -> tuple[str, ...]:

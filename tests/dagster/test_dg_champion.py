@@ -57,6 +57,28 @@ def test_a_family_keeps_its_champion_until_a_challenger_is_not_worse(
     assert Lineage(instance, close).metadata("ev_report")["champion_partition"] == better
 
 
+def test_promoting_a_beaten_critic_again_does_not_bring_it_back_as_the_champion(
+    instance, test_defs, test_resources, manifests_dir, write_manifest
+):
+    """A re-materialization of an older lineage's promoted_critic (the UI allows it; it is
+    idempotent) used to make that lineage the newest promotion, so the next challenger was compared
+    with the critic a later champion had beaten."""
+    from dagster import AssetKey
+
+    old, run = lineage(instance, test_defs, test_resources, manifests_dir, write_manifest, "a", 0.3)
+    assert run.success
+    champion, run = lineage(instance, test_defs, test_resources, manifests_dir, write_manifest, "b", 0.5)
+    assert run.success and Lineage(instance, "other").champion("fam").partition_key == champion
+    again = test_defs.get_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, partition_key=old, asset_selection=[AssetKey("promoted_critic")], raise_on_error=False
+    )
+    assert again.success and Lineage(instance, old).metadata("promoted_critic")["handoff_reused"] is True
+    assert Lineage(instance, "other").champion("fam").partition_key == champion  # not `old`
+    challenger, run = lineage(instance, test_defs, test_resources, manifests_dir, write_manifest, "c", 0.4)
+    assert Lineage(instance, challenger).metadata("ev_report")["champion_partition"] == champion
+    assert not run.success and Lineage(instance, challenger).metadata("promoted_critic") is None
+
+
 def test_a_warm_start_trains_from_the_champions_pinned_save(
     instance, test_defs, test_resources, manifests_dir, write_manifest
 ):

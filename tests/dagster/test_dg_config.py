@@ -92,6 +92,9 @@ def test_spec_values_are_checked_by_the_job_configs_and_named_as_the_specs():
         ({"gate": {"mode": "vibes"}}, "m.json: training.gate.mode", "vibes"),
         ({"train": {"lr": 1e-3, "lrate": 1}}, "m.json: training.train", "unknown setting(s) ['lrate']"),
         ({"champion": {"tolerance": 0.01}}, "m.json: training.champion", "needs a family"),
+        # an EV difference: refused with the manifest, not after training at ev_report
+        ({"family": "f", "champion": {"tolerance": 1.5}}, "m.json: training.champion.tolerance", "must be below 1"),
+        ({"family": "f", "champion": {"tolerance": -0.1}}, "m.json: training.champion.tolerance", ""),
         ({"backbone": {"path": "a", "sha256": "nope"}}, "m.json: training.backbone.sha256", "nope"),
         ({"schema": "v0"}, "m.json: training.schema", "v0"),
     ]

@@ -233,9 +233,11 @@ def _check_with_the_job_configs(spec: TrainingSpec, where: str) -> None:
     try:
         EvaluateJob(
             checkpoint=Path("critic"), manifest=Path("manifest.json"), contract_sha256="0" * 64, report=Path("r.json"),
-            **spec.evaluate_settings(),
+            champion_tolerance=spec.champion.tolerance, **spec.evaluate_settings(),
         )  # fmt: skip
     except InputError as exc:
+        if exc.where == "champion_tolerance":
+            raise InputError(f"{where}.champion.tolerance", exc.message) from None
         section = "gate" if exc.where.startswith("gate_") else "evaluate"
         raise InputError(f"{where}.{section}.{exc.where}", exc.message) from None
 
