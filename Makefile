@@ -49,7 +49,7 @@ demo: $(STAMP)
 # dagster dev on 127.0.0.1 against the demo's instance: both lineages, checks, plots.
 ui: $(STAMP)
 	mkdir -p $(DAGSTER_HOME_DIR) manifests
-	test -f $(DAGSTER_HOME_DIR)/dagster.yaml || cp dagster.yaml $(DAGSTER_HOME_DIR)/dagster.yaml
+	test -f $(DAGSTER_HOME_DIR)/dagster.yaml || cp deploy/dagster.yaml $(DAGSTER_HOME_DIR)/dagster.yaml
 	DAGSTER_HOME=$(DAGSTER_HOME_DIR) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
 
 TB_PORT ?= 6006

