@@ -46,11 +46,19 @@ UI_PORT ?= 3000
 demo: $(STAMP)
 	DAGSTER_HOME=$(DAGSTER_HOME_DIR) $(BIN)/python -m value_assets.demo
 
-# dagster dev on 127.0.0.1 against the demo's instance: both lineages, checks, plots.
+# `dg dev` on 127.0.0.1 against the demo's instance: both lineages, checks, plots. The instance
+# template deploy/dagster.yaml is copied in once (not kept at the root: Dagster warns about a
+# dagster.yaml in the working folder that is not DAGSTER_HOME's). VIRTUAL_ENV: dg warns unless the
+# project's .venv is the active one. value_assets/devserver.py runs it in its own process group and,
+# on Ctrl-C / SIGTERM / make's exit, stops that whole group (SIGINT, then SIGTERM/SIGKILL after
+# UI_GRACE seconds): Dagster's dev command, started with SIGINT ignored, ignores SIGTERM too.
+UI_GRACE ?= 15
+
 ui: $(STAMP)
 	mkdir -p $(DAGSTER_HOME_DIR) manifests
 	test -f $(DAGSTER_HOME_DIR)/dagster.yaml || cp deploy/dagster.yaml $(DAGSTER_HOME_DIR)/dagster.yaml
-	DAGSTER_HOME=$(DAGSTER_HOME_DIR) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
+	DAGSTER_HOME=$(DAGSTER_HOME_DIR) VIRTUAL_ENV=$(CURDIR)/$(VENV) exec $(BIN)/python -m value_assets.devserver \
+		--grace $(UI_GRACE) -- $(CURDIR)/$(BIN)/dg dev -h 127.0.0.1 -p $(UI_PORT)
 
 TB_PORT ?= 6006
 
