@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui tensorboard test test-fast test-rl rl-deps lint format lock lock-check venv bench clean clean-demo
+.PHONY: demo ui tensorboard test test-fast test-rl rl-deps test-mcore-next lint format lock lock-check venv bench clean clean-demo
 
 # Installed from the lock (locks/dev.txt: every package at the version the tests ran with).
 $(STAMP): pyproject.toml locks/dev.txt
@@ -20,15 +20,17 @@ $(STAMP): pyproject.toml locks/dev.txt
 venv: $(STAMP)
 
 # The locks (uv's pip-compatible compile, constraints files): locks/dev.txt for this environment
-# (make, CI), locks/code-location.txt and locks/gpu.txt for the two images (deploy/Dockerfile),
-# both held to the dev lock's versions. `make lock` adds what pyproject.toml gained and keeps every
+# (make, CI; universal: markers choose per Python and platform, e.g. megatron-core per Python),
+# locks/code-location.txt (Python 3.11) and locks/gpu.txt (Python 3.12) for the two images
+# (deploy/Dockerfile), both held to the dev lock's versions. `make lock` adds what pyproject.toml gained and keeps every
 # other pin; `make lock UPGRADE=1` moves every pin to the newest release. `make lock-check` (CI)
 # fails when a lock is not what `make lock` would write.
-LOCK_COMPILE = $(CURDIR)/$(BIN)/uv pip compile --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-	--custom-compile-command 'make lock' $(if $(UPGRADE),--upgrade)
-COMPILE_LOCKS = $(LOCK_COMPILE) pyproject.toml --extra gpu --extra dev -o locks/dev.txt \
-	&& $(LOCK_COMPILE) pyproject.toml --extra k8s -c locks/dev.txt -o locks/code-location.txt \
-	&& $(LOCK_COMPILE) pyproject.toml --extra gpu -c locks/dev.txt -o locks/gpu.txt
+LOCK_COMPILE = $(CURDIR)/$(BIN)/uv pip compile --quiet --custom-compile-command 'make lock' $(if $(UPGRADE),--upgrade)
+LINUX_311 = --python-version 3.11 --python-platform x86_64-manylinux_2_28
+LINUX_312 = --python-version 3.12 --python-platform x86_64-manylinux_2_28
+COMPILE_LOCKS = $(LOCK_COMPILE) --universal --python-version 3.11 pyproject.toml --extra gpu --extra dev -o locks/dev.txt \
+	&& $(LOCK_COMPILE) $(LINUX_311) pyproject.toml --extra k8s -c locks/dev.txt -o locks/code-location.txt \
+	&& $(LOCK_COMPILE) $(LINUX_312) pyproject.toml --extra gpu -c locks/dev.txt -o locks/gpu.txt
 
 lock: $(STAMP)
 	$(COMPILE_LOCKS)
@@ -114,6 +116,33 @@ rl-deps: $(RL_STAMP)
 test-rl: $(RL_STAMP)
 	PYTHONPATH=$(CURDIR)/$(RL_DIR)/site $(BIN)/python -m pytest -q -m rl -p no:cacheprovider tests/rl
 
+# The GPU code paths on megatron-core 0.19.2 as well: the release the GPU image and every GPU figure
+# use (Python 3.12). The rest of the CPU suite runs 0.16.1, the newest release for Python 3.11
+# (pyproject.toml's markers pin one release per Python). 0.19.2's cp312 wheel is pure Python apart
+# from helpers the critic does not load: checked against its pinned sha256 and unpacked under
+# .mcore/ (gitignored), with the triton that torch pins (0.19 imports it in its MoE module, on CPU
+# too), it runs on this Python 3.11 and torch, first on PYTHONPATH; the engine, hf and job tests run
+# against it (tests/conftest.py checks the version they import). .ci/run runs it after test-rl.
+MCORE_NEXT_VERSION := 0.19.2
+MCORE_NEXT_WHEEL := megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
+MCORE_NEXT_SHA256 := 8e3e486f13f559450415b9b9dc0ff3331a0bb83dd154553f7f350a75ff9c42b5
+MCORE_DIR := .mcore
+MCORE_STAMP := $(MCORE_DIR)/.installed-$(MCORE_NEXT_SHA256)
+
+$(MCORE_STAMP): $(STAMP) locks/dev.txt
+	rm -rf $(MCORE_DIR)
+	$(BIN)/python -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 -d $(MCORE_DIR)/wheel megatron-core==$(MCORE_NEXT_VERSION)
+	echo "$(MCORE_NEXT_SHA256)  $(MCORE_DIR)/wheel/$(MCORE_NEXT_WHEEL)" | sha256sum --check --quiet
+	$(BIN)/python -m zipfile -e $(MCORE_DIR)/wheel/$(MCORE_NEXT_WHEEL) $(MCORE_DIR)/site
+	$(BIN)/python -m pip install -q --no-deps --target $(MCORE_DIR)/triton "$$(grep -o '^triton==[^ ;]*' locks/dev.txt)"
+	@touch $(MCORE_STAMP)
+
+test-mcore-next: $(MCORE_STAMP)
+	PYTHONPATH=$(CURDIR)/$(MCORE_DIR)/site:$(CURDIR)/$(MCORE_DIR)/triton VALUE_ASSETS_EXPECT_MEGATRON=$(MCORE_NEXT_VERSION) \
+		$(BIN)/python -m pytest -q -m "not gpu and not rl" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		tests/engine tests/hf tests/job
+
 # ruff (lint and the format check, line length 120) over the repository; mypy, strict, on core/
 # (configuration in pyproject.toml). .ci/run runs this before the tests.
 lint: $(STAMP)
@@ -133,4 +162,4 @@ clean-demo:
 	rm -rf $(DAGSTER_HOME_DIR) artifacts manifests/demo.json manifests/demo manifests/demo-shuffled.json manifests/demo-shuffled
 
 clean: clean-demo
-	rm -rf $(VENV) .pytest_cache $(RL_DIR)
+	rm -rf $(VENV) .pytest_cache $(RL_DIR) $(MCORE_DIR)

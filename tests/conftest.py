@@ -139,3 +139,17 @@ def pytest_collection_modifyitems(session, config, items):
 
     items.sort(key=key)
     RAY_MODULES.update(_module(item) for item in items if "ray_cluster" in item.fixturenames)
+
+
+def pytest_sessionstart(session):
+    """`make test-mcore-next` runs the GPU code paths against another megatron-core, put first on
+    PYTHONPATH: refuse to run (rather than pass) when that is not the release imported."""
+    expected = os.environ.get("VALUE_ASSETS_EXPECT_MEGATRON")
+    if expected:
+        import megatron.core
+
+        if megatron.core.__version__.split("+")[0] != expected:  # 0.19.2+5f09eb5: a build tag
+            raise pytest.UsageError(
+                f"VALUE_ASSETS_EXPECT_MEGATRON={expected}, but megatron-core {megatron.core.__version__} "
+                f"is imported from {megatron.core.__file__}"
+            )

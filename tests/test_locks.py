@@ -10,46 +10,72 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.markers import Marker, default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
-# Which extras each lock installs (Makefile's lock target).
-LOCKS = {"dev.txt": ("gpu", "dev"), "code-location.txt": ("k8s",), "gpu.txt": ("gpu",)}
+# Which extras each lock installs, for which Pythons (Makefile's lock target; dev.txt is universal).
+LOCKS = {
+    "dev.txt": (("gpu", "dev"), ("3.11", "3.12")),
+    "code-location.txt": (("k8s",), ("3.11",)),
+    "gpu.txt": (("gpu",), ("3.12",)),
+}
 
 
-def pins(path: Path) -> dict[str, Version]:
+def environment(python: str) -> dict[str, str]:
+    return {**default_environment(), "python_version": python, "python_full_version": f"{python}.0",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}  # fmt: skip
+
+
+def pins(path: Path, python: str) -> dict[str, Version]:
+    """The lock's pins that apply on Linux x86_64 under `python` (a line's marker decides)."""
     found: dict[str, Version] = {}
     for line in path.read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
-        if m:
-            found[canonicalize_name(m.group(1))] = Version(m.group(2))
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)\s*(?:;\s*(.+))?$", line)
+        if m and (m.group(3) is None or Marker(m.group(3)).evaluate(environment(python))):
+            name = canonicalize_name(m.group(1))
+            assert name not in found, f"{path.name}: {name} pinned twice for Python {python}"
+            found[name] = Version(m.group(2))
     return found
 
 
-def requirements(extras) -> list[Requirement]:
+def requirements(extras, python: str) -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = list(project["dependencies"])
     for extra in extras:
         names += project["optional-dependencies"][extra]
-    return [Requirement(r) for r in names]
+    reqs = [Requirement(r) for r in names]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(environment(python))]
 
 
 @pytest.mark.parametrize("lock", sorted(LOCKS))
 def test_every_dependency_is_pinned_to_a_version_it_admits(lock):
-    pinned = pins(ROOT / "locks" / lock)
-    for req in requirements(LOCKS[lock]):
-        name = canonicalize_name(req.name)
-        assert name in pinned, f"{req.name} is not in locks/{lock}: run make lock"
-        assert pinned[name] in req.specifier, f"locks/{lock}: {req.name}=={pinned[name]} is outside {req.specifier}"
+    extras, pythons = LOCKS[lock]
+    for python in pythons:
+        pinned = pins(ROOT / "locks" / lock, python)
+        for req in requirements(extras, python):
+            name = canonicalize_name(req.name)
+            assert name in pinned, f"{req.name} is not in locks/{lock} for Python {python}: run make lock"
+            assert pinned[name] in req.specifier, f"locks/{lock}: {req.name}=={pinned[name]} is outside {req}"
+
+
+def test_one_megatron_core_per_python():
+    """0.16.1 on 3.11 (the CPU suite), 0.19.2 on 3.12 (the GPU image, `make test-mcore-next`)."""
+    assert pins(ROOT / "locks/dev.txt", "3.11")["megatron-core"] == Version("0.16.1")
+    assert pins(ROOT / "locks/dev.txt", "3.12")["megatron-core"] == Version("0.19.2")
+    assert pins(ROOT / "locks/gpu.txt", "3.12")["megatron-core"] == Version("0.19.2")
+    makefile = (ROOT / "Makefile").read_text()
+    assert "MCORE_NEXT_VERSION := 0.19.2" in makefile
+    assert re.search(r"^FROM rayproject/ray:[\d.]+-py312-", (ROOT / "deploy/Dockerfile").read_text(), flags=re.M)
 
 
 def test_the_image_locks_hold_the_tested_versions():
-    dev = pins(ROOT / "locks" / "dev.txt")
-    for lock in ("code-location.txt", "gpu.txt"):
-        for name, version in pins(ROOT / "locks" / lock).items():
+    for lock, python in (("code-location.txt", "3.11"), ("gpu.txt", "3.12")):
+        dev = pins(ROOT / "locks" / "dev.txt", python)
+        for name, version in pins(ROOT / "locks" / lock, python).items():
             if name in dev:
                 assert version == dev[name], f"locks/{lock}: {name}=={version}, tested with {dev[name]}"
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -67,6 +68,21 @@ def no_cluster(monkeypatch):
     from value_assets.gpu.workers import cluster
 
     monkeypatch.setattr(cluster, "start_workers", lambda *_, **__: pytest.fail("the cluster must not be reserved"))
+
+
+def shards(save: Path) -> list[str]:
+    """The save's torch_dist data files (megatron-core 0.16 writes two per rank, 0.19 one)."""
+    return sorted(p.name for p in save.glob("*.distcp"))
+
+
+def saved_file(save: Path, kind: str) -> str:
+    """A file of the save by what it holds: the index, the common state (0.16's common.pt; inside
+    the first data file in 0.19), the last data file."""
+    if kind == "index":
+        return ".metadata"
+    if kind == "common":
+        return "common.pt" if (save / "common.pt").exists() else shards(save)[0]
+    return shards(save)[-1]
 
 
 def last_save(critic: Path) -> Path:
@@ -161,15 +177,17 @@ def test_a_corrupted_shard_is_refused_before_resume_and_evaluation(critic, manif
 def test_shards_of_another_step_are_refused(critic, manifest, no_cluster):
     for f in (critic / iter_dirname(4)).glob("*.distcp"):
         shutil.copy(f, last_save(critic) / f.name)
-    with pytest.raises(InputError, match=r"__0_0\.distcp: sha256.*__0_1\.distcp: sha256"):
+    every = ".*".join(re.escape(name) + ": sha256" for name in shards(last_save(critic)))
+    with pytest.raises(InputError, match=every):  # every data file is named
         prepare(cfg_for(manifest, critic, epochs=2), log=quiet)
 
 
 # ---- defect 12: a deleted file is a clear refusal, before any worker starts ---------------------------------
 
 
-@pytest.mark.parametrize("name", [".metadata", "common.pt", "__0_1.distcp"])
-def test_a_deleted_checkpoint_file_is_named(critic, manifest, tmp_path, no_cluster, name):
+@pytest.mark.parametrize("kind", ["index", "common", "shard"])
+def test_a_deleted_checkpoint_file_is_named(critic, manifest, tmp_path, no_cluster, kind):
+    name = saved_file(last_save(critic), kind)
     (last_save(critic) / name).unlink()
     with pytest.raises(InputError, match=f"missing file {name}"):
         prepare(cfg_for(manifest, critic, epochs=2), log=quiet)
@@ -376,7 +394,7 @@ def test_a_critic_reused_as_backbone_is_read_through_the_same_check(
 ):
     """A contracted save named as another critic's backbone: its workers check its bytes against its
     contract too (gpu/convert/bootstrap.py), so a shard swapped after the driver's check is refused."""
-    shard = last_save(critic) / "__0_1.distcp"
+    shard = last_save(critic) / saved_file(last_save(critic), "shard")
 
     def flip():
         data = bytearray(shard.read_bytes())
@@ -386,7 +404,8 @@ def test_a_critic_reused_as_backbone_is_read_through_the_same_check(
     _swap_after_the_driver_checked(monkeypatch, flip, method="bootstrap")
     out = tmp_path / "next"
     with pytest.raises(
-        InputError, match=r"__0_1\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"
+        InputError,
+        match=re.escape(shard.name) + r": read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed",
     ):
         train(cfg_for(manifest, out, backbone=str(last_save(critic)), stop_after=1, gpus=1), log=quiet)
     assert read_latest(out) is None and not list(out.glob("iter_*"))

@@ -129,14 +129,29 @@ REFUSED_WRITE_ERRNOS = frozenset(
 )
 
 
+# megatron-core 0.19's torch_dist writer logs its worker's error and raises one of these, without
+# the error or its text: the cause is then judged from the file system and the process's limits.
+LOST_CAUSE_MARKERS = ("An error is caught while starting worker", "Worker failure:")
+
+
+def _file_size_limited() -> bool:
+    """Whether this process may not write files past a size (RLIMIT_FSIZE: writes past it fail EFBIG)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return soft != resource.RLIM_INFINITY
+
+
 def write_refusal(exc: BaseException, folder: str | os.PathLike[str]) -> OSError | None:
     """The system's refusal behind a failed write, as an OSError, or None (another failure).
 
     Writers in other languages lose the OSError: safetensors reports `... (os error 27)`, torch a
     short write as 'unexpected pos', torch_dist a CheckpointException holding the worker's
-    traceback as text. So the chain is searched for an OSError, then for an errno or its text; a
-    failure on a file system that is now nearly full is taken for ENOSPC."""
-    short = False
+    traceback as text, and megatron-core 0.19's writer only that a worker failed. So the chain is
+    searched for an OSError, then for an errno or its text; a failure on a file system that is now
+    nearly full is taken for ENOSPC, and a cut-short or cause-less write failure under a file-size
+    limit for EFBIG."""
+    short = lost = False
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in REFUSED_WRITE_ERRNOS:
@@ -150,12 +165,15 @@ def write_refusal(exc: BaseException, folder: str | os.PathLike[str]) -> OSError
             if os.strerror(code) in text:
                 return OSError(code, os.strerror(code))
         short = short or "unexpected pos" in text
+        lost = lost or any(marker in text for marker in LOST_CAUSE_MARKERS)
         seen = seen.__cause__ or seen.__context__
     try:
         if shutil.disk_usage(folder).free < (16 << 20):
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     except OSError:
         pass
+    if (short or lost) and _file_size_limited():
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
     if short:
         return OSError(errno.EIO, "a write was cut short (a full disk or a file-size limit)")
     return None

@@ -46,7 +46,7 @@ import torch
 
 from value_assets.core.errors import InputError, show
 from value_assets.gpu.convert import names
-from value_assets.gpu.runtime.safe_pickle import Opaque, load_common, load_dcp_metadata
+from value_assets.gpu.runtime.safe_pickle import Opaque, load_common, load_dcp_metadata, loads_common
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SPECS = ("te", "local")
@@ -135,17 +135,56 @@ _HF_FIELDS = (
 _SAVED_ARGS_WIN = ("max_seq_len",)
 
 
+# megatron-core 0.19+ keeps the common (non-sharded) state in the torch_dist files, as the bytes of
+# one sharded object under this key, not in a common.pt beside them.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+def common_state(step_dir: Path) -> tuple[Any, str] | None:
+    """The checkpoint's common state (Megatron-LM's `args`, the iteration, ...) and where it was
+    read, from `common.pt` (megatron-core up to 0.17) or from the `common_state` object inside the
+    torch_dist files (0.19+); None when the folder has neither. Read without running foreign code
+    (`safe_pickle`)."""
+    common = step_dir / "common.pt"
+    if common.is_file():
+        return load_common(common), str(common)
+    if not (step_dir / ".metadata").is_file():
+        return None
+    md = load_dcp_metadata(step_dir / ".metadata")
+    found = [(index, info) for index, info in md.storage_data.items() if index.fqn == COMMON_STATE_KEY]
+    if not found:
+        return None
+    if len(found) != 1:
+        raise InputError(f"{step_dir}/.metadata", f"{COMMON_STATE_KEY} is stored {len(found)} times")
+    _, info = found[0]
+    where = f"{step_dir / info.relative_path}: {COMMON_STATE_KEY}"
+    if getattr(info, "transform_descriptors", None):
+        raise InputError(where, f"is stored with transforms {info.transform_descriptors}, which are not read")
+    path = (step_dir / info.relative_path).resolve()
+    if path.parent != step_dir.resolve():
+        raise InputError(where, "names a file outside the checkpoint folder")
+    with open(path, "rb") as f:
+        f.seek(int(info.offset))
+        blob = f.read(int(info.length))
+    if len(blob) != int(info.length):
+        raise InputError(where, f"is cut short: {len(blob)} of {info.length} bytes")
+    obj = loads_common(blob, where)
+    if isinstance(obj, list | tuple) and len(obj) == 1:
+        obj = obj[0]
+    return obj, where
+
+
 def saved_args(step_dir: Path) -> dict[str, Any] | None:
     """The checkpoint's saved Megatron-LM arguments as a dict, or None when it has none."""
-    common = step_dir / "common.pt"
-    if not common.is_file():
+    state = common_state(step_dir)
+    if state is None:
         return None
-    obj = load_common(common)
+    obj, where = state
     args = obj.get("args") if isinstance(obj, dict) else None
     if args is None:
         return None
     if not isinstance(args, argparse.Namespace):
-        raise InputError(f"{common}: args", f"is {args!r}, not an argparse.Namespace")
+        raise InputError(f"{where}: args", f"is {args!r}, not an argparse.Namespace")
     return dict(vars(args))
 
 
@@ -256,12 +295,14 @@ def resolve(folder: Path, hf_config: Path | None = None):
         p = Path(hf_config)
         hf_cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(p if p.is_dir() else p.parent)))
     if args is not None:
-        cfg = backbone_from_args(args, str(step_dir / "common.pt"), hf=hf_cfg, hf_where=f"--hf-config {hf_config}")
+        cfg = backbone_from_args(args, f"{step_dir}: saved args", hf=hf_cfg, hf_where=f"--hf-config {hf_config}")
     elif hf_cfg is not None:
         cfg = hf_cfg
     else:
         raise InputError(
-            str(step_dir), "has no saved arguments (common.pt 'args'); pass --hf-config with the actor's config.json"
+            str(step_dir),
+            "has no saved arguments (`args` in common.pt, or in the torch_dist common_state of megatron-core 0.19+); "
+            "pass --hf-config with the actor's config.json",
         )
     has_fused_norms(tensor_shapes(step_dir), str(step_dir))  # a mixed index is refused before any launch
     return cfg, step_dir, it, layer_spec_of(args)

@@ -143,12 +143,24 @@ class _CheckedReader(FileSystemReader):
     the load asked for, which torch then decodes (tensors with weights_only) only once the file
     matched. A file the contract does not bind is never read."""
 
-    def __init__(self, path: str | os.PathLike, pins: Mapping[str, tuple[int, str]] | None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        pins: Mapping[str, tuple[int, str]] | None,
+        refusals: list[InputError] | None = None,
+    ):
         super().__init__(path)
         self._root = Path(path)
         self._pins = pins
         self._slices: dict[tuple[str, int, int], bytes] = {}
         self.fs = _CheckedFileSystem(self.fs, self._root)
+        # Every refusal this reader raised, for the load to raise as itself: megatron-core 0.19
+        # catches a failed index read and raises its own AssertionError with the message as text.
+        self.refusals = [] if refusals is None else refusals
+
+    def _refused(self, exc: InputError) -> InputError:
+        self.refusals.append(exc)
+        return exc
 
     def _pin(self, rel: str) -> tuple[int, str] | None:
         if self._pins is None:
@@ -158,6 +170,12 @@ class _CheckedReader(FileSystemReader):
         return self._pins[rel]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._read_metadata(*args, **kwargs)
+        except InputError as exc:
+            raise self._refused(exc) from exc.__cause__
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         from value_assets.gpu.runtime.safe_pickle import loads_dcp_metadata
@@ -182,6 +200,12 @@ class _CheckedReader(FileSystemReader):
         return io.BytesIO(self._slices[(file.relative_path, sinfo.offset, sinfo.length)])
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return self._read_data(plan, planner)
+        except InputError as exc:
+            raise self._refused(exc) from exc.__cause__
+
+    def _read_data(self, plan: Any, planner: Any) -> Any:
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -235,8 +259,10 @@ def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -
             "checked reader replaces (strategies.torch._get_filesystem_reader, FileSystemReader._slice_file)"
         )
 
+    refusals: list[InputError] = []
+
     def reader(checkpoint_dir: str | os.PathLike, *_args: Any, **_kwargs: Any) -> _CheckedReader:
-        return _CheckedReader(checkpoint_dir, pins)
+        return _CheckedReader(checkpoint_dir, pins, refusals)
 
     replaced = [
         (module, "_get_filesystem_reader", reader)
@@ -254,7 +280,13 @@ def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -
     try:
         yield kwargs
     except CheckpointException as exc:  # torch gathers each rank's read error; a refusal is raised as itself
-        refusals = [err for err, _ in exc.failures.values() if isinstance(err, InputError)]
+        gathered = [err for err, _ in exc.failures.values() if isinstance(err, InputError)]
+        if gathered or refusals:
+            raise (gathered or refusals)[0] from None
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception:  # megatron-core 0.19 reports a refused index read as its own AssertionError
         if refusals:
             raise refusals[0] from None
         raise

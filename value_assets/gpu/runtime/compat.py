@@ -1,4 +1,4 @@
-"""CPU compatibility layer for megatron-core 0.16.1 (tests, CI and the CPU demo only).
+"""CPU compatibility layer for megatron-core 0.16.1 and 0.19.2 (tests, CI and the CPU demo only).
 
 megatron-core assumes CUDA everywhere. On a machine without CUDA, `apply_cpu_compat()` redirects
 the few spots that the critic's code paths hit (local layer spec, Megatron DDP, the plain and the distributed
@@ -186,8 +186,8 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
 
 
 # The megatron-core releases whose internals these patches were written against and tested on
-# (major, minor): 0.16 on CPU here; 0.19 is what the GPU machines run, where the layer is never
-# applied, but a CPU run there must not patch names that moved either.
+# (major, minor): 0.16 (Python 3.11: the CPU suite, the demo) and 0.19 (Python 3.12: the GPU image;
+# `make test-mcore-next` runs the CPU suite's GPU code paths on it).
 SUPPORTED_MEGATRON = ((0, 16), (0, 19))
 
 

@@ -132,9 +132,14 @@ class _Unpickler(pickle.Unpickler):
 
 def load_common(path: Path) -> Any:
     """The object `torch.save` wrote to `path` (common.pt), rebuilt as described above."""
-    where = str(path)
+    return loads_common(path, str(path))
+
+
+def loads_common(source: Path | bytes, where: str) -> Any:
+    """`load_common` of a file or of bytes already read (megatron-core 0.19 keeps the common state
+    inside the torch_dist files: the `torch.save` archive of a one-element list); `where` names it."""
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (OSError, zipfile.BadZipFile):
         raise InputError(where, "is not a torch zip archive (legacy pickle checkpoints are refused)") from None
     with zf:
