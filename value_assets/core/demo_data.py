@@ -23,7 +23,7 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.manifest import SCHEMA
 from value_assets.core.objective import Objective
-from value_assets.core.paths import confined, plain_name, staged_file
+from value_assets.core.paths import confined, new_folder, plain_name, staged_file
 from value_assets.core.publish import PublishError
 
 TASK_TOKENS = np.arange(1000, 1008)
@@ -136,26 +136,26 @@ def make_demo_data(
     for path in (data_dir, mpath):
         if path.is_symlink():
             raise InputError(str(path), "is a symlink: refusing to write through it")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out))
-    except OSError as exc:
-        raise PublishError(out, exc) from exc
-    try:
-        return _write_demo(
-            staging,
-            data_dir,
-            mpath,
-            name,
-            rows=rows,
-            heldout_rows=heldout_rows,
-            seed=seed,
-            shuffle_labels=shuffle_labels,
-            fmt=fmt,
-            training=training,
-        )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with new_folder(out):  # a failure removes `out` again if this call made it
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out))
+        except OSError as exc:
+            raise PublishError(out, exc) from exc
+        try:
+            return _write_demo(
+                staging,
+                data_dir,
+                mpath,
+                name,
+                rows=rows,
+                heldout_rows=heldout_rows,
+                seed=seed,
+                shuffle_labels=shuffle_labels,
+                fmt=fmt,
+                training=training,
+            )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _write_demo(

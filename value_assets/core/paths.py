@@ -11,6 +11,8 @@
   at most a hidden `.<name>.*.tmp` file, never a partial file under the destination's name.
 * `staged_folder` does the same for a new output folder (`--out` of import-rollouts, export-hf,
   export-miles): built under a hidden temporary name beside it, renamed into place when complete.
+* `new_folder` creates an output folder and removes it again (where still empty) if the command
+  fails: a refused write leaves no empty folder behind either.
 * `exclusive_folder` holds an output folder for one run (flock on the folder itself, released
   however the run ends): a second run into the same folder is refused before it reads or writes
   anything there (two `train` runs into one `--output` interleaved their metrics, defect 10).
@@ -86,17 +88,50 @@ def staged_file(path: str | os.PathLike[str], *, shown_as: str | os.PathLike[str
         raise
 
 
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    probe = folder
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    return missing
+
+
+def _remove_if_empty(made: list[Path]) -> None:
+    for folder in made:  # deepest first
+        try:
+            folder.rmdir()
+        except OSError:
+            break  # not empty (something was written there) or gone
+
+
+@contextlib.contextmanager
+def new_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """`path`, created (with its parents) if missing; if the block fails, the folders this call
+    created are removed again where still empty, so a refused write leaves no empty output folder.
+    Creating it fails as `PublishError(path)`."""
+    folder = Path(path)
+    missing = _missing_folders(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _remove_if_empty(missing)
+        raise PublishError(folder, exc) from exc
+    try:
+        yield folder
+    except BaseException:
+        _remove_if_empty(missing)
+        raise
+
+
 @contextlib.contextmanager
 def exclusive_folder(path: str | os.PathLike[str], what: str) -> Iterator[Path]:
     """`path` (created if missing) held exclusively for the `with` block; InputError at once if
     another process holds it. Folders this call created are removed again if they are still empty
     at the end (a refused or failed run leaves nothing behind)."""
     folder = Path(path)
-    missing = []
-    probe = folder
-    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
-        missing.append(probe)
-        probe = probe.parent
+    missing = _missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -114,11 +149,7 @@ def exclusive_folder(path: str | os.PathLike[str], what: str) -> Iterator[Path]:
         try:
             yield folder
         finally:
-            for made in missing:  # deepest first
-                try:
-                    made.rmdir()
-                except OSError:
-                    break  # not empty (the run wrote there) or gone
+            _remove_if_empty(missing)
     finally:
         os.close(fd)
 
