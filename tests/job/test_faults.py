@@ -261,6 +261,158 @@ def test_an_export_that_cannot_be_written_exits_2_and_leaves_nothing(critic, tmp
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".exported")]
 
 
+@contextlib.contextmanager
+def _without_dac_override():
+    """This thread (and threads it starts) loses CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH for the
+    block: root then meets permission bits as any user does (EACCES), the rest of the process not."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, caps = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3, this thread
+    if libc.capget(ctypes.byref(header), caps):
+        pytest.skip("cannot read this thread's capabilities")
+    saved = caps[0].effective
+    caps[0].effective &= ~((1 << 1) | (1 << 2))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.capset(ctypes.byref(header), caps):
+        pytest.skip("cannot drop this thread's capabilities")
+    try:
+        yield
+    finally:
+        caps[0].effective = saved
+        assert libc.capset(ctypes.byref(header), caps) == 0
+
+
+@contextlib.contextmanager
+def _refusing_folder(folder: Path, fault: str):
+    """`folder`, whose writes the system refuses: `full` a small tmpfs filled up to its last 16 KiB
+    (ENOSPC once a write needs more), `read-only` a read-only tmpfs (EROFS), `denied` a folder of
+    mode 0555 (EACCES; as root, with this thread's permission override dropped)."""
+    folder.mkdir()
+    if fault == "denied":
+        folder.chmod(0o555)
+        try:
+            with _without_dac_override() if os.geteuid() == 0 else contextlib.nullcontext():
+                yield folder
+        finally:
+            folder.chmod(0o755)
+        return
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m" + (",ro" if fault == "read-only" else ""), "tmpfs", str(folder)],
+            capture_output=True,
+        ).returncode
+    ):
+        pytest.skip("needs a tmpfs mount (root)")
+    try:
+        if fault == "full":
+            with (folder / ".filler").open("wb") as f:
+                f.write(b"\0" * (shutil.disk_usage(folder).free - (16 << 10)))
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _writer_argv(command: str, out: Path, critic: Path, manifest: Path, inputs: Path) -> list[str]:
+    """`command`'s argv with `out` as the one path it writes."""
+    from tests.core.test_rollouts_hf import TOKENIZER
+
+    sha = load_contract(last_save(critic))[1]
+    return {
+        "make-demo-data": ["make-demo-data", out, "--rows", 64],
+        "import-rollouts": ["import-rollouts", inputs, "--tokenizer", TOKENIZER, "--out", out],
+        "train": ["train", manifest, "--output", out, "--global-batch-size", 32, "--save-interval", 1, "--gpus", 1],
+        "evaluate": ["evaluate", "--checkpoint", critic, "--manifest", manifest, "--contract-sha256", sha]
+        + ["--report", out, "--gpus", 1],
+        "export-hf": ["export-hf", "--checkpoint", critic, "--out", out],
+        "export-miles": ["export-miles", "--checkpoint", critic, "--out", out, "--model-identity", "x"],
+    }[command]
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only", "denied"])
+@pytest.mark.parametrize(
+    "command", ["make-demo-data", "import-rollouts", "train", "evaluate", "export-hf", "export-miles"]
+)
+def test_every_command_that_writes_on_a_disk_that_refuses_exits_2_and_leaves_nothing(
+    ray_cluster, critic, manifest, tmp_path, capsys, command, fault
+):
+    """Issue 33: each command that writes, its output on a real full disk (ENOSPC), a read-only
+    one (EROFS) and a folder it may not write (EACCES): exit 2 naming the output path (evaluate may
+    name a plot it publishes with its report, `ev-*.png` beside `ev.json`), and nothing left there,
+    whole, partial or staged. `train` publishes nothing (no save, no `latest`); what a run that
+    stopped keeps is its run log (metrics.jsonl, tensorboard), which the next run into the folder
+    cuts back to its last save. make-demo-data left its new, empty output folder."""
+    from tests.core.test_rollouts import records, write_jsonl
+
+    inputs = write_jsonl(tmp_path / "r.jsonl", records(prompts=64, samples=8))
+    with _refusing_folder(tmp_path / "disk", fault) as disk:
+        out = disk / ("ev.json" if command == "evaluate" else "out")
+        rc = cli_main([str(a) for a in _writer_argv(command, out, critic, manifest, inputs)])
+        err = capsys.readouterr().err
+        left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.name != ".filler")
+    assert rc == 2 and f"{out.with_suffix('')}" in err, f"exit {rc}: {err[-2000:]}"
+    if command == "train":
+        left = [p for p in left if p not in ("out", "out/metrics.jsonl") and not p.startswith("out/tensorboard")]
+    assert left == [], left
+
+
+_KILL_WRITERS = """
+import subprocess, sys, time
+import psutil
+
+argv = [sys.executable, "-m", "value_assets.cli", "export-miles", "--checkpoint", sys.argv[1], "--out", sys.argv[2],
+        "--model-identity", "x"]
+command = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+me, killed, t0 = psutil.Process(command.pid), [], time.monotonic()
+while command.poll() is None and time.monotonic() - t0 < float(sys.argv[3]):
+    for child in me.children(recursive=True):  # the forked ones: the command's own command line
+        try:
+            if child.pid not in killed and child.cmdline() == me.cmdline():
+                child.kill()
+                killed.append(child.pid)
+        except psutil.Error:
+            pass
+    time.sleep(0.005)
+hung = command.poll() is None
+for child in me.children(recursive=True) if hung else []:
+    child.kill()
+if hung:
+    command.kill()
+print(repr((hung, command.wait(), killed, command.stderr.read()[-1500:])))
+"""
+
+
+def test_an_export_whose_writer_processes_are_killed_ends_and_leaves_nothing(critic, tmp_path):
+    """A process export-miles forked to write, SIGKILLed mid-export (the OOM killer): the export
+    waited for it without a deadline, for good (megatron's torch_dist writers and the queue they
+    report on). It now writes in its own process, so there is nothing to kill and nothing to wait
+    for; were a writer ever killed, the command must still end, with nothing at --out."""
+    import ast
+
+    out = tmp_path / "miles"
+    done = subprocess.run(
+        [sys.executable, "-c", _KILL_WRITERS, str(critic), str(out), "60"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    hung, rc, killed, err = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert not hung, f"export-miles still running 60 s after its writers {killed} were killed"
+    if killed:
+        assert rc in (1, 2) and not out.exists(), (rc, err)
+    else:
+        assert rc == 0 and (out / "value_pretrain_contract.json").is_file(), err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".miles")]
+
+
 # ---- defect 5: another backbone ------------------------------------------------------------------------------
 
 
