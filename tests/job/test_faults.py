@@ -399,7 +399,13 @@ def test_an_export_whose_writer_processes_are_killed_ends_and_leaves_nothing(cri
     done = subprocess.run(
         [sys.executable, "-c", _KILL_WRITERS, str(critic), str(out), "60"],
         cwd=Path(__file__).resolve().parents[2],
-        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+        # the repository first, then what the run was given (make test-mcore-next's megatron-core)
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])
+            ),
+        ),
         capture_output=True,
         text=True,
         timeout=120,
