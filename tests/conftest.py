@@ -116,7 +116,6 @@ SLOW_MODULES = (
     "tests/dagster/test_dg_handoff.py",
     "tests/engine/test_memory_features.py",
     "tests/dagster/test_dg_champion.py",
-    "tests/dagster/test_dg_make_ui.py",
     "tests/dagster/test_dg_cli.py",
     "tests/dagster/test_dg_executor.py",
     "tests/hf/test_miles_export.py",

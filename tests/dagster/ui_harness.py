@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,25 +91,67 @@ def kill(procs: dict[int, int], sig: int = signal.SIGKILL) -> None:
             pass
 
 
+# A line of the UI's startup output that the project's entry point must not print: a dagster.yaml
+# that "will not be used", the superseded `dagster dev`, dg's virtual-environment mismatch.
+STARTUP_WARNING = re.compile(r"warn|will not be used|supersed|deprecat|does not match", re.IGNORECASE)
+
+
+def _ignore_sigint() -> None:
+    # POSIX sh starts an asynchronous command (`make ui &` in a script) with SIGINT ignored; Dagster's
+    # dev command then ignored SIGTERM too (value_assets/devserver.py says why).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def processes_with_home(home: Path) -> dict[int, int]:
+    """{pid: start time} of the live processes whose environment has DAGSTER_HOME=`home`: every
+    process the UI started, whatever its session or parent."""
+    needle = f"DAGSTER_HOME={home}".encode()
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ and (st := _proc_stat(int(name))) is not None:
+            found[int(name)] = st[2]
+    return found
+
+
 class DagsterDev:
-    """`dagster dev -w workspace.yaml` on 127.0.0.1 in its own session (process group = its pid)."""
+    """The project's UI entry point exactly as a script starts it: `make ui` (`dg dev` under
+    value_assets/devserver.py) on 127.0.0.1 with `env`'s DAGSTER_HOME, in the background (its own
+    session, SIGINT ignored, as a non-interactive shell's `make ui &` has it). The `$(STAMP)` install
+    is never remade here (`--old-file`)."""
+
+    GRACE_S = 8  # make ui's UI_GRACE: SIGINT, then SIGTERM/SIGKILL to what is left of the group
 
     def __init__(self, repo_root: Path, port: int, env: dict[str, str], log_path: Path):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        self.home = Path(env["DAGSTER_HOME"])
         self._log = open(log_path, "wb")
+        env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "DAGSTER_HOME")}
+        # the Makefile's $(STAMP), spelled as it spells it (make tells targets apart by name)
+        cmd = ["make", "--no-print-directory", "--old-file=.venv/.installed", "ui"]
+        cmd += [f"UI_PORT={port}", f"DAGSTER_HOME_DIR={self.home}", f"UI_GRACE={self.GRACE_S}"]
         self.proc = subprocess.Popen(
-            [dagster_cli(), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+            cmd,
             cwd=repo_root,
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_reset_signals,
+            preexec_fn=_ignore_sigint,
         )
         self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
         self.seen: dict[int, int] = family(self.pgid)
+
+    def startup_warnings(self) -> list[str]:
+        return [line for line in self.log_tail(200_000).splitlines() if STARTUP_WARNING.search(line)]
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -141,27 +184,29 @@ class DagsterDev:
         return out["data"]
 
     def stop(self, timeout_s: float = 30) -> set[int]:
-        """SIGTERM the group, wait, then SIGKILL whatever is left; return the pids still alive (none expected)."""
+        """Ctrl-C: SIGINT to the group (the terminal signals the whole foreground group), wait for every
+        process carrying this DAGSTER_HOME to end; return those still alive after `timeout_s` (none
+        expected), then kill them by id."""
         self.seen.update(family(self.pgid))
+        self.seen.update(processes_with_home(self.home))
         try:
-            os.killpg(self.pgid, signal.SIGTERM)
+            os.killpg(self.pgid, signal.SIGINT)
         except ProcessLookupError:
             pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and alive(self.seen):
-            time.sleep(0.5)
-        kill(self.seen)
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=10)
-        self._log.close()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and alive(self.seen):
+        while time.monotonic() < deadline:
+            self.proc.poll()
+            self.seen.update({p: t for p, t in processes_with_home(self.home).items() if p not in self.seen})
+            if not alive(self.seen):
+                break
             time.sleep(0.2)
-        return alive(self.seen)
+        left = alive(self.seen)
+        kill(self.seen | processes_with_home(self.home))
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._log.close()
+        return left
 
 
 def dagster_cli() -> str:
