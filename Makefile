@@ -78,7 +78,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu and not rl" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py. Two processes
-# like `test` (836 tests on 2 cores: 25 s; 770 tests: 21-26 s, on a slower host 44 s, against 59-62 s in one).
+# like `test` (894 tests on 2 cores: 26 s; 770 tests: 21-26 s, on a slower host 44 s, against 59-62 s in one).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
