@@ -361,6 +361,11 @@ def cmd_run_manifests(args) -> int:
                 print(f"  {st.handoff_command()}")
         if not states:
             print("nothing to run: no new manifest, or every partition was run already")
+    refused = [st for st in states if st.refusal]
+    for st in refused:  # bad input or a write the system refused: exit 2, named
+        print(f"value-assets: error: {st.partition_key}: {st.refusal}", file=sys.stderr)
+    if refused:
+        return 2
     if any(st.gate is False for st in states):
         return EXIT_GATE_FAILED
     return 0 if all(st.success for st in states) else 1

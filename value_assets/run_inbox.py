@@ -38,6 +38,9 @@ class LineageState:
     record_sha256: str | None
     metadata: Mapping[str, Mapping[str, Any]]  # asset name -> its latest metadata values
     seconds: float
+    # Why the run of this call stopped, when that was bad input or a write the system refused (a
+    # step's refusal, or the GPU job's "invalid input"): the command exits 2 with it; None otherwise.
+    refusal: str | None = None
 
     def handoff_command(self, program: str = "value-assets") -> str | None:
         """The command that verifies this lineage's hand-off against its pinned record."""
@@ -67,7 +70,32 @@ def lineage_state(instance: Any, artifacts: Path, key: str, manifest: Path, **ru
         record_sha256=promotion.get(v.REGISTRY_RECORD_SHA256),
         metadata=metadata,
         seconds=run.get("seconds", 0.0),
+        refusal=run.get("refusal"),
     )
+
+
+# The GPU job's log line for bad input (gpu/pipes_job.py), which it then exits 2 on.
+GPU_REFUSAL_PREFIX = "invalid input: "
+
+
+def run_refusal(instance: Any, run_id: str) -> str | None:
+    """The refusal a failed run stopped on: a step's failure marked as one (assets/common.py
+    `fail_on_bad_input`: bad input, or a write the system refused), else the GPU job's own
+    "invalid input" log line; None when the run failed some other way (a bug)."""
+    from dagster import DagsterEventType
+
+    from value_assets.assets.common import REFUSAL_METADATA_KEY
+
+    for record in instance.all_logs(run_id, of_type=DagsterEventType.STEP_FAILURE):
+        data = record.dagster_event.step_failure_data
+        user = getattr(data, "user_failure_data", None)
+        if user is not None and REFUSAL_METADATA_KEY in (user.metadata or {}):
+            return user.description
+    for record in instance.all_logs(run_id):
+        message = record.user_message or ""
+        if GPU_REFUSAL_PREFIX in message:
+            return message.split(GPU_REFUSAL_PREFIX, 1)[1].strip()
+    return None
 
 
 def use_home(project: Path) -> Path:
@@ -128,10 +156,19 @@ def run_inbox(
                 say(f"    run {run.run_id[:8]} stopped at {list(failed)}")
             manifest = Path(request.tags["value_assets/manifest"])
             seconds = time.monotonic() - started
+            refusal = None if run.success else run_refusal(instance, run.run_id)
             states.append(
                 lineage_state(
-                    instance, artifacts, key, manifest, success=run.success, failed_steps=failed, seconds=seconds
-                )
+                    instance,
+                    artifacts,
+                    key,
+                    manifest,
+                    run_id=run.run_id,
+                    success=run.success,
+                    failed_steps=failed,
+                    seconds=seconds,
+                    refusal=refusal,
+                )  # fmt: skip
             )
     finally:
         stop = getattr(resources["launcher"], "stop_warm_cluster", None)

@@ -252,3 +252,27 @@ def test_a_partition_some_run_already_ran_is_not_started_again(
     fresh_cursor = tick(instance, test_resources)  # as a daemon with no cursor would tick
     assert not fresh_cursor.run_requests
     assert f"{request.partition_key}: already run" in fresh_cursor.skip_reason.skip_message
+
+
+def test_run_manifests_exits_2_naming_a_refused_input_and_the_run(tmp_path, monkeypatch, capsys):
+    """`value-assets run-manifests` on a manifest whose dataset no longer hashes to its pin: the run
+    stops at train_dataset (before any GPU step), and the command exits 2 naming the file and the run
+    (it exited 1, "failed (run None)": a refusal read as a bug; the run id was never passed on).
+    The GPU job's own refusals (a full disk at its save) take the same path through its
+    "invalid input" log line, checked by hand (the note of the session that added this)."""
+    from tests.dagster.conftest import write_manifest
+    from value_assets.cli import main as cli_main
+
+    manifests = tmp_path / "manifests"
+    write_manifest(manifests, "bad")
+    train = manifests / "data" / "bad" / "train.jsonl"
+    train.write_text(train.read_text().replace("\n", "\n\n", 1))  # other bytes, the same rows
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VALUE_ASSETS_ARTIFACTS", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("VALUE_ASSETS_MANIFESTS", str(manifests))
+    monkeypatch.delenv("VALUE_ASSETS_DEPLOYMENT", raising=False)
+    assert cli_main(["run-manifests"]) == 2
+    captured = capsys.readouterr()
+    assert "value-assets: error: bad-" in captured.err and f"train_dataset: {train}: sha256 is" in captured.err
+    (line,) = [ln for ln in captured.out.splitlines() if ln.startswith("bad-")]
+    assert line.endswith(")") and "(run None)" not in line and "failed (run " in line

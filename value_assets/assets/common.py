@@ -15,19 +15,28 @@ from pydantic import Field
 from value_assets.core.errors import InputError
 from value_assets.core.job_configs import field_default, field_doc
 from value_assets.core.promotion import PromotionRefused
+from value_assets.core.publish import PublishError
 
 INLINE_PLOT_MAX_BYTES = 512 * 1024
 # One owner for every asset (the UI's owner filter and catalog); a team, not a person.
 OWNERS = ["team:rl-infra"]
 
 
+# Marks a step failure that is a refusal (bad input, or a write the system refused), not a bug:
+# `value-assets run-manifests` exits 2 on it (run_inbox.py).
+REFUSAL_METADATA_KEY = "value_assets/refusal"
+
+
 @contextmanager
 def fail_on_bad_input(what: str) -> Iterator[None]:
-    """Turn the domain's refusals into a step failure with the rule's own message, never retried."""
+    """Turn the domain's refusals into a step failure with the rule's own message, never retried:
+    bad input, a refused promotion, and a write the system refused (full disk, permissions)."""
     try:
         yield
-    except (InputError, PromotionRefused) as exc:
-        raise Failure(description=f"{what}: {exc}", allow_retries=False) from None
+    except (InputError, PromotionRefused, PublishError) as exc:
+        raise Failure(
+            description=f"{what}: {exc}", allow_retries=False, metadata={REFUSAL_METADATA_KEY: True}
+        ) from None
 
 
 def partition_manifest(context, artifacts, inbox):
