@@ -168,7 +168,7 @@ def run_inbox(
                     failed_steps=failed,
                     seconds=seconds,
                     refusal=refusal,
-                )  # fmt: skip
+                )
             )
     finally:
         stop = getattr(resources["launcher"], "stop_warm_cluster", None)

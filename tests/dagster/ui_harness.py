@@ -9,7 +9,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,13 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _reset_signals() -> None:
-    # docs/operations.md: started from a script, `dagster dev` inherits ignored SIGINT/SIGTERM and then
-    # never stops on them; reset them before exec.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _proc_stat(pid: int) -> tuple[int, int, int] | None:
@@ -207,11 +199,6 @@ class DagsterDev:
         self.proc.wait(timeout=10)
         self._log.close()
         return left
-
-
-def dagster_cli() -> str:
-    """The `dagster` script beside the running interpreter (the project venv)."""
-    return str(Path(sys.executable).parent / "dagster")
 
 
 def screenshot(
