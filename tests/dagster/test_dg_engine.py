@@ -212,7 +212,7 @@ def test_real_engine_promotes_the_learnable_critic_and_the_gate_stops_the_contro
     step_dir = artifacts / good_key / "critic" / f"iter_{STEPS:07d}"
     contract, recorded_sha = load_contract(step_dir)
     assert Lineage(instance, good_key).metadata("training_contract")["contract_sha256"] == recorded_sha
-    shard = step_dir / "__0_1.distcp"
+    shard = sorted(step_dir.glob("*.distcp"))[-1]
     planted = bytearray(shard.read_bytes())
     planted[-64] ^= 0xFF
     shard.write_bytes(bytes(planted))

@@ -172,6 +172,37 @@ def train_layout(rank, world, tp, rows_per_step, steps, ckpt, init_file, out_fil
     torch.save(res, f"{out_file}.{rank}")
 
 
+def save_with_writers_killed(rank, world, tp, ckpt, out_file):
+    """A worker's second training save (its first started megatron-core 0.16's results manager,
+    which a process keeps) with every process the save forks SIGKILLed at birth, as the OOM killer
+    would a torch_dist writer: megatron's writer waited for it without a deadline. Then the save is
+    read back with megatron's own `dist_checkpointing.load` (`load_critic`) into a fresh critic.
+    Run last in its process: the kill stays registered."""
+    import signal
+
+    from value_assets.gpu.runtime.checkpoint import load_critic, save_critic
+    from value_assets.gpu.runtime.step import wrap_for_training
+
+    model = build_critic(BACKBONE, OBJ, tp=tp)
+    ddp, opt = wrap_for_training(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+    _train(make_rows(8, seed=1), 2, 0, ddp, opt, 4)
+    first, second = os.path.join(ckpt, "first"), os.path.join(ckpt, "second")
+    if rank == 0:
+        os.makedirs(first)
+        os.makedirs(second)
+    torch.distributed.barrier()
+    save_critic(first, ddp, opt, iteration=1)
+    os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGKILL))
+    save_critic(second, ddp, opt, iteration=2)
+    saved = probe(model)
+    torch.manual_seed(4321)
+    fresh = build_critic(BACKBONE, OBJ, tp=tp, head_seed=5)
+    ddp2, opt2 = wrap_for_training(fresh, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+    iteration = load_critic(second, ddp2, opt2)
+    if rank == 0:
+        torch.save({"iteration": iteration, "saved": saved, "loaded": probe(fresh)}, out_file)
+
+
 def load_params(rank, world, tp, ckpt, out_file):
     """Every parameter of a checkpoint, loaded into a one-stage critic (re-sharded on load)."""
     from value_assets.gpu.runtime.checkpoint import load_model_weights

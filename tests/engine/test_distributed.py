@@ -216,6 +216,22 @@ def test_save_refuses_non_empty_folder(tmp_path):
         in_process(lambda *a: save_critic(tmp_path, torch.nn.Linear(1, 1)))
 
 
+@pytest.mark.timeout(120)
+def test_a_writer_killed_during_a_training_save_cannot_hang_it(tmp_path):
+    """megatron-core 0.16's torch_dist save forks a writer process per file and waits for them
+    without a deadline: one SIGKILLed (the OOM killer) hung the worker's save for good, and its job
+    waited out its whole deadline (900 s by default) before failing. Saves are written in the
+    worker's own process (`checkpoint.in_process_save_strategy`): here every process a save forks
+    dies at birth, and the save still completes, in the format megatron's own load reads back."""
+    spawn(2, [("save_with_writers_killed", 1, 1, (str(tmp_path), str(tmp_path / "r.pt")))], deadline_s=60.0)
+    r = torch.load(tmp_path / "r.pt")
+    assert r["iteration"] == 2
+    assert torch.equal(r["loaded"], r["saved"])
+    files = sorted(p.name for p in (tmp_path / "second").iterdir())
+    # rank 1 holds replicas only: it writes no data file, as megatron's writer did
+    assert ".metadata" in files and [f for f in files if f.endswith(".distcp")] == ["__0_0.distcp"], files
+
+
 def _check_frozen(r: dict, freeze: str) -> None:
     frozen = set(r["frozen"])
     names = set(r["before"])

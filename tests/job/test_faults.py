@@ -71,7 +71,7 @@ def no_cluster(monkeypatch):
 
 
 def shards(save: Path) -> list[str]:
-    """The save's torch_dist data files (megatron-core 0.16 writes two per rank, 0.19 one)."""
+    """The save's torch_dist data files (one per rank: `checkpoint.in_process_save_strategy`)."""
     return sorted(p.name for p in save.glob("*.distcp"))
 
 

@@ -30,8 +30,8 @@ local spec as megatron's own linears save it, for TE the byte tensor of `pickle.
 Transformer Engine 1.x and 2.x both read as "no FP8 state").
 `common.pt` carries `args` with the architecture, TP = PP = 1 and `no_save_optim`/`no_save_rng`
 (there is no optimizer or RNG state: the RL run starts its own), `iteration` = N and
-`checkpoint_version` 3.0. The files are written in this process (`in_process_save_strategy`: no forked writer
-process, which a kill would leave the export waiting on).
+`checkpoint_version` 3.0. The files are written in this process (`runtime.checkpoint.in_process_save_strategy`: no
+forked writer process, which a kill would leave the export waiting on).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch
 
 from value_assets.core.errors import InputError, show
 from value_assets.gpu.convert import names
+from value_assets.gpu.runtime.checkpoint import in_process_save_strategy
 from value_assets.gpu.runtime.safe_pickle import Opaque, load_common, load_dcp_metadata, loads_common
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -557,38 +558,3 @@ def write_critic(
         str(step_dir),
         sharded_strategy=in_process_save_strategy(),
     )
-
-
-def in_process_save_strategy() -> Any:
-    """megatron's torch_dist save strategy, writing in this process, in this thread.
-
-    Its default forks a writer process per file, starts a manager process for their results and
-    waits for both without a deadline: a writer killed mid-save (the OOM killer, SIGXFSZ) hung
-    `export-miles` for good. torch's own `FileSystemWriter` with one thread writes the same format
-    (the `.metadata` index and `__0_0.distcp`, fsynced), and its errors are raised here, where
-    `staged_folder` maps the system's refusal to exit 2 and removes the staged bundle."""
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
-    class Writer(FileSystemWriter):
-        @property
-        def checkpoint_id(self) -> str:  # the index records it: a str, as megatron's writer records it
-            return str(self.path)  # (a Path is no class the checkpoint index may hold: safe_pickle.py)
-
-    class InProcessSave(TorchDistSaveShardedStrategy):  # type: ignore[misc]  # megatron is untyped
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dedup = not self.keep_only_main_replica
-            dcp_save(
-                mcore_to_pyt_state_dict(flat, False),
-                storage_writer=Writer(str(checkpoint_dir), thread_count=1, sync_files=True),
-                planner=MCoreSavePlanner(dedup_replicated_tensors=dedup, flatten_state_dict=False),
-            )
-
-    return InProcessSave("torch_dist", 1)

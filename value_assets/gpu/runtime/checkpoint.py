@@ -2,8 +2,9 @@
 
 A checkpoint folder holds the model's sharded state dict (and optionally the optimizer's) in
 megatron's torch_dist format; loading with a different tensor-parallel size re-shards. The
-folder must exist and be empty before saving (megatron refuses otherwise). psutil must be
-installed: without it `dist_checkpointing.save` hangs.
+folder must exist and be empty before saving (megatron refuses otherwise). The files are written
+in the saving process (`in_process_save_strategy`): no forked writer that a kill could leave the
+save waiting on.
 
 All ranks call `save_critic` / `load_critic` collectively. Only tensors are stored (the iteration
 is a tensor too). Loading never runs pickled code and, given the contract, uses only bytes it has
@@ -367,8 +368,59 @@ def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any 
         if any(p.iterdir()):
             raise FileExistsError(f"checkpoint folder {p} is not empty")
     torch.distributed.barrier()
-    dist_checkpointing.save(_state(model, optimizer, iteration), str(p))
+    dist_checkpointing.save(_state(model, optimizer, iteration), str(p), sharded_strategy=in_process_save_strategy())
     torch.distributed.barrier()
+
+
+def in_process_save_strategy() -> Any:
+    """megatron's torch_dist save strategy, writing in this process, in this thread.
+
+    megatron's own forks a writer process per file (megatron-core 0.16; on CPU also a manager
+    process for their results, gpu/runtime/compat.py) and waits for them without a deadline: a
+    writer killed mid-save (the OOM killer, SIGXFSZ) hung the save for good. In a training job
+    the worker then never answered, its driver waited out the job's deadline (`timeout_s`, 900 s
+    by default) and a further minute for the worker's shutdown; `export-miles` hung for good.
+    torch's own `FileSystemWriter` with one thread writes the same format (the `.metadata` index
+    and one `__<rank>_0.distcp` per rank, fsynced; megatron-core 0.19's default layout), read by
+    megatron's own `dist_checkpointing.load`; its errors are raised in the caller, which maps the
+    system's refusal to exit 2 and removes what it staged (train's `_save`, export's
+    `staged_folder`)."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class Writer(FileSystemWriter):
+        @property
+        def checkpoint_id(self) -> str:  # the index records it: a str, as megatron's writer records it
+            return str(self.path)  # (a Path is no class the checkpoint index may hold: safe_pickle.py)
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if plan.items:
+                return super().write_data(plan, planner)
+            # A rank with nothing of its own to write (a replica: dp > 1) writes no file, as
+            # megatron's writer does, rather than an empty one.
+            from torch.futures import Future
+
+            done: Future[list[Any]] = Future()
+            done.set_result([])
+            return done
+
+    class InProcessSave(TorchDistSaveShardedStrategy):  # type: ignore[misc]  # megatron is untyped
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dedup = not self.keep_only_main_replica
+            dcp_save(
+                mcore_to_pyt_state_dict(flat, False),
+                storage_writer=Writer(str(checkpoint_dir), thread_count=1, sync_files=True),
+                planner=MCoreSavePlanner(dedup_replicated_tensors=dedup, flatten_state_dict=False),
+            )
+
+    return InProcessSave("torch_dist", 1)
 
 
 def load_critic(
