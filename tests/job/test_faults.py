@@ -352,9 +352,7 @@ def test_every_command_that_writes_on_a_disk_that_refuses_exits_2_and_leaves_not
     """Issue 33: each command that writes, its output on a real full disk (ENOSPC), a read-only
     one (EROFS) and a folder it may not write (EACCES): exit 2 naming the output path (evaluate may
     name a plot it publishes with its report, `ev-*.png` beside `ev.json`), and nothing left there,
-    whole, partial or staged. `train` publishes nothing (no save, no `latest`); what a run that
-    stopped keeps is its run log (metrics.jsonl, tensorboard), which the next run into the folder
-    cuts back to its last save. make-demo-data left its new, empty output folder."""
+    whole, partial or staged. make-demo-data left its new, empty output folder."""
     from tests.core.test_rollouts import records, write_jsonl
 
     inputs = write_jsonl(tmp_path / "r.jsonl", records(prompts=64, samples=8))
@@ -364,8 +362,6 @@ def test_every_command_that_writes_on_a_disk_that_refuses_exits_2_and_leaves_not
         err = capsys.readouterr().err
         left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.name != ".filler")
     assert rc == 2 and f"{out.with_suffix('')}" in err, f"exit {rc}: {err[-2000:]}"
-    if command == "train":
-        left = [p for p in left if p not in ("out", "out/metrics.jsonl") and not p.startswith("out/tensorboard")]
     assert left == [], left
 
 
@@ -463,6 +459,26 @@ def test_a_run_stopped_early_then_resumed_matches_the_uninterrupted_one(manifest
     assert len(second.losses) == STEPS - 2  # completed batches are skipped, never replayed
     assert second.losses == full.losses[2:]  # bitwise
     assert max_weight_difference(last_save(out), last_save(trained[0]), tmp_path) <= WEIGHT_ATOL
+
+
+def test_a_resumed_run_that_fails_before_its_next_save_leaves_the_folder_as_it_found_it(critic, manifest):
+    """Issue 33: a failed run takes back what it wrote and did not publish (its run log kept the
+    failed steps' lines and TensorBoard events). Here a resumed run (one more epoch) fails in its
+    first step, before a save: the earlier run's saves, `latest`, metrics.jsonl and TensorBoard files
+    stay byte for byte. (A new run that fails before a save leaves no folder at all: the test of
+    data changed in rows no step read, below; a worker killed mid-run: test_worker_pool.py.)"""
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(critic)): p.read_bytes() for p in sorted(critic.rglob("*")) if p.is_file()}
+
+    def refuse(step, _metrics):
+        raise InputError(f"step {step}", "planted refusal")  # a refusal: the session's pool is kept
+
+    before = files()
+    assert "metrics.jsonl" in before and any(name.startswith("tensorboard/") for name in before)
+    with pytest.raises(InputError, match="planted refusal"):
+        train(cfg_for(manifest, critic, epochs=2), log=quiet, on_step=refuse)
+    assert files() == before
 
 
 # ---- defect 3, after the driver's check: files swapped while the workers start ----------------------------
@@ -591,6 +607,7 @@ def test_a_change_in_rows_no_step_read_stops_the_next_save(ray_cluster, manifest
         train(cfg_for(m, out, save_interval=2, gpus=1), log=quiet, on_step=rewrite)
     assert read_latest(out) is None and not list(out.glob(f"iter_*/{CONTRACT_NAME}"))
     assert not list(out.glob("iter_*"))  # the check runs before the save
+    assert not out.exists()  # nor is its run log kept: it published nothing (issue 33)
 
 
 # ---- defect 12: disk full during a save ------------------------------------------------------------------------

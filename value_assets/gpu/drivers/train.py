@@ -417,10 +417,50 @@ def train(
     into the same folder is refused before it reads the folder, so it never resumes from, nor writes
     metrics into, a folder another run is writing."""
     with exclusive_folder(cfg.output, "training run"):
-        return _train(cfg, log, on_step)
+        written = _Written(cfg.output)
+        try:
+            return _train(cfg, log, on_step, written)
+        except BaseException:
+            undone = written.take_back()
+            if undone:
+                log(f"the run failed: removed what it wrote and did not publish: {', '.join(undone)}")
+            raise
 
 
-def _train(cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, dict], None] | None) -> TrainResult:
+class _Written:
+    """What a run wrote into its output folder, for a run that fails to take back (docs/rules.md#saves:
+    nothing is written on error): the saves it did not publish (a contract or, for a canary, the
+    receipt, publishes one) and, when it published none, what it added to the run log (metrics.jsonl,
+    tensorboard/). Saves and logs that an earlier run left, and saves this run published, stay.
+
+    `take_back` runs once the run's workers have ended (after `start_workers`' `finally`), so no
+    worker still writes into a save it removes."""
+
+    def __init__(self, folder: Path):
+        from value_assets.gpu.drivers.metrics_log import RunLogBefore
+
+        self.folder = folder
+        self.run_log = RunLogBefore.of(folder)
+        self.log_after: int | None = None  # once the run opened its log: the step it resumed after
+        self.saves: list[Path] = []  # step folders this run made
+        self.published: list[Path] = []  # those of them it published
+
+    def take_back(self) -> list[str]:
+        undone = []
+        for step_dir in self.saves:
+            # A folder with a contract is published: by this run, or left by an earlier one.
+            if step_dir in self.published or (step_dir / CONTRACT_NAME).exists() or not step_dir.exists():
+                continue
+            shutil.rmtree(step_dir, ignore_errors=True)
+            undone.append(str(step_dir))
+        if not self.published and self.log_after is not None:
+            undone += self.run_log.take_back(self.log_after)
+        return undone
+
+
+def _train(
+    cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, dict], None] | None, written: _Written
+) -> TrainResult:
     from value_assets.gpu.drivers.metrics_log import MetricsLog
     from value_assets.gpu.workers.cluster import start_workers
 
@@ -474,6 +514,7 @@ def _train(cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, di
         else:
             cluster.call_all("bootstrap", prep.backbone_source)
         critic_dir.mkdir(parents=True, exist_ok=True)
+        written.log_after = prep.start_step
         metrics_log = MetricsLog(critic_dir, after_step=prep.start_step)
         try:
             for step in range(prep.start_step + 1, last_step + 1):
@@ -499,6 +540,7 @@ def _train(cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, di
                 due = cfg.save_interval and step % cfg.save_interval == 0
                 if step == last_step or due:
                     _check_data_unchanged(train_ds)
+                    written.saves.append(critic_dir / iter_dirname(step))
                     step_dir = _save(cluster, critic_dir, step, prep.backbone_cfg)
                     result.checkpoint = str(step_dir)
                     result.completed_steps = step
@@ -511,6 +553,7 @@ def _train(cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, di
                         )
                         path = critic_dir / RECEIPT_NAME
                         publish_once(path, canonical_bytes(receipt))
+                        written.published.append(step_dir)
                         result.receipt = str(path)
                         log(f"canary: saved {step_dir}, receipt {path} (not promotable)")
                     else:
@@ -538,6 +581,7 @@ def _train(cfg: TrainJob, log: Callable[[str], None], on_step: Callable[[int, di
                                 str(step_dir),
                                 f"{_refusal(refused)} while publishing the contract; nothing was published ({exc})",
                             ) from None
+                        written.published.append(step_dir)
                         log(saved_line(step_dir, result.contract_sha256))
             # Every rank's parameter digest: equal across data-parallel ranks, and the bitwise
             # fingerprint that resume tests compare.
