@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from value_assets.core.errors import EXIT_GATE_FAILED, InputError, require_int
+from value_assets.core.errors import EXIT_GATE_FAILED, InfrastructureError, InputError, require_int
 from value_assets.core.job_configs import TrainJob, data_roots_from_env, field_default, field_doc
 from value_assets.core.publish import PublishError
 
@@ -559,6 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
+    except InfrastructureError as exc:  # a worker that died, a deadline: not a bug, not bad input
+        if os.environ.get("VALUE_ASSETS_TRACEBACK") == "1":
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"value-assets: infrastructure failure: {_paragraph(str(exc))}", file=sys.stderr)
+        return EXIT_UNEXPECTED
     except OSError as exc:
         # The environment's refusal of a named path is located like bad input; one without a path
         # is a writer that failed to name its file: a bug (exit 1).

@@ -3,8 +3,9 @@ processes, and a reused worker trains bitwise like a fresh one. A failed job end
 refusal raised by the driver between worker calls does not); a pool
 another live job holds is waited for (and refused after the job's timeout); a job of another shape
 replaces it. Faults in test_faults' style (issue 33): a driver SIGKILLed mid-run leaves workers the
-next job resets; a worker SIGKILLed between jobs is replaced (a SIGKILLed warm-cluster helper:
-tests/core/test_warm_folder.py)."""
+next job resets; a worker SIGKILLed mid-run fails its job (exit 1, an infrastructure failure named)
+and the next job gets new workers; a worker SIGKILLed between jobs is replaced (a SIGKILLed
+warm-cluster helper: tests/job/test_warm_cluster.py)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,58 @@ def test_pooled_workers_are_reused_and_train_bitwise_like_fresh_ones(pool, manif
     assert pool_workers_alive(pool)  # kept for the next job (the next test's)
 
 
+def test_a_worker_killed_mid_run_fails_the_job_cleanly_and_the_next_job_gets_fresh_workers(
+    pool, manifest, tmp_path, monkeypatch, capsys
+):
+    """Issue 33: one pooled worker SIGKILLed mid-run (the OOM killer), through the command line. The
+    job fails at once (its peer, in a collective with the dead rank, fails too) with exit 1, an
+    infrastructure failure (docs/operations.md#exit-codes): not bad input, not a bug, and said so,
+    naming the dead rank and its pid; nothing is published and nothing is left in the output, run log
+    included. The surviving worker, in an unknown state, is ended, never reused: the next job gets
+    a new pool and trains."""
+    import signal
+
+    import psutil
+
+    from value_assets.cli import main as cli_main
+    from value_assets.gpu.drivers import train as train_module
+
+    seen, killed = Log(), []
+    real_train = train_module.train
+
+    def kill_rank_1(step, _metrics):
+        if step == 1:  # workers set up, a step trained: the job is mid-run
+            killed.append(seen.pids()[1])
+            os.kill(killed[0], signal.SIGKILL)
+
+    def train_and_kill(cfg, log=print):
+        def both(message: str) -> None:
+            seen(message)
+            log(message)
+
+        return real_train(cfg, log=both, on_step=kill_rank_1)
+
+    monkeypatch.setattr(train_module, "train", train_and_kill)  # the CLI imports it when it runs
+    out = tmp_path / "killed"
+    argv = ["train", str(manifest), "--output", str(out), "--backbone", "tiny", "--global-batch-size", "32"]
+    rc = cli_main([*argv, "--gpus", "2", "--save-interval", "32"])
+    err = capsys.readouterr().err
+    assert seen.source().startswith(pool) and killed
+    assert rc == 1, err[-2000:]
+    said = err.strip().splitlines()[-1]
+    assert said.startswith("value-assets: infrastructure failure: ") and "please report" not in said, said
+    assert f"worker rank 1 (pid {killed[0]}) died during train_step" in said, said
+    assert said.endswith("this run published nothing"), said
+    assert not out.exists()  # no save, no contract, no run log: nothing written
+    survivor = [psutil.Process(pid) for pid in seen.pids()[:1] if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(survivor, timeout=30)
+    assert not alive, "the surviving worker of the failed job was kept"
+
+    after = Log()
+    run(manifest, tmp_path / "next", after)
+    assert after.source() == f"{pool} (new)" and set(after.pids()).isdisjoint(seen.pids())
+
+
 def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a_failed_job_ends_it(
     pool, manifest, tmp_path
 ):
@@ -175,8 +228,8 @@ def test_a_pool_held_by_a_live_job_is_waited_for_another_shape_replaces_it_and_a
     assert refused.source() == f"{pool} (reused)" and refused.pids() == one.pids()
     assert pool_workers_alive(pool)
 
-    # A pool worker SIGKILLed between jobs (the OOM killer): Ray sees it die within a second (the
-    # manager process its save forked ends with it: it kept the worker's connection to Ray open,
+    # A pool worker SIGKILLed between jobs (the OOM killer): Ray sees it die within a second (no
+    # process its saves forked outlives it: one that did kept the worker's connection to Ray open,
     # and the next job waited 30 s for its lease call), and the next job replaces the pool.
     import signal
 

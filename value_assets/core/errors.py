@@ -25,6 +25,13 @@ class InputError(ValueError):
         return type(self), (self.where, self.message)
 
 
+class InfrastructureError(RuntimeError):
+    """The machinery that runs a job failed, not its input and not the code: a worker process died
+    (the OOM killer, a crash), workers did not answer before the job's deadline, a reservation was
+    not granted. The command line exits 1 (docs/operations.md#exit-codes) with this message, which
+    names what failed and what was (not) published, and no traceback."""
+
+
 def show(value: object, limit: int = 80) -> str:
     """A short printable rendering of an offending value for error messages."""
     if isinstance(value, (str, bytes)) and len(value) > limit:

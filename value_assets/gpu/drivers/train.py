@@ -32,7 +32,7 @@ from value_assets.core.contract import (
     write_contract,
 )
 from value_assets.core.dataset import Dataset, validate_dataset
-from value_assets.core.errors import InputError
+from value_assets.core.errors import InfrastructureError, InputError
 from value_assets.core.hashing import sha256_file
 from value_assets.core.job_configs import TrainJob
 from value_assets.core.manifest import Manifest, load_manifest
@@ -420,10 +420,13 @@ def train(
         written = _Written(cfg.output)
         try:
             return _train(cfg, log, on_step, written)
-        except BaseException:
+        except BaseException as exc:
             undone = written.take_back()
             if undone:
                 log(f"the run failed: removed what it wrote and did not publish: {', '.join(undone)}")
+            if isinstance(exc, InfrastructureError):  # a worker died, a deadline passed: say what stands
+                published = f"published up to {written.published[-1]}" if written.published else "published nothing"
+                raise type(exc)(f"{exc}; this run {published}") from exc
             raise
 
 

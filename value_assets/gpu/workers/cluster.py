@@ -21,14 +21,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from value_assets.core.errors import InputError
+from value_assets.core.errors import InfrastructureError, InputError
 from value_assets.core.job_configs import PLACEMENT_STRATEGIES
 from value_assets.core.warm_folder import POOL_ENV
 from value_assets.core.worker_spec import WorkerSpec
 
 
-class ClusterError(RuntimeError):
-    """The cluster could not be reserved or a worker failed."""
+class ClusterError(InfrastructureError):
+    """The cluster could not be reserved, or a worker died or did not answer in time."""
 
 
 @dataclass
@@ -56,17 +56,22 @@ class Cluster:
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` with the same arguments on every rank; results in rank order."""
-        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], None)
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], None, method)
 
     def call_each(
         self, method: str, per_rank: Sequence[tuple[tuple, dict]], deadline_s: float | None = None
     ) -> list[Any]:
         """Call `method` with rank-specific (args, kwargs)."""
         return self._get(
-            [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank, strict=True)], deadline_s
+            [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, per_rank, strict=True)],
+            deadline_s,
+            method,
         )
 
-    def _get(self, refs, timeout_s):
+    def _get(self, refs, timeout_s, method: str = "a call"):
+        """The results of `refs` (one call per rank, in rank order). A worker that died (killed by
+        the OOM killer, a crash) is a ClusterError naming its rank, pid and the call, whichever rank's
+        error came first: its peers then fail too, in a collective with a dead rank."""
         import ray
 
         self.in_flight = True
@@ -75,11 +80,45 @@ class Cluster:
             self.in_flight = False
             return results
         except ray.exceptions.GetTimeoutError:
-            raise ClusterError(f"workers did not answer within {timeout_s or self.timeout_s:.0f} s") from None
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, InputError):  # a worker's refusal is the job's refusal (exit 2, its message)
-                raise exc.cause from None
-            raise
+            raise ClusterError(f"workers did not answer {method} within {timeout_s or self.timeout_s:.0f} s") from None
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, InputError):
+                raise exc.cause from None  # a worker's refusal is the job's refusal (exit 2, its message)
+            dead = _dead_ranks(refs)
+            if not dead:
+                raise
+            rank, died = dead[0]
+            pid = self.infos[rank]["pid"] if rank < len(self.infos) else "unknown"
+            raise ClusterError(
+                f"worker rank {rank} (pid {pid}) died during {method}: its process ended (killed, e.g. by the "
+                f"kernel's OOM killer, or crashed; Ray: {_first_line(died)}). The job stopped; its workers are "
+                "ended, never reused"
+            ) from None
+
+
+def _dead_ranks(refs: Sequence[Any], wait_s: float = 5.0) -> list[tuple[int, BaseException]]:
+    """The ranks (indices of `refs`) whose worker died, with Ray's error: a dead actor's call fails
+    at once, so `wait_s` only bounds the wait for calls still running on live ranks."""
+    import ray
+
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    ready_ids = {r.hex() for r in ready}
+    dead = []
+    for rank, ref in enumerate(refs):
+        if ref.hex() not in ready_ids:
+            continue
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as exc:
+            dead.append((rank, exc))
+        except Exception:  # noqa: BLE001 - a live rank's own failure (a peer it lost): not a dead worker
+            pass
+    return dead
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _start_reaper() -> subprocess.Popen | None:
