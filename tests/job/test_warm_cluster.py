@@ -1,12 +1,15 @@
 """The local launcher's warm Ray cluster (core/warm_folder.py, gpu/workers/warm_helper.py): a
 helper process owns it, jobs find it through a folder, it stays while a job holds it and ends
-when idle, Ray processes included (when stopped: tests/dagster/test_dg_engine.py)."""
+when idle, Ray processes included (when stopped: tests/dagster/test_dg_engine.py). A helper
+SIGKILLed is replaced, and the next job trains on the new cluster (issue 33)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -14,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from value_assets.core.warm_folder import INFO_NAME, POOL_ENV, read_live, stop_warm_cluster, use_warm_cluster
+from value_assets.core.warm_folder import (
+    INFO_NAME,
+    POOL_ENV,
+    read_live,
+    stop_warm_cluster,
+    use_warm_cluster,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -79,3 +88,105 @@ def _warm_cluster_lifecycle(folder):
     assert not stop_warm_cluster(folder)  # nothing serves now
     # Ended by `stop_warm_cluster` instead: tests/dagster/test_dg_engine.py, at the end of its two
     # lineages (a third cluster start here cost ~10 s).
+
+
+def running(pid: int, create_time: float) -> bool:
+    """Whether the process `pid` created at `create_time` (psutil's) still runs: not a zombie
+    waiting to be reaped, not another process that took its pid."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == create_time and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def created(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).create_time()
+
+
+# A process that has nothing to do with the warm cluster: it records every catchable signal it gets.
+_BYSTANDER = """
+import signal, sys, time
+from pathlib import Path
+def record(sig, _frame):
+    Path(sys.argv[1]).write_text(signal.Signals(sig).name)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+    signal.signal(sig, record)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+# The next GPU job, as the launcher runs it: a driver joining the warm cluster through job_env().
+_NEXT_JOB = """
+import sys
+from pathlib import Path
+from tests.job.jobtest_helpers import tiny_train_job
+from value_assets.gpu.drivers.train import train
+result = train(tiny_train_job(Path(sys.argv[1]), Path(sys.argv[2]), gpus=1, stop_after=1), log=print)
+print("trained", result.completed_steps, result.contract_sha256, flush=True)
+"""
+
+
+@pytest.mark.slow  # two Ray starts, a worker's torch/megatron import, a training step: 16-18 s on 2 cores
+def test_a_helper_killed_outright_is_replaced_and_the_next_job_trains(tmp_path, monkeypatch):
+    """Issue 33, defect 2, with a real helper: SIGKILLed (the OOM killer) it runs no `finally`, so its
+    cluster.json stays; its reaper ends its Ray. Its pid then names an unrelated process (the one
+    stand-in here: the kernel reusing the pid, written into the record as reuse would leave it,
+    with the dead helper's start time). The next job must not join the dead address (it hung,
+    retrying) and nothing may signal that process (`stop_warm_cluster` sent it SIGTERM): a new
+    helper starts, the job trains and publishes on its cluster, and stopping ends that helper
+    alone. Every wait has a deadline."""
+    from value_assets.core.contract import load_contract
+    from value_assets.core.demo_data import make_demo_data
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    root = Path(__file__).resolve().parents[2]
+    folder = tmp_path / "warm"
+    manifest = make_demo_data(tmp_path / "data", rows=64, heldout_rows=32, seed=0)
+    signalled = tmp_path / "signalled"
+    bystander = subprocess.Popen([sys.executable, "-c", _BYSTANDER, str(signalled)], stdout=subprocess.PIPE, text=True)
+    helpers = []  # (pid, creation time) of each helper started here
+    try:
+        assert bystander.stdout.readline().strip() == "ready"
+        with use_warm_cluster(folder, python=sys.executable, idle_s=60, start_timeout_s=120) as dead:
+            helpers.append((dead.pid, created(dead.pid)))
+            servers = ray_processes_of(dead.address)
+            assert servers
+            os.kill(dead.pid, signal.SIGKILL)
+            assert wait_until(lambda: not running(*helpers[0]), 10)
+        assert wait_until(lambda: not any(alive(p) for p in servers), 30), "the killed helper's Ray lived on"
+        record = json.loads((folder / INFO_NAME).read_text())  # no `finally` ran: the record stays
+        assert record["address"] == dead.address
+        (folder / INFO_NAME).write_text(json.dumps({**record, "pid": bystander.pid}))
+
+        with use_warm_cluster(folder, python=sys.executable, idle_s=60, start_timeout_s=120) as live:
+            helpers.append((live.pid, created(live.pid)))
+            assert live.address != dead.address and live.pid not in (dead.pid, bystander.pid)
+            job = subprocess.run(
+                [sys.executable, "-c", _NEXT_JOB, str(manifest), str(tmp_path / "critic")],
+                env=dict(os.environ, **live.job_env(), PYTHONPATH=str(root)),
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=120,  # ~8 s; the old code's job hung on the dead address
+            )
+        assert job.returncode == 0, job.stderr[-3000:]
+        trained = job.stdout.strip().splitlines()[-1].split()
+        assert trained[:2] == ["trained", "1"]
+        assert load_contract(tmp_path / "critic" / "iter_0000001")[1] == trained[2]
+        assert "pool warm (new)" in job.stdout  # workers of the new cluster's pool
+        new_servers = ray_processes_of(live.address)
+        assert stop_warm_cluster(folder, timeout_s=60)  # the new helper, by its lock and start time
+        assert not running(*helpers[1]) and not (folder / INFO_NAME).exists()
+        assert wait_until(lambda: not any(alive(p) for p in new_servers), 30), "the stopped helper's Ray lived on"
+        assert bystander.poll() is None and not signalled.exists(), "an unrelated process was signalled"
+    finally:
+        for pid, started in helpers:  # a helper a failed assertion left running: that very process only
+            if running(pid, started):
+                os.kill(pid, signal.SIGTERM)
+        bystander.kill()
+        bystander.wait(timeout=30)
