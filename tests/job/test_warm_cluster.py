@@ -58,38 +58,6 @@ def ray_processes_of(address: str) -> list[int]:
     return found
 
 
-def test_the_warm_cluster_is_shared_kept_while_used_and_ended_when_idle_or_stopped(tmp_path, monkeypatch):
-    # Ray's temp folder holds the address of a `ray start` cluster that is gone: the helper
-    # starts its own Ray all the same (ray.init without address="local" would try to join it).
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtw", dir="/tmp"))  # short: Ray's socket paths are capped at 107 bytes
-    (ray_tmp / "ray").mkdir()
-    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
-    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    try:
-        _warm_cluster_lifecycle(tmp_path / "warm")
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _warm_cluster_lifecycle(folder):
-    with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as first:
-        assert json.loads((folder / INFO_NAME).read_text())["address"] == first.address
-        assert first.job_env() == {"RAY_ADDRESS": first.address, POOL_ENV: "warm", "RAY_AUTH_MODE": "disabled"}
-        assert ray_processes_of(first.address)
-        time.sleep(3)  # longer than the idle limit, but a job holds it
-        assert alive(first.pid) and read_live(folder) == first
-        with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as second:
-            assert second == first  # joined, not started again
-    servers = ray_processes_of(first.address)
-    assert wait_until(lambda: not alive(first.pid), 60), "the helper outlived its idle limit"
-    assert not (folder / INFO_NAME).exists()
-    assert wait_until(lambda: not any(alive(p) for p in servers), 30), "Ray outlived its helper"
-    assert not stop_warm_cluster(folder)  # nothing serves now
-    # Ended by `stop_warm_cluster` instead: tests/dagster/test_dg_engine.py, at the end of its two
-    # lineages (a third cluster start here cost ~10 s).
-
-
 def running(pid: int, create_time: float) -> bool:
     """Whether the process `pid` created at `create_time` (psutil's) still runs: not a zombie
     waiting to be reaped, not another process that took its pid."""
@@ -131,58 +99,33 @@ print("trained", result.completed_steps, result.contract_sha256, flush=True)
 """
 
 
-@pytest.mark.slow  # two Ray starts, a worker's torch/megatron import, a training step: 16-18 s on 2 cores
-def test_a_helper_killed_outright_is_replaced_and_the_next_job_trains(tmp_path, monkeypatch):
-    """Issue 33, defect 2, with a real helper: SIGKILLed (the OOM killer) it runs no `finally`, so its
-    cluster.json stays; its reaper ends its Ray. Its pid then names an unrelated process (the one
-    stand-in here: the kernel reusing the pid, written into the record as reuse would leave it,
-    with the dead helper's start time). The next job must not join the dead address (it hung,
-    retrying) and nothing may signal that process (`stop_warm_cluster` sent it SIGTERM): a new
-    helper starts, the job trains and publishes on its cluster, and stopping ends that helper
-    alone. Every wait has a deadline."""
-    from value_assets.core.contract import load_contract
-    from value_assets.core.demo_data import make_demo_data
+@pytest.mark.slow  # two Ray starts, a worker's torch/megatron import, a training step: ~20 s on 2 cores
+def test_a_killed_helper_is_replaced_the_next_job_trains_and_the_cluster_is_kept_while_used_and_ended_when_idle(
+    tmp_path, monkeypatch
+):
+    """Issue 33, defect 2, with a real helper and a real next job: SIGKILLed (the OOM killer), a helper
+    runs no `finally`, so its cluster.json stays; its reaper ends its Ray. Its pid then names an
+    unrelated process (the one stand-in here: the kernel reusing the pid, written into the record as
+    reuse would leave it, with the dead helper's start time). The next job must not join the dead
+    address (it hung, retrying) and nothing may signal that process (`stop_warm_cluster` sent it
+    SIGTERM): a new helper starts and the job trains and publishes on its pool.
 
+    Then the new cluster's life, on the same start (a cluster start costs ~10 s here): shared by a
+    second user, kept past its idle limit while a job holds it, ended when idle, Ray processes
+    included (ended by `stop_warm_cluster` instead: tests/dagster/test_dg_engine.py). Ray's temp
+    folder holds the address of a `ray start` cluster that is gone: the helper starts its own Ray all
+    the same (ray.init without address="local" would try to join it). Every wait has a deadline."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtw", dir="/tmp"))  # short: Ray's socket paths are capped at 107 bytes
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    root = Path(__file__).resolve().parents[2]
-    folder = tmp_path / "warm"
-    manifest = make_demo_data(tmp_path / "data", rows=64, heldout_rows=32, seed=0)
     signalled = tmp_path / "signalled"
     bystander = subprocess.Popen([sys.executable, "-c", _BYSTANDER, str(signalled)], stdout=subprocess.PIPE, text=True)
-    helpers = []  # (pid, creation time) of each helper started here
+    helpers: list[tuple[int, float]] = []  # (pid, creation time) of each helper started here
     try:
         assert bystander.stdout.readline().strip() == "ready"
-        with use_warm_cluster(folder, python=sys.executable, idle_s=60, start_timeout_s=120) as dead:
-            helpers.append((dead.pid, created(dead.pid)))
-            servers = ray_processes_of(dead.address)
-            assert servers
-            os.kill(dead.pid, signal.SIGKILL)
-            assert wait_until(lambda: not running(*helpers[0]), 10)
-        assert wait_until(lambda: not any(alive(p) for p in servers), 30), "the killed helper's Ray lived on"
-        record = json.loads((folder / INFO_NAME).read_text())  # no `finally` ran: the record stays
-        assert record["address"] == dead.address
-        (folder / INFO_NAME).write_text(json.dumps({**record, "pid": bystander.pid}))
-
-        with use_warm_cluster(folder, python=sys.executable, idle_s=60, start_timeout_s=120) as live:
-            helpers.append((live.pid, created(live.pid)))
-            assert live.address != dead.address and live.pid not in (dead.pid, bystander.pid)
-            job = subprocess.run(
-                [sys.executable, "-c", _NEXT_JOB, str(manifest), str(tmp_path / "critic")],
-                env=dict(os.environ, **live.job_env(), PYTHONPATH=str(root)),
-                cwd=root,
-                capture_output=True,
-                text=True,
-                timeout=120,  # ~8 s; the old code's job hung on the dead address
-            )
-        assert job.returncode == 0, job.stderr[-3000:]
-        trained = job.stdout.strip().splitlines()[-1].split()
-        assert trained[:2] == ["trained", "1"]
-        assert load_contract(tmp_path / "critic" / "iter_0000001")[1] == trained[2]
-        assert "pool warm (new)" in job.stdout  # workers of the new cluster's pool
-        new_servers = ray_processes_of(live.address)
-        assert stop_warm_cluster(folder, timeout_s=60)  # the new helper, by its lock and start time
-        assert not running(*helpers[1]) and not (folder / INFO_NAME).exists()
-        assert wait_until(lambda: not any(alive(p) for p in new_servers), 30), "the stopped helper's Ray lived on"
+        _kill_a_helper_then_train(tmp_path, tmp_path / "warm", bystander.pid, helpers)
         assert bystander.poll() is None and not signalled.exists(), "an unrelated process was signalled"
     finally:
         for pid, started in helpers:  # a helper a failed assertion left running: that very process only
@@ -190,3 +133,53 @@ def test_a_helper_killed_outright_is_replaced_and_the_next_job_trains(tmp_path, 
                 os.kill(pid, signal.SIGTERM)
         bystander.kill()
         bystander.wait(timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _kill_a_helper_then_train(tmp_path: Path, folder: Path, bystander: int, helpers: list) -> None:
+    from value_assets.core.contract import load_contract
+    from value_assets.core.demo_data import make_demo_data
+
+    root = Path(__file__).resolve().parents[2]
+    manifest = make_demo_data(tmp_path / "data", rows=64, heldout_rows=32, seed=0)
+    with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as dead:
+        helpers.append((dead.pid, created(dead.pid)))
+        assert json.loads((folder / INFO_NAME).read_text())["address"] == dead.address
+        assert dead.job_env() == {"RAY_ADDRESS": dead.address, POOL_ENV: "warm", "RAY_AUTH_MODE": "disabled"}
+        servers = ray_processes_of(dead.address)
+        assert servers
+        os.kill(dead.pid, signal.SIGKILL)
+        assert wait_until(lambda: not running(*helpers[0]), 10)
+    assert wait_until(lambda: not any(alive(p) for p in servers), 30), "the killed helper's Ray lived on"
+    record = json.loads((folder / INFO_NAME).read_text())  # no `finally` ran: the record stays
+    assert record["address"] == dead.address
+    stale = json.dumps({**record, "pid": bystander})
+    (folder / INFO_NAME).write_text(stale)
+
+    with use_warm_cluster(folder, python=sys.executable, idle_s=1.0, start_timeout_s=120) as live:
+        helpers.append((live.pid, created(live.pid)))
+        assert live.address != dead.address and live.pid not in (dead.pid, bystander)
+        job = subprocess.run(
+            [sys.executable, "-c", _NEXT_JOB, str(manifest), str(tmp_path / "critic")],
+            env=dict(os.environ, **live.job_env(), PYTHONPATH=str(root)),
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,  # ~8 s; the old code's job hung on the dead address
+        )
+        assert job.returncode == 0, job.stderr[-3000:]
+        trained = job.stdout.strip().splitlines()[-1].split()
+        assert trained[:2] == ["trained", "1"]
+        assert load_contract(tmp_path / "critic" / "iter_0000001")[1] == trained[2]
+        assert "pool warm (new)" in job.stdout  # workers of the new cluster's pool
+        # the job took longer than the idle limit, and a job holds the cluster: it is kept
+        assert running(*helpers[1]) and read_live(folder) == live
+        with use_warm_cluster(folder, python=sys.executable, idle_s=1.0) as second:
+            assert second == live  # joined, not started again
+    servers = ray_processes_of(live.address)
+    assert wait_until(lambda: not running(*helpers[1]), 60), "the helper outlived its idle limit"
+    assert not (folder / INFO_NAME).exists()
+    assert wait_until(lambda: not any(alive(p) for p in servers), 30), "Ray outlived its helper"
+    assert not stop_warm_cluster(folder)  # nothing serves now
+    (folder / INFO_NAME).write_text(stale)  # the dead helper's record again, its pid another process's
+    assert not stop_warm_cluster(folder) and not (folder / INFO_NAME).exists()  # removed, not signalled
