@@ -1,7 +1,9 @@
 """docs/rules.md#contract: the contract binds every file of its save; loaders verify before deserializing; resume
 finds the newest verified contracted save; `value-assets verify` (torch-free)."""
 
+import json
 import os
+import random
 import subprocess
 import sys
 
@@ -9,9 +11,12 @@ import pytest
 
 from value_assets.cli import main
 from value_assets.core.checkpoint_files import checkpoint_differences, describe_folder, verify_checkpoint
+from value_assets.core.chunks import THREADS_ENV
 from value_assets.core.contract import (
+    CONTRACT_NAME,
     LATEST_NAME,
     build_contract,
+    check_resume_recorded,
     find_resume_point,
     iter_dirname,
     load_verified,
@@ -22,12 +27,17 @@ from value_assets.core.errors import InputError
 from value_assets.core.hashing import sha256_bytes
 from value_assets.core.objective import Objective
 from value_assets.core.plan import build_plan
+from value_assets.core.strict_json import canonical_bytes
 
 pytestmark = pytest.mark.unit
 
 
-def fake_save(critic, step, payload=b"weights"):
-    """A step folder shaped like a torch_dist save, contracted like the trainer does it."""
+CB = 64  # bytes per chunk in these tests: __0_0.distcp (700 bytes) is 10 full chunks and a short one
+
+
+def fake_save(critic, step, payload=b"weights", chunk_bytes=CB, whole_file=False):
+    """A step folder shaped like a torch_dist save, contracted like the trainer does it (with
+    `whole_file`, as a contract written before chunk digests: {path, size, sha256})."""
     d = critic / iter_dirname(step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(payload * 100)
@@ -35,6 +45,11 @@ def fake_save(critic, step, payload=b"weights"):
     (d / "common.pt").write_bytes(b"common")
     (d / "sub").mkdir()
     (d / "sub" / "x.bin").write_bytes(b"nested")
+    files = describe_folder(d, chunk_bytes=chunk_bytes)
+    if whole_file:
+        files = [
+            {"path": f["path"], "size": f["size"], "sha256": sha256_bytes((d / f["path"]).read_bytes())} for f in files
+        ]
     c = build_contract(
         manifest_sha256="1" * 64,
         train_sha256="2" * 64,
@@ -44,12 +59,17 @@ def fake_save(critic, step, payload=b"weights"):
         model={"kind": "tiny-random", "seed": 0},
         backbone_config={},
         checkpoint=d.name,
-        checkpoint_files=describe_folder(d),
+        checkpoint_files=files,
     )
     return d, c, write_contract(critic, c)
 
 
-def test_describe_folder_sorted_with_sizes_and_shas(tmp_path):
+def naive_chunks(data, chunk_bytes):
+    """The reference: a plain loop over slices, one sha each."""
+    return [sha256_bytes(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)]
+
+
+def test_describe_folder_sorted_with_sizes_and_chunk_shas(tmp_path):
     d, c, _ = fake_save(tmp_path, 2)
     files = c["checkpoint_files"]
     assert [f["path"] for f in files] == [
@@ -58,9 +78,56 @@ def test_describe_folder_sorted_with_sizes_and_shas(tmp_path):
         "common.pt",
         "sub/x.bin",
     ]  # the contract itself excluded
-    assert files[2] == {"path": "common.pt", "size": 6, "sha256": sha256_bytes(b"common")}
+    assert files[2] == {"path": "common.pt", "size": 6, "chunk_bytes": CB, "chunk_sha256": [sha256_bytes(b"common")]}
+    assert len(files[1]["chunk_sha256"]) == 11  # 700 bytes: 10 chunks of 64 and a short one of 60
     assert checkpoint_differences(d, c) == []
     assert load_verified(d)[0] == c
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_parallel_chunk_digests_equal_a_sequential_reference(tmp_path, monkeypatch, threads):
+    monkeypatch.setenv(THREADS_ENV, threads)
+    rng = random.Random(0)
+    d = tmp_path / iter_dirname(1)
+    d.mkdir()
+    sizes = {"a.distcp": 0, "b.distcp": 1, "c.distcp": 63, "d.distcp": 64, "e.distcp": 65, "f.distcp": 64 * 37 + 5}
+    blobs = {name: bytes(rng.randrange(256) for _ in range(n)) for name, n in sizes.items()}
+    for name, data in blobs.items():
+        (d / name).write_bytes(data)
+    files = describe_folder(d, chunk_bytes=64)
+    assert files == [
+        {"path": name, "size": len(data), "chunk_bytes": 64, "chunk_sha256": naive_chunks(data, 64)}
+        for name, data in sorted(blobs.items())
+    ]
+    contract = {"checkpoint": d.name, "checkpoint_files": files}
+    assert checkpoint_differences(d, contract) == []
+    (d / "f.distcp").write_bytes(b"".join(bytes([b ^ (k % 7 == 3)]) for k, b in enumerate(blobs["f.distcp"])))
+    flipped = sorted({k // 64 for k in range(len(blobs["f.distcp"])) if k % 7 == 3})
+    named = ", ".join(map(str, flipped[:8]))
+    assert checkpoint_differences(d, contract) == [
+        f"f.distcp: chunks {named}, ... of 38 (64 bytes each) differ from the contract's digests"
+    ]
+
+
+@pytest.mark.parametrize(
+    "where, chunk",
+    [(0, 0), (5 * CB + 3, 5), (10 * CB - 1, 9), (10 * CB, 10), (699, 10)],
+    ids=["first chunk", "middle chunk", "last full chunk", "short last chunk, first byte", "last byte"],
+)
+def test_a_flipped_byte_in_any_chunk_is_refused_naming_file_and_chunk(tmp_path, where, chunk):
+    d, c, _ = fake_save(tmp_path, 2)
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    data[where] ^= 0x20
+    (d / "__0_0.distcp").write_bytes(bytes(data))
+    start = chunk * CB
+    end = min(start + CB, 700) - 1
+    needle = f"__0_0.distcp: chunk {chunk} of 11 (64 bytes each), bytes {start}..{end}: sha256 "
+    assert [x for x in checkpoint_differences(d, c) if needle in x], checkpoint_differences(d, c)
+    with pytest.raises(InputError, match="do not match their contract") as ei:
+        load_verified(d)
+    assert needle in ei.value.message and "the contract binds " + c["checkpoint_files"][1]["chunk_sha256"][chunk] in (
+        ei.value.message
+    )
 
 
 @pytest.mark.parametrize(
@@ -68,13 +135,22 @@ def test_describe_folder_sorted_with_sizes_and_shas(tmp_path):
     [
         (lambda d: (d / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR."), ".metadata: size"),
         (
-            lambda d: (d / "__0_0.distcp").write_bytes(b"W" + (d / "__0_0.distcp").read_bytes()[1:]),
-            "__0_0.distcp: sha256",
+            lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-1]),
+            "__0_0.distcp: size 699, the contract binds 700 (truncated from chunk 10 of 11 on)",
+        ),
+        (
+            lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[: 3 * CB]),
+            "__0_0.distcp: size 192, the contract binds 700 (truncated from chunk 3 of 11 on)",
+        ),
+        (
+            lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes() + b"\0"),
+            "__0_0.distcp: size 701, the contract binds 700 (grown from chunk 10 of 11 on)",
         ),
         (lambda d: (d / "common.pt").unlink(), "missing file common.pt"),
         (lambda d: (d / "extra.distcp").write_bytes(b""), "extra file extra.distcp"),
-        (lambda d: (d / "sub" / "x.bin").write_bytes(b"NESTED"), "sub/x.bin: sha256"),
+        (lambda d: (d / "sub" / "x.bin").write_bytes(b"NESTED"), "sub/x.bin: chunk 0 of 1 (64 bytes each), bytes 0..5"),
     ],
+    ids=["index", "truncated by one", "truncated to 3 chunks", "appended byte", "missing", "extra", "nested"],
 )
 def test_every_difference_is_refused_and_named(tmp_path, tamper, needle):
     d, c, _ = fake_save(tmp_path, 2)
@@ -83,6 +159,63 @@ def test_every_difference_is_refused_and_named(tmp_path, tamper, needle):
     with pytest.raises(InputError, match="do not match their contract") as ei:
         load_verified(d)
     assert needle in ei.value.message
+
+
+def test_a_chunk_list_rewritten_without_the_contract_is_refused(tmp_path):
+    """The chunk digests live inside the contract, so its sha covers them: a chunk changed and its
+    digest rewritten to match makes another contract, which no pin names."""
+    d, c, sha = fake_save(tmp_path, 2)
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    data[5 * CB] ^= 1
+    (d / "__0_0.distcp").write_bytes(bytes(data))
+    forged = json.loads((d / CONTRACT_NAME).read_bytes())
+    forged["checkpoint_files"][1]["chunk_sha256"][5] = sha256_bytes(bytes(data[5 * CB : 6 * CB]))
+    (d / CONTRACT_NAME).write_bytes(canonical_bytes(forged))
+    assert checkpoint_differences(d, forged) == []  # self-consistent, as a forger makes it
+    with pytest.raises(InputError, match=f"contract sha256 is [0-9a-f]{{64}}, but {sha} was pinned"):
+        load_verified(d, pinned_sha256=sha)
+    with pytest.raises(InputError, match="was pinned"):
+        find_resume_point(tmp_path)  # `latest` pins the contract it wrote
+    assert main(["verify", str(tmp_path)]) == 2
+    with pytest.raises(InputError, match="not one of the 1 saves this lineage's runs recorded"):
+        check_resume_recorded(sha256_bytes(canonical_bytes(forged)), [sha], where=str(d))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda f: f["chunk_sha256"].pop(),  # a chunk of the file left unbound
+        lambda f: f["chunk_sha256"].append("0" * 64),
+        lambda f: f.update(chunk_bytes=CB * 2),  # the same digests re-read over other byte ranges
+        lambda f: f.update(chunk_bytes=0),
+        lambda f: f.update(sha256="0" * 64),  # both forms at once
+        lambda f: f["chunk_sha256"].__setitem__(0, "A" * 64),
+    ],
+    ids=["chunk missing", "chunk extra", "other chunk size", "zero chunk size", "both forms", "not a sha"],
+)
+def test_a_chunk_list_that_does_not_fit_the_size_is_refused_by_entry(tmp_path, edit):
+    d, c, _ = fake_save(tmp_path, 2)
+    edit(c["checkpoint_files"][1])
+    with pytest.raises(InputError, match=r"checkpoint_files\[1\]: not a file entry .*__0_0\.distcp"):
+        verify_checkpoint(d, c)
+
+
+def test_an_old_whole_file_contract_still_verifies_and_its_tampering_is_refused(tmp_path):
+    d, c, _ = fake_save(tmp_path, 2, whole_file=True)
+    assert c["checkpoint_files"][2] == {"path": "common.pt", "size": 6, "sha256": sha256_bytes(b"common")}
+    assert checkpoint_differences(d, c) == []
+    assert load_verified(d)[0] == c
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    data[650] ^= 1
+    (d / "__0_0.distcp").write_bytes(bytes(data))
+    (d / "common.pt").write_bytes(b"commo")
+    with pytest.raises(InputError, match="do not match their contract") as ei:
+        load_verified(d)
+    assert (
+        "__0_0.distcp: sha256 " in ei.value.message
+        and "the contract binds " + c["checkpoint_files"][1]["sha256"] in ei.value.message
+    )
+    assert "common.pt: size 5, the contract binds 6;" in ei.value.message + ";"
 
 
 def test_a_symlinked_file_is_never_followed(tmp_path):
@@ -171,7 +304,7 @@ def test_verify_command(tmp_path, capsys):
     (d / "stray").write_bytes(b"")
     assert main(["verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "common.pt: sha256" in err and "extra file stray" in err and "2 difference(s)" in err
+    assert "common.pt: chunk 0 of 1" in err and "extra file stray" in err and "2 difference(s)" in err
 
 
 def test_verify_command_does_not_import_torch(tmp_path):
