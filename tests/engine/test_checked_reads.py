@@ -1,6 +1,7 @@
 """gpu/runtime/checkpoint.py's checked reads: the slices kept while a file is hashed are the file's
-bytes at those places, a mismatch with the pin uses none of them, and the torch_dist index never
-runs pickled code, pinned or not (docs/rules.md#checkpoint-binding, #bad-input-and-safety)."""
+bytes at those places, a mismatch with the pin uses none of them, only the chunks covering the
+slices are read, and the torch_dist index never runs pickled code, pinned or not
+(docs/rules.md#checkpoint-binding, #bad-input-and-safety)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 
 import pytest
 
+from value_assets.core.chunks import FileBinding
 from value_assets.core.errors import InputError
 
 pytestmark = pytest.mark.unit
@@ -23,25 +25,98 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(checkpoint, "_CHUNK", 7)  # spans cross chunk boundaries everywhere
 
 
-def test_kept_spans_are_the_files_bytes_at_those_places(tmp_path, small_chunks):
+def whole_pin(data):
+    """The binding of a contract written before chunk digests."""
+    return FileBinding(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def chunk_pin(data, chunk_bytes=16):
+    return FileBinding(
+        size=len(data),
+        chunk_bytes=chunk_bytes,
+        chunks=tuple(hashlib.sha256(data[i : i + chunk_bytes]).hexdigest() for i in range(0, len(data), chunk_bytes)),
+    )
+
+
+SPANS = [(0, 0), (0, 1), (5, 9), (6, 30), (500, 7), (993, 7), (0, 1000), (14, 14), (16, 16), (15, 2), (999, 1)]
+
+
+@pytest.mark.parametrize("pin", ["whole file", "chunks", "none"])
+def test_kept_spans_are_the_files_bytes_at_those_places(tmp_path, small_chunks, pin):
     from value_assets.gpu.runtime.checkpoint import read_checked
 
     rng = random.Random(0)
     data = bytes(rng.randrange(256) for _ in range(1000))
     path = tmp_path / "__0_0.distcp"
     path.write_bytes(data)
-    spans = [(0, 0), (0, 1), (5, 9), (6, 30), (500, 7), (993, 7), (0, 1000), (14, 14)]
-    kept = read_checked(path, (len(data), hashlib.sha256(data).hexdigest()), spans)
-    assert kept == {(off, n): data[off : off + n] for off, n in spans}  # the naive reference: slicing
-    assert read_checked(path, None)[(0, -1)] == data
+    binding = {"whole file": whole_pin(data), "chunks": chunk_pin(data), "none": None}[pin]
+    kept = read_checked(path, binding, SPANS)
+    assert kept == {(off, n): data[off : off + n] for off, n in SPANS}  # the naive reference: slicing
+    assert read_checked(path, binding)[(0, -1)] == data
 
 
-@pytest.mark.parametrize("change", ["a flipped byte", "one byte more", "one byte less"])
-def test_a_file_that_differs_from_its_pin_is_refused(tmp_path, small_chunks, change):
+def test_only_the_chunks_covering_the_spans_are_read(tmp_path, monkeypatch):
+    """A forward-only load needs the model's tensors, not the optimizer state beside them: a chunk
+    no span touches is neither read nor checked (a change there is the driver's verify's to find)."""
+    from value_assets.gpu.runtime import checkpoint
+
+    data = bytes(range(256)) * 4  # 64 chunks of 16 bytes
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    pin = chunk_pin(data)
+    read = []
+    real = checkpoint.read_chunk
+    monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append(i) or real(fd, b, i))
+    changed = bytearray(data)
+    changed[40 * 16] ^= 1  # a chunk no span touches
+    path.write_bytes(bytes(changed))
+    assert checkpoint.read_checked(path, pin, [(20, 20), (100, 0), (15 * 16, 33)]) == {
+        (20, 20): data[20:40],
+        (100, 0): b"",
+        (240, 33): data[240:273],
+    }
+    assert sorted(read) == [1, 2, 15, 16, 17]
+
+
+@pytest.mark.parametrize(
+    "where, chunk", [(0, 0), (517, 32), (999, 62)], ids=["first chunk", "middle chunk", "short last chunk"]
+)
+def test_a_changed_chunk_that_a_span_needs_is_refused_by_index(tmp_path, where, chunk):
+    from value_assets.gpu.runtime.checkpoint import read_checked
+
+    data = bytes(range(250)) * 4  # 62 chunks of 16 bytes and one of 8
+    pin = chunk_pin(data)
+    changed = bytearray(data)
+    changed[where] ^= 1
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(bytes(changed))
+    lo, hi = chunk * 16, min(chunk * 16 + 16, 1000) - 1
+    with pytest.raises(
+        InputError,
+        match=rf"__0_0\.distcp: chunk {chunk} of 63 \(bytes {lo}\.\.{hi}\): read sha256 [0-9a-f]{{64}}, the "
+        rf"contract binds {pin.chunks[chunk]}; the file changed after the checkpoint was verified",
+    ):
+        read_checked(path, pin, [(0, 3), (500, 30), (990, 10)])
+
+
+@pytest.mark.parametrize("change", ["one byte more", "one byte less"])
+def test_a_chunked_file_of_another_size_is_refused_before_reading(tmp_path, change):
     from value_assets.gpu.runtime.checkpoint import read_checked
 
     data = bytes(range(256)) * 4
-    pin = (len(data), hashlib.sha256(data).hexdigest())
+    path = tmp_path / "common.pt"
+    path.write_bytes(data + b"\0" if change == "one byte more" else data[:-1])
+    size = len(data) + (1 if change == "one byte more" else -1)
+    with pytest.raises(InputError, match=rf"common\.pt: size {size}, the contract binds 1024; the file changed"):
+        read_checked(path, chunk_pin(data), [(0, 10)])
+
+
+@pytest.mark.parametrize("change", ["a flipped byte", "one byte more", "one byte less"])
+def test_a_file_that_differs_from_its_whole_file_pin_is_refused(tmp_path, small_chunks, change):
+    from value_assets.gpu.runtime.checkpoint import read_checked
+
+    data = bytes(range(256)) * 4
+    pin = whole_pin(data)
     changed = {
         "a flipped byte": data[:100] + bytes([data[100] ^ 1]) + data[101:],
         "one byte more": data + b"\0",
@@ -55,13 +130,15 @@ def test_a_file_that_differs_from_its_pin_is_refused(tmp_path, small_chunks, cha
         read_checked(path, pin, [(0, 10)])
 
 
-def test_a_span_past_the_end_is_refused(tmp_path):
+@pytest.mark.parametrize("pin", ["whole file", "chunks", "none"])
+def test_a_span_past_the_end_is_refused(tmp_path, pin):
     from value_assets.gpu.runtime.checkpoint import read_checked
 
     path = tmp_path / "f"
     path.write_bytes(b"0123456789")
+    binding = {"whole file": whole_pin(b"0123456789"), "chunks": chunk_pin(b"0123456789", 4), "none": None}[pin]
     with pytest.raises(InputError, match=r"ends at byte 10, before the index's entry at \(offset, length\) \(8, 4\)"):
-        read_checked(path, None, [(8, 4)])
+        read_checked(path, binding, [(8, 4)])
 
 
 class _Payload:
@@ -81,7 +158,7 @@ def test_a_planted_index_is_never_unpickled(tmp_path, pinned):
     marker = tmp_path / "pwned"
     data = pickle.dumps(_Payload(marker))
     (tmp_path / ".metadata").write_bytes(data)
-    pins = {".metadata": (len(data), hashlib.sha256(data).hexdigest())} if pinned else None
+    pins = {".metadata": chunk_pin(data)} if pinned else None
     with pytest.raises(InputError, match=r"\.metadata: refusing to unpickle posix\.mkdir"):
         _CheckedReader(tmp_path, pins).read_metadata()
     assert not marker.exists()
@@ -92,11 +169,75 @@ def test_an_index_file_the_contract_does_not_bind_is_not_read(tmp_path):
 
     (tmp_path / ".metadata").write_bytes(b"anything")
     with pytest.raises(InputError, match=r"\.metadata: the contract does not bind this file; it is not read"):
-        _CheckedReader(tmp_path, {"common.pt": (1, "0" * 64)}).read_metadata()
+        _CheckedReader(tmp_path, {"common.pt": whole_pin(b"x")}).read_metadata()
 
 
 def test_a_file_gone_after_the_check_is_named(tmp_path):
     from value_assets.gpu.runtime.checkpoint import _CheckedReader
 
     with pytest.raises(InputError, match=r"\.metadata: missing; the file changed after the checkpoint was verified"):
-        _CheckedReader(tmp_path, {".metadata": (1, "0" * 64)}).read_metadata()
+        _CheckedReader(tmp_path, {".metadata": chunk_pin(b"x")}).read_metadata()
+
+
+def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeypatch):
+    """megatron-core's own load through the checked reader, with chunks small enough that tensors
+    straddle chunk boundaries: model and Adam state come back bit for bit, each chunk of a data
+    file is read once per load, a forward-only load leaves the optimizer's chunks unread, and a
+    chunk changed after the check is refused by index before anything is used."""
+    import dataclasses
+    from collections import Counter
+
+    import numpy as np
+    import torch
+
+    from value_assets.core.checkpoint_files import describe_folder
+    from value_assets.core.objective import Objective
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
+    from value_assets.gpu.model.packing import Row, pack_rows
+    from value_assets.gpu.runtime import checkpoint
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
+    from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
+
+    init_distributed(0, 1, master_port=0, seed=1234)
+    try:
+        obj, cfg = Objective(), dataclasses.replace(BackboneConfig.tiny(), vocab_size=1024)
+        rng = np.random.default_rng(0)
+        rows = [
+            Row(row_id=i, tokens=rng.integers(0, 1000, size=24), response_length=8, returns=np.zeros(8))
+            for i in range(2)
+        ]
+        ddp, opt = wrap_for_training(build_critic(cfg, obj), lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        optimizer_step(ddp, opt, pack_rows(rows, 4096), 2, obj)
+        save = tmp_path / "iter_0000001"
+        save.mkdir()
+        checkpoint.save_critic(save, ddp, opt, iteration=1)
+        contract = {"checkpoint": save.name, "checkpoint_files": describe_folder(save, chunk_bytes=4096)}
+        shards = {f["size"] for f in contract["checkpoint_files"] if f["path"].endswith(".distcp")}
+        total = sum(len(f["chunk_sha256"]) for f in contract["checkpoint_files"] if f["path"].endswith(".distcp"))
+
+        read: list[tuple[int, int]] = []  # (file size, chunk index) of each chunk read
+        real = checkpoint.read_chunk
+        monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append((b.size, i)) or real(fd, b, i))
+        ddp2, opt2 = wrap_for_training(build_critic(cfg, obj), lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        assert checkpoint.load_critic(save, ddp2, opt2, contract=contract) == 1
+        for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values(), strict=True):
+            if torch.is_tensor(a):
+                assert torch.equal(a, b), name
+        after = [optimizer_step(m, o, pack_rows(rows, 4096), 2, obj)["loss"] for m, o in ((ddp, opt), (ddp2, opt2))]
+        assert after[0] == after[1]  # the Adam state came back too
+        data_reads = Counter(r for r in read if r[0] in shards)
+        assert sum(data_reads.values()) == len(data_reads) == total  # every data chunk, once
+
+        read.clear()
+        assert checkpoint.load_model_weights(save, build_critic(cfg, obj), contract=contract) == 1
+        data_reads = Counter(r for r in read if r[0] in shards)
+        assert sum(data_reads.values()) == len(data_reads) < total / 2  # the optimizer's chunks left unread
+
+        shard = next(save.glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[4096 * 2 + 7] ^= 1  # chunk 2: model tensors (the first bytes of the shard)
+        shard.write_bytes(bytes(data))
+        with pytest.raises(InputError, match=rf"{shard.name}: chunk 2 of \d+ \(bytes 8192\.\.12287\): read sha256"):
+            checkpoint.load_model_weights(save, build_critic(cfg, obj), contract=contract)
+    finally:
+        destroy()

@@ -261,5 +261,7 @@ def test_a_saved_critic_reloads_through_checked_reads_and_a_changed_shard_is_ref
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    with pytest.raises(InputError, match=rf"{shard.name}: read sha256 [0-9a-f]{{64}}, the contract binds"):
+    with pytest.raises(
+        InputError, match=rf"{shard.name}: chunk \d+ of \d+ \(bytes [\d.]+\): read sha256 [0-9a-f]{{64}}, the"
+    ):
         load_model_weights(save, build_critic(BackboneConfig.tiny(), obj), contract=contract)

@@ -168,16 +168,19 @@ def test_a_corrupted_shard_is_refused_before_resume_and_evaluation(critic, manif
     for i in range(4096, 8192):
         data[i] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(InputError, match=r"__0_0\.distcp: sha256 [0-9a-f]{64}, the contract binds"):
+    chunk0 = (
+        r"__0_0\.distcp: chunk 0 of \d+ \(\d+ bytes each\), bytes 0\.\.\d+: sha256 [0-9a-f]{64}, the contract binds"
+    )
+    with pytest.raises(InputError, match=chunk0):
         prepare(cfg_for(manifest, critic, epochs=2), log=quiet)
-    with pytest.raises(InputError, match=r"__0_0\.distcp: sha256"):
+    with pytest.raises(InputError, match=chunk0):
         evaluate(eval_cfg(critic, manifest, tmp_path / "ev.json"), log=quiet)
 
 
 def test_shards_of_another_step_are_refused(critic, manifest, no_cluster):
     for f in (critic / iter_dirname(4)).glob("*.distcp"):
         shutil.copy(f, last_save(critic) / f.name)
-    every = ".*".join(re.escape(name) + ": sha256" for name in shards(last_save(critic)))
+    every = ".*".join(re.escape(name) + r": chunks? \d+" for name in shards(last_save(critic)))
     with pytest.raises(InputError, match=every):  # every data file is named
         prepare(cfg_for(manifest, critic, epochs=2), log=quiet)
 
@@ -510,7 +513,7 @@ def test_a_file_swapped_after_the_driver_checked_it_is_never_used(
     index = last_save(critic) / ".metadata"
     _swap_after_the_driver_checked(monkeypatch, lambda: index.write_bytes(pickle.dumps(_Payload(marker))))
     report = tmp_path / "ev.json"
-    with pytest.raises(InputError, match=r"\.metadata: read \d+ bytes, the contract binds \d+; the file changed after"):
+    with pytest.raises(InputError, match=r"\.metadata: size \d+, the contract binds \d+; the file changed after"):
         evaluate(eval_cfg(critic, manifest, report), log=quiet)
     assert not marker.exists() and not report.exists()
 
@@ -524,7 +527,9 @@ def test_a_file_swapped_after_the_driver_checked_it_is_never_used(
 
     _swap_after_the_driver_checked(monkeypatch, flip)
     with pytest.raises(
-        InputError, match=r"__0_0\.distcp: read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed"
+        InputError,
+        match=r"__0_0\.distcp: chunk \d+ of \d+ \(bytes \d+\.\.\d+\): read sha256 [0-9a-f]{64}, the contract binds "
+        r"[0-9a-f]{64}; the file changed",
     ):
         train(cfg_for(manifest, critic, epochs=2), log=quiet)
     assert read_latest(critic)[0] == last_save(critic) and sorted(p.name for p in critic.glob("iter_*")) == [
@@ -549,7 +554,9 @@ def test_a_critic_reused_as_backbone_is_read_through_the_same_check(
     out = tmp_path / "next"
     with pytest.raises(
         InputError,
-        match=re.escape(shard.name) + r": read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; the file changed",
+        match=re.escape(shard.name)
+        + r": chunk \d+ of \d+ \(bytes \d+\.\.\d+\): read sha256 [0-9a-f]{64}, the contract binds [0-9a-f]{64}; "
+        r"the file changed",
     ):
         train(cfg_for(manifest, out, backbone=str(last_save(critic)), stop_after=1, gpus=1), log=quiet)
     assert read_latest(out) is None and not list(out.glob("iter_*"))

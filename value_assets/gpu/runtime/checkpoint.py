@@ -9,12 +9,13 @@ save waiting on.
 All ranks call `save_critic` / `load_critic` collectively. Only tensors are stored (the iteration
 is a tensor too). Loading never runs pickled code and, given the contract, uses only bytes it has
 checked itself (docs/rules.md#checkpoint-binding): the driver verifies the folder before it reserves
-workers, but a file can change between that check and a worker's read, so each worker reads every
-file it needs whole, once, hashes it, and uses the bytes it kept only when size and sha256 match
-the contract (`_CheckedReader`). The index (`.metadata`) is unpickled from those bytes with a
-restricted unpickler (torch's checkpoint index classes only; gpu/runtime/safe_pickle.py),
-`common.pt` with `torch.load(weights_only=True)`, and byte entries (megatron's `_extra_state`) with
-`weights_only=True` too (`safe_byte_entries`).
+workers, but a file can change between that check and a worker's read, so each worker reads the
+chunks that hold the bytes it needs, once, hashes each, and cuts the tensors' bytes from those
+buffers only when the chunk's sha256 matches the contract's (`_CheckedReader`; a file an older
+contract binds by its whole sha256 is read whole and hashed, as before). The index (`.metadata`)
+is unpickled from those bytes with a restricted unpickler (torch's checkpoint index classes only;
+gpu/runtime/safe_pickle.py), `common.pt` with `torch.load(weights_only=True)`, and byte entries
+(megatron's `_extra_state`) with `weights_only=True` too (`safe_byte_entries`).
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ import hashlib
 import io
 import os
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from value_assets.core.checkpoint_files import CONTRACT_NAME, bound_files, hash_threads
+from value_assets.core.checkpoint_files import CONTRACT_NAME, bound_files
+from value_assets.core.chunks import FileBinding, hash_threads, ordered_map, pread_full, read_chunk
 from value_assets.core.errors import InputError
 
-_CHUNK = 8 << 20  # bytes hashed per read
+_CHUNK = 8 << 20  # bytes hashed per read of a file bound by its whole sha256
 
 
 def _load_bytes_weights_only(self, read_item, value) -> None:
@@ -63,14 +65,101 @@ def _changed(path: Path, what: str) -> InputError:
     return InputError(str(path), f"{what}; the file changed after the checkpoint was verified, nothing of it was used")
 
 
+Span = tuple[int, int]
+
+
 def read_checked(
-    path: Path, pin: tuple[int, str] | None, spans: list[tuple[int, int]] | None = None
-) -> dict[tuple[int, int], bytes]:
-    """Read `path` whole, once, hashing it, and keep the (offset, length) `spans` (all of it, as
-    span (0, -1), when None). With a `pin` (size, sha256) the kept bytes are returned only when
-    what was read matches it; without one (a backbone the user names, not a contracted save) as read."""
+    path: Path, pin: FileBinding | None, spans: list[Span] | None = None, pool: Executor | None = None
+) -> dict[Span, bytes]:
+    """The (offset, length) `spans` of `path` (all of it, as span (0, -1), when None), read once
+    and returned only as checked against `pin`, the contract's binding of the file.
+
+    A chunked pin: only the chunks that cover the spans are read (in threads, on `pool` or a pool of
+    its own), each hashed and compared with its digest before any span is cut from it; a differing
+    chunk is named. A whole-file pin (an older contract): the file is read whole, hashed, and the
+    spans kept while reading. Without a pin (a backbone the user names, not a contracted save) the
+    spans as read."""
+    if pin is not None and not pin.chunked:
+        return _read_whole_checked(path, pin, spans)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        wanted = sorted(set(spans)) if spans is not None else [(0, size if pin is None else pin.size)]
+        if pin is None:
+            out = {span: pread_full(fd, span[1], span[0]) for span in wanted}
+        else:
+            if size != pin.size:
+                raise _changed(path, f"size {size}, the contract binds {pin.size}")
+            past = [span for span in wanted if span[0] + span[1] > pin.size]
+            if past:  # refused before anything is read
+                raise InputError(
+                    str(path), f"ends at byte {pin.size}, before the index's entry at (offset, length) {past[0]}"
+                )
+            out = _read_chunked(path, fd, pin, wanted, pool)
+    finally:
+        os.close(fd)
+    short = [span for span in wanted if len(out[span]) != span[1]]
+    if short:
+        end = max(off + len(out[(off, n)]) for off, n in short)
+        raise InputError(str(path), f"ends at byte {end}, before the index's entry at (offset, length) {short[0]}")
+    return {(0, -1): out[wanted[0]]} if spans is None else out
+
+
+def _read_chunked(
+    path: Path, fd: int, pin: FileBinding, wanted: list[Span], pool: Executor | None
+) -> dict[Span, bytes]:
+    """`wanted` (sorted) cut from the chunks that cover them, each chunk checked before it is used.
+    Chunks are read in order with a bounded number in flight; a span is joined (one copy) as soon
+    as its last chunk is checked, so memory holds the spans plus a few chunks."""
+    out: dict[Span, bytes] = {}
+    indices = sorted({i for off, n in wanted for i in pin.chunks_covering(off, n)})
+    for span in wanted:
+        if span[1] == 0:
+            out[span] = b""
+    live = [span for span in wanted if span[1] > 0]
+    parts: dict[Span, list[memoryview]] = {span: [] for span in live}
+    ends = sorted(live, key=lambda sp: sp[0] + sp[1])
+    first = done = 0
+    threads = hash_threads(len(indices))
+    own = ThreadPoolExecutor(max_workers=threads) if pool is None else None
+    try:
+        for i, data, digest in ordered_map(own or pool, lambda i: read_chunk(fd, pin, i), indices, 2 * threads):
+            offset, length = pin.chunk_span(i)
+            if len(data) != length:
+                raise _changed(
+                    path, f"chunk {i} of {len(pin.chunks)}: read {len(data)} bytes, the contract binds {length}"
+                )
+            if digest != pin.chunks[i]:
+                raise _changed(
+                    path,
+                    f"chunk {i} of {len(pin.chunks)} (bytes {offset}..{offset + length - 1}): read sha256 {digest}, "
+                    f"the contract binds {pin.chunks[i]}",
+                )
+            end, view = offset + length, memoryview(data)
+            while first < len(live) and live[first][0] + live[first][1] <= offset:
+                first += 1  # spans wholly before this chunk are complete
+            j = first
+            while j < len(live) and live[j][0] < end:
+                off, n = live[j]
+                lo, hi = max(off, offset), min(off + n, end)
+                if lo < hi:
+                    parts[live[j]].append(view[lo - offset : hi - offset])
+                j += 1
+            while done < len(ends) and ends[done][0] + ends[done][1] <= end:
+                span = ends[done]
+                out[span] = b"".join(parts.pop(span))
+                done += 1
+    finally:
+        if own is not None:
+            own.shutdown(cancel_futures=True)
+    return out
+
+
+def _read_whole_checked(path: Path, pin: FileBinding, spans: list[Span] | None) -> dict[Span, bytes]:
+    """A file a contract binds by its whole sha256 (written before chunk digests): read whole,
+    once, hashed, keeping the spans; returned only when what was read matches the pin."""
     wanted = sorted(set(spans)) if spans is not None else None
-    parts: dict[tuple[int, int], list[bytes]] = {span: [] for span in wanted or []}
+    parts: dict[Span, list[bytes]] = {span: [] for span in wanted or []}
     whole: list[bytes] = []
     digest = hashlib.sha256()
     pos, first = 0, 0
@@ -91,12 +180,10 @@ def read_checked(
                         parts[wanted[j]].append(chunk[lo - pos : hi - pos])
                     j += 1
             pos = end
-    if pin is not None:
-        size, sha = pin
-        if pos != size:
-            raise _changed(path, f"read {pos} bytes, the contract binds {size}")
-        if digest.hexdigest() != sha:
-            raise _changed(path, f"read sha256 {digest.hexdigest()}, the contract binds {sha}")
+    if pos != pin.size:
+        raise _changed(path, f"read {pos} bytes, the contract binds {pin.size}")
+    if digest.hexdigest() != pin.sha256:
+        raise _changed(path, f"read sha256 {digest.hexdigest()}, the contract binds {pin.sha256}")
     if wanted is None:
         return {(0, -1): b"".join(whole)}
     out = {span: b"".join(p) for span, p in parts.items()}
@@ -136,7 +223,7 @@ class _CheckedFileSystem:
 
 
 class _CheckedReader(FileSystemReader):
-    """torch's file-system reader for a save whose files are `pins` (relative path -> (size, sha),
+    """torch's file-system reader for a save whose files are `pins` (relative path -> FileBinding,
     the contract's binding; None for an unpinned backbone folder).
 
     `.metadata` is read whole, checked, and unpickled from those bytes with the restricted
@@ -147,7 +234,7 @@ class _CheckedReader(FileSystemReader):
     def __init__(
         self,
         path: str | os.PathLike,
-        pins: Mapping[str, tuple[int, str]] | None,
+        pins: Mapping[str, FileBinding] | None,
         refusals: list[InputError] | None = None,
     ):
         super().__init__(path)
@@ -163,7 +250,7 @@ class _CheckedReader(FileSystemReader):
         self.refusals.append(exc)
         return exc
 
-    def _pin(self, rel: str) -> tuple[int, str] | None:
+    def _pin(self, rel: str) -> FileBinding | None:
         if self._pins is None:
             return None
         if rel not in self._pins:
@@ -211,16 +298,27 @@ class _CheckedReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
 
-        def checked(rel: str) -> dict[tuple[int, int], bytes]:
-            infos = [self.storage_data[i.storage_index] for i in per_file[rel]]
-            try:
-                return read_checked(self._root / rel, self._pin(rel), [(m.offset, m.length) for m in infos])
-            except FileNotFoundError:
-                raise _changed(self._root / rel, "missing") from None
-
         fut = None
-        # Files are hashed in parallel and decoded in order as each is checked.
-        with ThreadPoolExecutor(max_workers=hash_threads(len(per_file))) as pool:
+        # Files are read and checked ahead (a chunked file's chunks on every core, whole-file pins one
+        # file per thread) and decoded in order as each is checked.
+        pins = [self._pins.get(rel) for rel in per_file] if self._pins is not None else []
+        whole = any(pin is not None and not pin.chunked for pin in pins)
+        with (
+            ThreadPoolExecutor(max_workers=hash_threads(1 << 30)) as chunk_pool,
+            ThreadPoolExecutor(
+                max_workers=hash_threads(len(per_file)) if whole else min(2, len(per_file) or 1)
+            ) as pool,
+        ):
+
+            def checked(rel: str) -> dict[tuple[int, int], bytes]:
+                infos = [self.storage_data[i.storage_index] for i in per_file[rel]]
+                try:
+                    return read_checked(
+                        self._root / rel, self._pin(rel), [(m.offset, m.length) for m in infos], pool=chunk_pool
+                    )
+                except FileNotFoundError:
+                    raise _changed(self._root / rel, "missing") from None
+
             pending = {rel: pool.submit(checked, rel) for rel in per_file}
             try:
                 for rel, items in per_file.items():
@@ -296,7 +394,7 @@ def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -
             setattr(module, name, fn)
 
 
-def _load_common(checkpoint_dir: str | os.PathLike, pins: Mapping[str, tuple[int, str]] | None) -> Any:
+def _load_common(checkpoint_dir: str | os.PathLike, pins: Mapping[str, FileBinding] | None) -> Any:
     """`common.pt` read whole, checked against its pin, then `torch.load(weights_only=True)`."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
@@ -311,7 +409,7 @@ def _load_common(checkpoint_dir: str | os.PathLike, pins: Mapping[str, tuple[int
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def _common_strategy(pins: Mapping[str, tuple[int, str]] | None) -> Any:
+def _common_strategy(pins: Mapping[str, FileBinding] | None) -> Any:
     """megatron-core 0.16's common load strategy, reading through `_load_common`."""
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
