@@ -111,6 +111,17 @@ def test_a_chunked_file_of_another_size_is_refused_before_reading(tmp_path, chan
         read_checked(path, chunk_pin(data), [(0, 10)])
 
 
+def test_a_pinned_file_swapped_for_a_symlink_is_not_followed(tmp_path):
+    from value_assets.gpu.runtime.checkpoint import read_checked
+
+    data = b"weights" * 10
+    (tmp_path / "elsewhere").write_bytes(data)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "__0_0.distcp")
+    with pytest.raises(InputError, match=r"__0_0\.distcp: a symlink now \(never followed\); the file changed after"):
+        read_checked(tmp_path / "__0_0.distcp", chunk_pin(data), [(0, 7)])
+    assert read_checked(tmp_path / "__0_0.distcp", None, [(0, 7)]) == {(0, 7): b"weights"}  # a backbone's own folder
+
+
 @pytest.mark.parametrize("change", ["a flipped byte", "one byte more", "one byte less"])
 def test_a_file_that_differs_from_its_whole_file_pin_is_refused(tmp_path, small_chunks, change):
     from value_assets.gpu.runtime.checkpoint import read_checked

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import os
@@ -81,7 +82,14 @@ def read_checked(
     spans as read."""
     if pin is not None and not pin.chunked:
         return _read_whole_checked(path, pin, spans)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    # A contracted save holds only regular files (describe_folder): a link there is never followed.
+    nofollow = getattr(os, "O_NOFOLLOW", 0) if pin is not None else 0
+    try:
+        fd = os.open(path, os.O_RDONLY | nofollow | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _changed(path, "a symlink now (never followed)") from None
     try:
         size = os.fstat(fd).st_size
         wanted = sorted(set(spans)) if spans is not None else [(0, size if pin is None else pin.size)]
