@@ -193,8 +193,9 @@ def test_a_file_gone_after_the_check_is_named(tmp_path):
 def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeypatch):
     """megatron-core's own load through the checked reader, with chunks small enough that tensors
     straddle chunk boundaries: model and Adam state come back bit for bit, each chunk of a data
-    file is read once per load, a forward-only load leaves the optimizer's chunks unread, and a
-    chunk changed after the check is refused by index before anything is used."""
+    file is read once per load, a forward-only load leaves the optimizer's chunks unread, a
+    contract with whole-file digests still loads, and a chunk changed after the check is refused
+    by index before anything is used (under an old contract: by file)."""
     import dataclasses
     from collections import Counter
 
@@ -240,9 +241,28 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
         assert sum(data_reads.values()) == len(data_reads) == total  # every data chunk, once
 
         read.clear()
-        assert checkpoint.load_model_weights(save, build_critic(cfg, obj), contract=contract) == 1
+        forward = build_critic(cfg, obj)
+        assert checkpoint.load_model_weights(save, forward, contract=contract) == 1
         data_reads = Counter(r for r in read if r[0] in shards)
         assert sum(data_reads.values()) == len(data_reads) < total / 2  # the optimizer's chunks left unread
+
+        # A contract written before chunk digests (whole-file sha256) still loads, the old way.
+        old = {
+            "checkpoint": save.name,
+            "checkpoint_files": [
+                {
+                    "path": f["path"],
+                    "size": f["size"],
+                    "sha256": hashlib.sha256((save / f["path"]).read_bytes()).hexdigest(),
+                }
+                for f in contract["checkpoint_files"]
+            ],
+        }
+        model = build_critic(cfg, obj)
+        assert checkpoint.load_model_weights(save, model, contract=old) == 1
+        for (name, a), b in zip(forward.state_dict().items(), model.state_dict().values(), strict=True):
+            if torch.is_tensor(a):
+                assert torch.equal(a, b), name
 
         shard = next(save.glob("*.distcp"))
         data = bytearray(shard.read_bytes())
@@ -250,5 +270,7 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
         shard.write_bytes(bytes(data))
         with pytest.raises(InputError, match=rf"{shard.name}: chunk 2 of \d+ \(bytes 8192\.\.12287\): read sha256"):
             checkpoint.load_model_weights(save, build_critic(cfg, obj), contract=contract)
+        with pytest.raises(InputError, match=rf"{shard.name}: read sha256 [0-9a-f]{{64}}, the contract binds"):
+            checkpoint.load_model_weights(save, build_critic(cfg, obj), contract=old)
     finally:
         destroy()
