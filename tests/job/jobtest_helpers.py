@@ -25,6 +25,18 @@ def model_weights(step_dir: Path, scratch: Path) -> dict:
     }
 
 
+def a_weight_byte(save: Path) -> tuple[Path, int]:
+    """The file and offset of a byte inside a model weight (not optimizer state) of a torch_dist save:
+    a byte every load reads, forward-only and bootstrap included, wherever the writer put it (its
+    index says). A checked load reads only the chunks it needs, so a flipped byte elsewhere (in
+    optimizer state, on a forward-only load) is never read and never refused."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(save)).read_metadata().storage_data
+    index, info = next((i, s) for i, s in sorted(storage.items(), key=str) if not i.fqn.startswith("optimizer"))
+    return save / info.relative_path, info.offset + info.length // 2
+
+
 def max_weight_difference(a: Path, b: Path, scratch: Path) -> float:
     wa, wb = model_weights(a, scratch), model_weights(b, scratch)
     assert wa.keys() == wb.keys() and wa

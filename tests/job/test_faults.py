@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.job.jobtest_helpers import WEIGHT_ATOL, max_weight_difference, quiet, tiny_train_job
+from tests.job.jobtest_helpers import WEIGHT_ATOL, a_weight_byte, max_weight_difference, quiet, tiny_train_job
 from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
@@ -541,13 +541,14 @@ def test_a_file_swapped_after_the_driver_checked_it_is_never_used(
 def test_a_critic_reused_as_backbone_is_read_through_the_same_check(
     ray_cluster, critic, manifest, tmp_path, monkeypatch
 ):
-    """A contracted save named as another critic's backbone: its workers check its bytes against its
-    contract too (gpu/convert/bootstrap.py), so a shard swapped after the driver's check is refused."""
-    shard = last_save(critic) / saved_file(last_save(critic), "shard")
+    """A contracted save named as another critic's backbone: its workers check the bytes they read
+    against its contract too (gpu/convert/bootstrap.py), so a weight changed after the driver's check
+    is refused."""
+    shard, offset = a_weight_byte(last_save(critic))
 
     def flip():
         data = bytearray(shard.read_bytes())
-        data[-1] ^= 1
+        data[offset] ^= 1
         shard.write_bytes(bytes(data))
 
     _swap_after_the_driver_checked(monkeypatch, flip, method="bootstrap")
