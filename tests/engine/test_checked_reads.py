@@ -55,6 +55,36 @@ def test_kept_spans_are_the_files_bytes_at_those_places(tmp_path, small_chunks, 
     assert read_checked(path, binding)[(0, -1)] == data
 
 
+def test_a_loads_small_read_keeps_its_checked_chunks_for_the_loads_later_read(tmp_path, monkeypatch):
+    """megatron-core 0.19 reads the common state apart from the weights, from the same file: the
+    chunks that small read checked are used by the later read from memory (not read again), once;
+    every other chunk is read and checked as always, and the cache holds at most its limit."""
+    from value_assets.gpu.runtime import checkpoint
+
+    data = bytes(range(256)) * 4  # 64 chunks of 16 bytes
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    pin = chunk_pin(data)
+    read = []
+    real = checkpoint.read_chunk
+    monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append(i) or real(fd, b, i))
+    cache = checkpoint.ChunkCache(limit=4)
+    assert checkpoint.read_checked(path, pin, [(40, 20)], cache=cache) == {(40, 20): data[40:60]}
+    assert read == [2, 3]
+    read.clear()
+    assert checkpoint.read_checked(path, pin, [(0, 1024)], cache=cache) == {(0, 1024): data}
+    assert read == [i for i in range(64) if i not in (2, 3)]  # every chunk checked once in the load
+    read.clear()
+    changed = bytearray(data)
+    changed[100] ^= 1  # chunk 6: a later read of a chunk not kept is checked again and refused
+    path.write_bytes(bytes(changed))
+    with pytest.raises(InputError, match=r"chunk 6 of 64 \(bytes 96\.\.111\)"):
+        checkpoint.read_checked(path, pin, [(0, 1024)], cache=cache)
+    big = checkpoint.ChunkCache(limit=4)
+    checkpoint.read_checked(path, pin, [(0, 80)], cache=big)  # 5 chunks: more than the limit, none kept
+    assert big.take(path, 0) is None
+
+
 def test_only_the_chunks_covering_the_spans_are_read(tmp_path, monkeypatch):
     """A forward-only load needs the model's tensors, not the optimizer state beside them: a chunk
     no span touches is neither read nor checked (a change there is the driver's verify's to find)."""

@@ -69,8 +69,34 @@ def _changed(path: Path, what: str) -> InputError:
 Span = tuple[int, int]
 
 
+# A load's small reads (megatron-core 0.19 reads the common state apart from the weights, from the
+# same data file) keep the checked chunks they read, at most this many per load, for the load's later
+# reads of the same file to use instead of reading and hashing them again.
+KEPT_CHUNKS = 4
+
+
+class ChunkCache:
+    """Checked chunks of one load, by (file, chunk index): bytes already compared with the
+    contract's digest and held in memory (never read again from disk), each used once."""
+
+    def __init__(self, limit: int = KEPT_CHUNKS):
+        self.limit = limit
+        self._chunks: dict[tuple[str, int], bytes] = {}
+
+    def take(self, path: Path, index: int) -> bytes | None:
+        return self._chunks.pop((str(path), index), None)
+
+    def keep(self, path: Path, chunks: dict[int, bytes]) -> None:
+        if len(self._chunks) + len(chunks) <= self.limit:
+            self._chunks.update(((str(path), i), data) for i, data in chunks.items())
+
+
 def read_checked(
-    path: Path, pin: FileBinding | None, spans: list[Span] | None = None, pool: Executor | None = None
+    path: Path,
+    pin: FileBinding | None,
+    spans: list[Span] | None = None,
+    pool: Executor | None = None,
+    cache: ChunkCache | None = None,
 ) -> dict[Span, bytes]:
     """The (offset, length) `spans` of `path` (all of it, as span (0, -1), when None), read once
     and returned only as checked against `pin`, the contract's binding of the file.
@@ -79,7 +105,8 @@ def read_checked(
     its own), each hashed and compared with its digest before any span is cut from it; a differing
     chunk is named. A whole-file pin (an older contract): the file is read whole, hashed, and the
     spans kept while reading. Without a pin (a backbone the user names, not a contracted save) the
-    spans as read."""
+    spans as read. `cache`: checked chunks an earlier read of the same load kept (used instead of
+    reading them again), and where a small read keeps its own."""
     if pin is not None and not pin.chunked:
         return _read_whole_checked(path, pin, spans)
     # A contracted save holds only regular files (describe_folder): a link there is never followed.
@@ -103,7 +130,7 @@ def read_checked(
                 raise InputError(
                     str(path), f"ends at byte {pin.size}, before the index's entry at (offset, length) {past[0]}"
                 )
-            out = _read_chunked(path, fd, pin, wanted, pool)
+            out = _read_chunked(path, fd, pin, wanted, pool, cache)
     finally:
         os.close(fd)
     short = [span for span in wanted if len(out[span]) != span[1]]
@@ -114,13 +141,22 @@ def read_checked(
 
 
 def _read_chunked(
-    path: Path, fd: int, pin: FileBinding, wanted: list[Span], pool: Executor | None
+    path: Path, fd: int, pin: FileBinding, wanted: list[Span], pool: Executor | None, cache: ChunkCache | None
 ) -> dict[Span, bytes]:
     """`wanted` (sorted) cut from the chunks that cover them, each chunk checked before it is used.
     Chunks are read in order with a bounded number in flight; a span is joined (one copy) as soon
-    as its last chunk is checked, so memory holds the spans plus a few chunks."""
+    as its last chunk is checked, so memory holds the spans plus a few chunks. A chunk `cache`
+    holds is used as it is (it was checked when kept); a read of at most `cache.limit` chunks keeps
+    them there."""
     out: dict[Span, bytes] = {}
     indices = sorted({i for off, n in wanted for i in pin.chunks_covering(off, n)})
+    small = cache is not None and len(indices) <= cache.limit
+    kept: dict[int, bytes] = {}
+
+    def fetch(i: int) -> tuple[int, bytes, str]:
+        held = cache.take(path, i) if cache is not None else None
+        return (i, held, pin.chunks[i]) if held is not None else read_chunk(fd, pin, i)
+
     for span in wanted:
         if span[1] == 0:
             out[span] = b""
@@ -131,7 +167,7 @@ def _read_chunked(
     threads = hash_threads(len(indices))
     own = ThreadPoolExecutor(max_workers=threads) if pool is None else None
     try:
-        for i, data, digest in ordered_map(own or pool, lambda i: read_chunk(fd, pin, i), indices, 2 * threads):
+        for i, data, digest in ordered_map(own or pool, fetch, indices, 2 * threads):
             offset, length = pin.chunk_span(i)
             if len(data) != length:
                 raise _changed(
@@ -143,6 +179,8 @@ def _read_chunked(
                     f"chunk {i} of {len(pin.chunks)} (bytes {offset}..{offset + length - 1}): read sha256 {digest}, "
                     f"the contract binds {pin.chunks[i]}",
                 )
+            if small:
+                kept[i] = data
             end, view = offset + length, memoryview(data)
             while first < len(live) and live[first][0] + live[first][1] <= offset:
                 first += 1  # spans wholly before this chunk are complete
@@ -160,6 +198,8 @@ def _read_chunked(
     finally:
         if own is not None:
             own.shutdown(cancel_futures=True)
+    if small and cache is not None:
+        cache.keep(path, kept)
     return out
 
 
@@ -244,8 +284,10 @@ class _CheckedReader(FileSystemReader):
         path: str | os.PathLike,
         pins: Mapping[str, FileBinding] | None,
         refusals: list[InputError] | None = None,
+        cache: ChunkCache | None = None,
     ):
         super().__init__(path)
+        self._cache = cache
         self._root = Path(path)
         self._pins = pins
         self._slices: dict[tuple[str, int, int], bytes] = {}
@@ -322,7 +364,11 @@ class _CheckedReader(FileSystemReader):
                 infos = [self.storage_data[i.storage_index] for i in per_file[rel]]
                 try:
                     return read_checked(
-                        self._root / rel, self._pin(rel), [(m.offset, m.length) for m in infos], pool=chunk_pool
+                        self._root / rel,
+                        self._pin(rel),
+                        [(m.offset, m.length) for m in infos],
+                        pool=chunk_pool,
+                        cache=self._cache,
                     )
                 except FileNotFoundError:
                     raise _changed(self._root / rel, "missing") from None
@@ -367,9 +413,10 @@ def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -
         )
 
     refusals: list[InputError] = []
+    cache = ChunkCache()  # one load's readers: 0.19 reads the common state apart from the weights
 
     def reader(checkpoint_dir: str | os.PathLike, *_args: Any, **_kwargs: Any) -> _CheckedReader:
-        return _CheckedReader(checkpoint_dir, pins, refusals)
+        return _CheckedReader(checkpoint_dir, pins, refusals, cache)
 
     replaced = [
         (module, "_get_filesystem_reader", reader)
