@@ -24,11 +24,6 @@ optimizer, activation recompute, the pipeline schedules, dist_checkpointing), an
 7. The distributed optimizer sorts parameters by `param.type()` against CUDA type names
    ('torch.cuda.FloatTensor', ...) while it builds its shards; during its constructor only, a CPU
    tensor's `type()` answers with the CUDA name of the same dtype.
-8. `dist_checkpointing`'s writer collects its results through a queue served by a manager process
-   it *spawns* (a fresh interpreter that imports torch to unpickle them: ~3 s of CPU in each
-   process that saves). On CPU the manager is forked from the saving process instead, as megatron
-   already forks its writer processes from it; with CUDA (where a fork would inherit a CUDA
-   context) megatron's spawn stays.
 
 The function is idempotent and does nothing when `torch.cuda.is_available()`.
 """
@@ -205,43 +200,6 @@ def check_megatron_version(version: str) -> None:
         )
 
 
-def _forked_results_queue(fs_async: types.ModuleType):
-    """megatron's `_get_write_results_queue` (one queue per process, kept in the module), with
-    the manager process forked instead of spawned (item 8 above). The manager ends with the
-    process that forked it: it inherits that process's file descriptors, Ray's connection to a
-    worker among them, so a worker killed outright (SIGKILL, the OOM killer) whose manager lived on
-    stayed ALIVE to Ray, and the next job waited out its 30 s lease call before replacing it
-    (issue 33: a pooled worker SIGKILLed between jobs)."""
-
-    def get_write_results_queue():
-        if fs_async._results_queue is None:
-            import multiprocessing
-            import os
-            from multiprocessing.managers import SyncManager
-
-            manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-            manager.start(_end_with_parent, (os.getpid(),))
-            fs_async._results_queue = manager.Queue()  # the proxy keeps the manager referenced
-        return fs_async._results_queue
-
-    return get_write_results_queue
-
-
-def _end_with_parent(parent: int) -> None:
-    """In a forked helper process: be killed when `parent` ends (Linux PR_SET_PDEATHSIG; the signal
-    follows the forking thread, the worker's main thread, where Ray runs actor calls)."""
-    import ctypes
-    import os
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the manager outlives a killed worker, as before
-        return
-    if os.getppid() != parent:  # the parent ended before the request took effect
-        os._exit(0)
-
-
 def apply_cpu_compat() -> bool:
     """Patch megatron-core for CPU. Returns True when patches are (or already were) in place,
     False when CUDA is available and nothing was done."""
@@ -282,10 +240,6 @@ def apply_cpu_compat() -> bool:
 
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
-
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
-
-    fs_async._get_write_results_queue = _forked_results_queue(fs_async)
 
     _APPLIED = True
     return True
