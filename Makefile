@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui tensorboard test test-fast test-rl rl-deps test-mcore-next lint format lock lock-check venv bench clean clean-demo
+.PHONY: demo ui tensorboard test test-fast test-system test-rl rl-deps test-mcore-next lint format lock lock-check venv bench clean clean-demo
 
 # Installed from the lock (locks/dev.txt: every package at the version the tests ran with).
 $(STAMP): pyproject.toml locks/dev.txt
@@ -75,7 +75,13 @@ tensorboard: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not rl" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -m "not gpu and not rl and not system" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# The `system` tier: the deployment end to end (`make ui` on a Postgres server with a headless
+# browser: Debian chromium, which .ci/run installs; a two-node Ray cluster through Ray Jobs). Its two
+# modules take about a minute of the two processes' time; .ci/run runs it after `make test`.
+test-system: $(STAMP)
+	$(BIN)/python -m pytest -q -m system -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The unit tier only (fast, self-contained; under a minute): see tests/test_tiers.py. Two processes
 # like `test` (894 tests on 2 cores: 26 s; 770 tests: 21-26 s, on a slower host 44 s, against 59-62 s in one).

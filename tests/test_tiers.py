@@ -5,6 +5,8 @@
 - gpu: needs CUDA; skipped elsewhere, run on the accelerator machine;
 - rl: the RL trainers' own loaders (verl, OpenRLHF, Megatron-LM) on the product's exports; not in
   `make test`: `make test-rl` installs them outside the venv (.rl/) and runs tests/rl.
+- system: the deployment end to end (`make ui` on Postgres with a headless browser, a two-node Ray
+  cluster through Ray Jobs); not in `make test`: `make test-system`, which .ci/run runs after it.
 
 A tier given to a single test inside a module would hide it from the module's tier, so none is.
 The test folders are packages: helpers are imported relatively, never through `sys.path`.
@@ -21,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "integration", "gpu", "rl")
+TIERS = ("unit", "integration", "gpu", "rl", "system")
 
 
 def _test_modules() -> list[Path]:

@@ -46,7 +46,7 @@ def test_rank_order_groups_nodes_by_address():
     assert rank_order(nodes, addresses) == [0, 2, 3, 1, 4]
 
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.system
 
 
 def test_placement_strategy_is_a_validated_job_setting(tmp_path):

@@ -42,7 +42,7 @@ import yaml
 
 from tests.dagster.ui_harness import CHROMIUM, TERMINAL_RUN_STATUSES, DagsterDev, free_port, screenshot
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GATE = Path(__file__).resolve().with_name("pipes_gate.py")
