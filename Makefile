@@ -78,8 +78,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu and not rl and not system" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The `system` tier: the deployment end to end (`make ui` on a Postgres server with a headless
-# browser: Debian chromium, which .ci/run installs; a two-node Ray cluster through Ray Jobs). Its two
-# modules take about a minute of the two processes' time; .ci/run runs it after `make test`.
+# browser: Debian chromium, which .ci/run installs; a two-node Ray cluster through Ray Jobs;
+# run-manifests with the real GPU job on a full disk). About a minute and a half on 2 cores; .ci/run
+# runs it after `make test`.
 test-system: $(STAMP)
 	$(BIN)/python -m pytest -q -m system -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 

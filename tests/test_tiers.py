@@ -6,7 +6,8 @@
 - rl: the RL trainers' own loaders (verl, OpenRLHF, Megatron-LM) on the product's exports; not in
   `make test`: `make test-rl` installs them outside the venv (.rl/) and runs tests/rl.
 - system: the deployment end to end (`make ui` on Postgres with a headless browser, a two-node Ray
-  cluster through Ray Jobs); not in `make test`: `make test-system`, which .ci/run runs after it.
+  cluster through Ray Jobs, run-manifests with the real GPU job on a full disk); not in
+  `make test`: `make test-system`, which .ci/run runs after it.
 
 A tier given to a single test inside a module would hide it from the module's tier, so none is.
 The test folders are packages: helpers are imported relatively, never through `sys.path`.

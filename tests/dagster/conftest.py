@@ -67,8 +67,6 @@ def write_manifest(
     }
     if training is not None:
         manifest["training"] = training
-    if training is not None:
-        manifest["training"] = training
     if heldout_rows:
         held = write_dataset(data_dir / "heldout.jsonl", heldout_rows, seed=1)
         manifest["heldout"] = {

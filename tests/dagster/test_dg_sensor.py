@@ -259,7 +259,7 @@ def test_run_manifests_exits_2_naming_a_refused_input_and_the_run(tmp_path, monk
     stops at train_dataset (before any GPU step), and the command exits 2 naming the file and the run
     (it exited 1, "failed (run None)": a refusal read as a bug; the run id was never passed on).
     The GPU job's own refusals (a full disk at its save) take the same path through its
-    "invalid input" log line, checked by hand (the note of the session that added this)."""
+    "invalid input" log line: tests/dagster/test_dg_full_disk.py (the `system` tier)."""
     from tests.dagster.conftest import write_manifest
     from value_assets.cli import main as cli_main
 
