@@ -2,7 +2,8 @@
 # Runs on the accelerator machine (device tool): unpack the carried bundle (wheels missing there,
 # Ray without its jars, the SmolLM2 GGUF: bench/make_device_bundle.sh builds it), then one of: tests
 # (GPU tier), bench (throughput table), scale (long rows, profiles), auto (all rows, memory-sized
-# micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts), rl-critics, rl-calibrate
+# micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts), ckpt (issue 30: the GPU
+# tier, then checked loads for 1.5B and 3B), rl-critics, rl-calibrate
 # and rl SEEDS (issue 28: PPO with the promoted critics, bench/README.md#ppo-with-a-promoted-critic).
 # The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB): one call per part,
 # `mkdir -p /tmp/b && cp .bundle/pN /tmp/b/`, the last one with SHA256SUMS and then the step.
@@ -32,6 +33,16 @@ case "$step" in
   tests)
     nvidia-smi -L; python3 -c "import torch, megatron.core, ray; print(torch.__version__, megatron.core.__version__, ray.__version__)"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+  ckpt)
+    # Issue 30: checked loads with chunk digests. The GPU tier first (the in-process training save and
+    # the chunked checked reload on CUDA), then the load table for 1.5B (with the old whole-file
+    # contract for comparison) and 3B; each checkpoint is removed after its rows (disk: ~22 and ~43 GB).
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -8
+    for m in ${CKPT_MODELS:-1.5b 3b}; do
+      extra=""; [ "$m" = 1.5b ] && extra="--old"
+      python3 bench/checkpoint_load.py --model "$m" --repeat ${CKPT_REPEAT:-1} $extra 2>&1 | grep -vi warn \
+        | tee "$out/checkpoint-load-$m.log" | tail -30
+    done ;;
   bench)
     python3 bench/train_throughput.py --profile --json "$out/train_throughput.json" 2>&1 | tee "$out/bench.log" | tail -80 ;;
   scale)
