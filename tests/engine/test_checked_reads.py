@@ -38,6 +38,20 @@ def chunk_pin(data, chunk_bytes=16):
     )
 
 
+@pytest.fixture
+def counted_file(tmp_path, monkeypatch):
+    """(data, path, its chunk pin, the index of every chunk read from then on): 64 chunks of 16 bytes."""
+    from value_assets.gpu.runtime import checkpoint
+
+    data = bytes(range(256)) * 4
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    read: list[int] = []
+    real = checkpoint.read_chunk
+    monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append(i) or real(fd, b, i))
+    return data, path, chunk_pin(data), read
+
+
 SPANS = [(0, 0), (0, 1), (5, 9), (6, 30), (500, 7), (993, 7), (0, 1000), (14, 14), (16, 16), (15, 2), (999, 1)]
 
 
@@ -55,19 +69,13 @@ def test_kept_spans_are_the_files_bytes_at_those_places(tmp_path, small_chunks, 
     assert read_checked(path, binding)[(0, -1)] == data
 
 
-def test_a_loads_small_read_keeps_its_checked_chunks_for_the_loads_later_read(tmp_path, monkeypatch):
+def test_a_loads_small_read_keeps_its_checked_chunks_for_the_loads_later_read(counted_file):
     """megatron-core 0.19 reads the common state apart from the weights, from the same file: the
     chunks that small read checked are used by the later read from memory (not read again), once;
     every other chunk is read and checked as always, and the cache holds at most its limit."""
     from value_assets.gpu.runtime import checkpoint
 
-    data = bytes(range(256)) * 4  # 64 chunks of 16 bytes
-    path = tmp_path / "__0_0.distcp"
-    path.write_bytes(data)
-    pin = chunk_pin(data)
-    read = []
-    real = checkpoint.read_chunk
-    monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append(i) or real(fd, b, i))
+    data, path, pin, read = counted_file
     cache = checkpoint.ChunkCache(limit=4)
     assert checkpoint.read_checked(path, pin, [(40, 20)], cache=cache) == {(40, 20): data[40:60]}
     assert read == [2, 3]
@@ -85,18 +93,12 @@ def test_a_loads_small_read_keeps_its_checked_chunks_for_the_loads_later_read(tm
     assert big.take(path, 0) is None
 
 
-def test_only_the_chunks_covering_the_spans_are_read(tmp_path, monkeypatch):
+def test_only_the_chunks_covering_the_spans_are_read(counted_file):
     """A forward-only load needs the model's tensors, not the optimizer state beside them: a chunk
     no span touches is neither read nor checked (a change there is the driver's verify's to find)."""
     from value_assets.gpu.runtime import checkpoint
 
-    data = bytes(range(256)) * 4  # 64 chunks of 16 bytes
-    path = tmp_path / "__0_0.distcp"
-    path.write_bytes(data)
-    pin = chunk_pin(data)
-    read = []
-    real = checkpoint.read_chunk
-    monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append(i) or real(fd, b, i))
+    data, path, pin, read = counted_file
     changed = bytearray(data)
     changed[40 * 16] ^= 1  # a chunk no span touches
     path.write_bytes(bytes(changed))

@@ -181,16 +181,8 @@ def _read_chunked(
                 )
             if small:
                 kept[i] = data
-            end, view = offset + length, memoryview(data)
-            while first < len(live) and live[first][0] + live[first][1] <= offset:
-                first += 1  # spans wholly before this chunk are complete
-            j = first
-            while j < len(live) and live[j][0] < end:
-                off, n = live[j]
-                lo, hi = max(off, offset), min(off + n, end)
-                if lo < hi:
-                    parts[live[j]].append(view[lo - offset : hi - offset])
-                j += 1
+            end = offset + length
+            first = _cut_spans(live, first, offset, memoryview(data), parts)
             while done < len(ends) and ends[done][0] + ends[done][1] <= end:
                 span = ends[done]
                 out[span] = b"".join(parts.pop(span))
@@ -201,6 +193,23 @@ def _read_chunked(
     if small and cache is not None:
         cache.keep(path, kept)
     return out
+
+
+def _cut_spans(spans: list[Span], first: int, offset: int, buf: Any, parts: dict[Span, list[Any]]) -> int:
+    """Append to `parts[span]` the piece of `buf` (the file's bytes from `offset` on) that each
+    span of `spans` (sorted by offset) overlaps, starting at `spans[first]`; returns the new
+    `first`: the spans wholly before `buf` are complete and never looked at again."""
+    end = offset + len(buf)
+    while first < len(spans) and spans[first][0] + spans[first][1] <= offset:
+        first += 1
+    j = first
+    while j < len(spans) and spans[j][0] < end:
+        off, n = spans[j]
+        lo, hi = max(off, offset), min(off + n, end)
+        if lo < hi:
+            parts[spans[j]].append(buf[lo - offset : hi - offset])
+        j += 1
+    return first
 
 
 def _read_whole_checked(path: Path, pin: FileBinding, spans: list[Span] | None) -> dict[Span, bytes]:
@@ -218,15 +227,7 @@ def _read_whole_checked(path: Path, pin: FileBinding, spans: list[Span] | None) 
             if wanted is None:
                 whole.append(chunk)
             else:
-                while first < len(wanted) and sum(wanted[first]) <= pos:
-                    first += 1  # spans wholly before this chunk are complete
-                j = first
-                while j < len(wanted) and wanted[j][0] < end:
-                    off, length = wanted[j]
-                    lo, hi = max(off, pos), min(off + length, end)
-                    if lo < hi:
-                        parts[wanted[j]].append(chunk[lo - pos : hi - pos])
-                    j += 1
+                first = _cut_spans(wanted, first, pos, chunk, parts)
             pos = end
     if pos != pin.size:
         raise _changed(path, f"read {pos} bytes, the contract binds {pin.size}")
