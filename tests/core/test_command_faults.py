@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.core.test_rollouts import CharTokenizer, records, write_jsonl
+from tests.tmpfs import small_tmpfs
 from value_assets.cli import main
 from value_assets.core.errors import InputError
 from value_assets.core.publish import PublishError
@@ -46,19 +47,6 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
-
-
-@contextlib.contextmanager
-def small_tmpfs(folder: Path, size: str = "64k", options: str = ""):
-    """A tmpfs of `size` at `folder` (root only; else the test is skipped)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(folder)]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
-        pytest.skip("needs a tmpfs mount (root)")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def run(capsys, *argv) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dagster.conftest import write_manifest
+from tests.tmpfs import small_tmpfs
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,12 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_run_manifests_on_a_full_disk_exits_2_naming_the_save_and_publishes_nothing(tmp_path):
     manifests, artifacts, home = tmp_path / "manifests", tmp_path / "artifacts", tmp_path / "home"
     write_manifest(manifests, "full", rows=32, heldout_rows=16)
-    artifacts.mkdir()
-    # Room for the plan and the staging of a save, not for the save itself (a tiny critic's model
-    # and Adam state take a few MB).
-    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(artifacts)]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
-        pytest.skip("needs a tmpfs mount (root)")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VALUE_ASSETS_DEPLOYMENT")}
     env.update(
         {
@@ -42,7 +37,9 @@ def test_run_manifests_on_a_full_disk_exits_2_naming_the_save_and_publishes_noth
         }
     )
     home.mkdir()
-    try:
+    # Room for the plan and the staging of a save, not for the save itself (a tiny critic's model
+    # and Adam state take a few MB).
+    with small_tmpfs(artifacts, "256k"):
         done = subprocess.run(
             [sys.executable, "-m", "value_assets.cli", "run-manifests", "--json"],
             env=env,
@@ -52,8 +49,6 @@ def test_run_manifests_on_a_full_disk_exits_2_naming_the_save_and_publishes_noth
             timeout=240,
         )
         left = sorted(str(p.relative_to(artifacts)) for p in artifacts.rglob("*"))
-    finally:
-        subprocess.run(["umount", "-l", str(artifacts)], check=False)
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
     err = done.stderr
     assert "value-assets: error: full-" in err, err[-3000:]

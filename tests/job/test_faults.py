@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.job.jobtest_helpers import WEIGHT_ATOL, a_weight_byte, max_weight_difference, quiet, tiny_train_job
+from tests.tmpfs import small_tmpfs
 from value_assets.cli import main as cli_main
 from value_assets.core.contract import CONTRACT_NAME, LATEST_NAME, iter_dirname, load_contract, read_latest
 from value_assets.core.demo_data import make_demo_data
@@ -305,21 +306,11 @@ def _refusing_folder(folder: Path, fault: str):
         finally:
             folder.chmod(0o755)
         return
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m" + (",ro" if fault == "read-only" else ""), "tmpfs", str(folder)],
-            capture_output=True,
-        ).returncode
-    ):
-        pytest.skip("needs a tmpfs mount (root)")
-    try:
+    with small_tmpfs(folder, "1m", ",ro" if fault == "read-only" else ""):
         if fault == "full":
             with (folder / ".filler").open("wb") as f:
                 f.write(b"\0" * (shutil.disk_usage(folder).free - (16 << 10)))
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def _writer_argv(command: str, out: Path, critic: Path, manifest: Path, inputs: Path) -> list[str]:
@@ -622,20 +613,12 @@ def test_a_change_in_rows_no_step_read_stops_the_next_save(ray_cluster, manifest
 
 
 def test_disk_full_during_a_save_is_a_clear_refusal(ray_cluster, manifest, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("needs a small tmpfs (root)")
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "small", "16m") as small:
         out = small / "critic"
         with pytest.raises(InputError, match=r"iter_0000001: no space left on device \(ENOSPC\)") as ei:
             train(cfg_for(manifest, out, stop_after=1, gpus=1), log=quiet)
         assert "nothing was published" in ei.value.message
         assert read_latest(out) is None and not list(out.glob("iter_*"))
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def _survivors(procs: list, *, timeout_s: float) -> list:
