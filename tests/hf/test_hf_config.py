@@ -56,6 +56,10 @@ def test_smollm2_shaped_llama_config(tmp_path):
         "qk_layernorm": False,
         "tie_word_embeddings": True,
         "torch_dtype": "bfloat16",
+        "layer_types": None,
+        "linear_attention": None,
+        "rotary_percent": 1.0,
+        "attention_output_gate": False,
     }
 
 

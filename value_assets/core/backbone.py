@@ -29,7 +29,42 @@ TOKENIZER_FILES = (
 )
 
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5")
+# Qwen3.5's layer kinds (transformers' `layer_types`): Gated DeltaNet token mixing or gated full attention.
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttention:
+    """The Gated DeltaNet shape of a Qwen3.5 backbone (transformers' `linear_*` config keys)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"backbone.linear_attention.{name} must be an int >= 1, got {v!r}")
+        if self.value_heads % self.key_heads:
+            raise ValueError(
+                f"backbone.linear_attention.value_heads {self.value_heads} not divisible by key_heads {self.key_heads}"
+            )
+
+    @property
+    def ratio(self) -> int:
+        """Value heads per key head."""
+        return self.value_heads // self.key_heads
+
+    def params(self, hidden: int) -> int:
+        """in_proj (q, k, v, z, b, a), the convolution, A_log, dt_bias, the gated norm and out_proj."""
+        qk, vd = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
+        in_proj = hidden * (2 * qk + 2 * vd + 2 * self.value_heads)
+        conv = (2 * qk + vd) * self.conv_kernel
+        return in_proj + conv + 2 * self.value_heads + self.value_head_dim + vd * hidden
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,10 +87,36 @@ class BackboneConfig:
     # Llama 3.x RoPE scaling factor (megatron's form: low/high frequency factors 1 and 4, original
     # context 8192); None: plain RoPE.
     rope_scaling_factor: float | None = None
+    # Qwen3.5 (family "qwen3_5") only; the others keep the defaults, which `to_json` leaves out.
+    layer_types: tuple[str, ...] | None = None  # LINEAR / FULL per layer
+    linear_attention: LinearAttention | None = None
+    rotary_percent: float = 1.0  # the share of the head dim RoPE rotates (transformers' partial_rotary_factor)
+    attention_output_gate: bool = False  # a sigmoid gate per head on the attention output (q_proj doubled)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"backbone.family must be one of {FAMILIES}, got {self.family!r}")
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.linear_attention, dict):
+            object.__setattr__(self, "linear_attention", LinearAttention(**self.linear_attention))
+        hybrid = (self.layer_types, self.linear_attention, self.rotary_percent, self.attention_output_gate)
+        if self.family == "qwen3_5":
+            if self.layer_types is None or self.linear_attention is None:
+                raise ValueError("backbone.family 'qwen3_5' needs layer_types and linear_attention")
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - {LINEAR, FULL}:
+                raise ValueError(
+                    f"backbone.layer_types must name {self.num_layers} layers, each {LINEAR!r} or {FULL!r}, "
+                    f"got {list(self.layer_types)!r}"
+                )
+            r = self.rotary_percent
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+                raise ValueError(f"backbone.rotary_percent must be in (0, 1], got {r!r}")
+        elif hybrid != (None, None, 1.0, False):
+            raise ValueError(
+                f"backbone.layer_types, linear_attention, rotary_percent and attention_output_gate are for "
+                f"family 'qwen3_5', not {self.family!r}"
+            )
         for name in (
             "num_layers",
             "hidden_size",
@@ -108,16 +169,38 @@ class BackboneConfig:
         """Width of the keys (and of the values): query groups x head dim."""
         return self.num_query_groups * self.head_dim
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer layer: qkv (with its bias where the family has one), the
-        attention output, the SwiGLU MLP (gate, up, down) and the two norms."""
+    def layer_type(self, index: int) -> str:
+        """LINEAR or FULL: what token mixer layer `index` (from 0) has."""
+        return FULL if self.layer_types is None else self.layer_types[index]
+
+    def layer_params(self, index: int | None = None) -> int:
+        """Parameters of transformer layer `index` (None: the largest layer): the token mixer (qkv
+        with its bias where the family has one, its output gate rows, the attention output; or the
+        Gated DeltaNet), the SwiGLU MLP (gate, up, down) and the two norms."""
+        if index is None:
+            kinds = {self.layer_type(i): i for i in range(self.num_layers)} if self.layer_types else {FULL: 0}
+            return max(self.layer_params(i) for i in kinds.values())
         h, f = self.hidden_size, self.ffn_hidden_size
-        qkv_out = self.q_size + 2 * self.kv_size
+        common = 3 * h * f + 2 * h
+        if self.layer_type(index) == LINEAR:
+            assert self.linear_attention is not None
+            return self.linear_attention.params(h) + common
+        qkv_out = self.q_size + 2 * self.kv_size + (self.q_size if self.attention_output_gate else 0)
         qk_norm = 2 * self.head_dim if self.qk_layernorm else 0
-        return h * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_size * h + 3 * h * f + 2 * h + qk_norm
+        return h * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_size * h + qk_norm + common
+
+    def layers_params(self) -> int:
+        """Parameters of all transformer layers."""
+        return sum(self.layer_params(i) for i in range(self.num_layers))
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.family != "qwen3_5":  # the Qwen3.5 fields stay out: older records read the same
+            for name in ("layer_types", "linear_attention", "rotary_percent", "attention_output_gate"):
+                out.pop(name)
+        else:
+            out["layer_types"] = list(self.layer_types or ())
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> BackboneConfig:
@@ -193,4 +276,4 @@ class CriticShape:
     def num_params(self) -> int:
         b = self.backbone
         h = b.hidden_size
-        return b.vocab_size * h + b.num_layers * b.layer_params() + h + h * self.head_size + self.head_size
+        return b.vocab_size * h + b.layers_params() + h + h * self.head_size + self.head_size

@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 
 from value_assets.core.errors import InputError, show
 from value_assets.gpu.convert.hf_config import read_hf_config
-from value_assets.gpu.convert.names import GATE_UP, QKV, Dims, Rule, dims_of, rows
+from value_assets.gpu.convert.names import GATE_UP, GDN_CONV, GDN_IN, QKV, Dims, Rule, dims_of, rows
 
 __all__ = [
     "read_hf_config",
@@ -73,6 +73,8 @@ HF_TOKEN_CLASSIFICATION = {
     "qwen3": "Qwen3ForTokenClassification",
 }
 VALUE_HEAD_FORMAT = "value_assets.value_head/1"
+# Tensors of a Qwen3.5 checkpoint outside its text tower (vision tower, multi-token prediction).
+_QWEN3_5_NOT_TEXT = ("model.visual.", "visual.", "mtp.")
 # Non-weight entries some older checkpoints carry; they are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -130,7 +132,14 @@ _ALIASES = {
     "rms_norm_eps": "norm_epsilon",
     "kv_channels": "head_dim",
 }
-_DEFAULTS = {"rope_scaling": False, "rope_scaling_factor": 1.0}
+_DEFAULTS = {
+    "rope_scaling": False,
+    "rope_scaling_factor": 1.0,
+    "layer_types": None,
+    "linear_attention": None,
+    "rotary_percent": 1.0,
+    "attention_output_gate": False,
+}
 
 
 def _field(cfg: Any, name: str) -> Any:
@@ -170,6 +179,16 @@ def backbone_config_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if cfg["kv_channels"] * cfg["num_attention_heads"] == cfg["hidden_size"]
         else cfg["kv_channels"],
         "rope_scaling_factor": float(cfg["rope_scaling_factor"]) if cfg["rope_scaling"] else None,
+        **(
+            {
+                "layer_types": tuple(cfg["layer_types"]),
+                "linear_attention": dict(cfg["linear_attention"]),
+                "rotary_percent": float(cfg["rotary_percent"]),
+                "attention_output_gate": bool(cfg["attention_output_gate"]),
+            }
+            if cfg["family"] == "qwen3_5"
+            else {}
+        ),
     }
 
 
@@ -190,23 +209,67 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.
     return t.chunk(size, dim=dim)[rank]
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """[q; k; v] (HF, head-major) -> Megatron's per-group interleave [q_g..., k_g, v_g] along dim 0."""
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims) -> torch.Tensor:
+    """[q; k; v] (HF, head-major) -> Megatron's per-group interleave [q_g..., k_g, v_g] along dim 0.
+    With an output gate (Qwen3.5: HF's q_proj holds [query_h; gate_h] per head) the group is
+    [queries of g; gates of g; k_g; v_g], megatron's `attention_output_gate` split."""
     tail = q.shape[1:]
-    qg = q.reshape(groups, -1, *tail)
-    kg = k.reshape(groups, -1, *tail)
-    vg = v.reshape(groups, -1, *tail)
+    if d.gate:
+        qg = q.reshape(d.heads, 2, d.hd, *tail).transpose(0, 1)  # [2, heads, hd]: queries, gates
+        q = torch.cat([qg[0].reshape(d.groups, -1, *tail), qg[1].reshape(d.groups, -1, *tail)], dim=1)
+    qg = q.reshape(d.groups, -1, *tail)
+    kg = k.reshape(d.groups, -1, *tail)
+    vg = v.reshape(d.groups, -1, *tail)
     return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
 
 
-def _split_qkv(qkv: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = _field(cfg, "num_query_groups")
-    hd = _field(cfg, "kv_channels")
-    per = _field(cfg, "num_attention_heads") // groups
+def _split_qkv(qkv: torch.Tensor, d: Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `_fuse_qkv`."""
+    per = d.heads // d.groups
+    q_rows = per * d.hd * (2 if d.gate else 1)
     tail = qkv.shape[1:]
-    g = qkv.reshape(groups, (per + 2) * hd, *tail)
-    q, k, v = torch.split(g, [per * hd, hd, hd], dim=1)
+    g = qkv.reshape(d.groups, q_rows + 2 * d.hd, *tail)
+    q, k, v = torch.split(g, [q_rows, d.hd, d.hd], dim=1)
+    if d.gate:  # [groups, (queries, gates) of per heads] -> per head [query_h; gate_h]
+        q = q.reshape(d.groups, 2, per, d.hd, *tail).permute(0, 2, 1, 3, *range(4, 4 + len(tail)))
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _gdn_groups(d: Dims) -> tuple[int, list[int]]:
+    """Key-head groups and the per-group row widths of [q, k, v, z, b, a] (`gated_delta.py`)."""
+    nk, nv, dk, dv, _ = d.la
+    r = nv // nk
+    return nk, [dk, dk, r * dv, r * dv, r, r]
+
+
+def _fuse_gdn_in(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, d: Dims) -> torch.Tensor:
+    """HF's in_proj_qkv ([q all; k all; v all]), in_proj_z, in_proj_b, in_proj_a -> per key-head group
+    [q_j; k_j; v_j; z_j; b_j; a_j] (the value heads of group j are j*r .. j*r + r - 1)."""
+    nk, widths = _gdn_groups(d)
+    dk, vd = widths[0], d.la[1] * d.la[3]
+    q, k, v = qkv.split([nk * dk, nk * dk, vd], dim=0)
+    pieces = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z, b, a)]
+    return torch.cat(pieces, dim=1).reshape(-1, qkv.shape[-1])
+
+
+def _split_gdn_in(t: torch.Tensor, d: Dims) -> tuple[torch.Tensor, ...]:
+    nk, widths = _gdn_groups(d)
+    q, k, v, z, b, a = t.reshape(nk, sum(widths), t.shape[-1]).split(widths, dim=1)
+    flat = [x.reshape(-1, t.shape[-1]) for x in (q, k, v, z, b, a)]
+    return torch.cat(flat[:3], dim=0), flat[3], flat[4], flat[5]
+
+
+def _fuse_gdn_conv(w: torch.Tensor, d: Dims) -> torch.Tensor:
+    """HF's conv1d.weight channels [q all; k all; v all] -> per key-head group [q_j; k_j; v_j]."""
+    nk, widths = _gdn_groups(d)
+    q, k, v = w.split([nk * widths[0], nk * widths[1], d.la[1] * d.la[3]], dim=0)
+    return torch.cat([x.reshape(nk, -1, *w.shape[1:]) for x in (q, k, v)], dim=1).reshape(w.shape)
+
+
+def _split_gdn_conv(w: torch.Tensor, d: Dims) -> torch.Tensor:
+    nk, widths = _gdn_groups(d)
+    q, k, v = w.reshape(nk, -1, *w.shape[1:]).split(widths[:3], dim=1)
+    return torch.cat([x.reshape(-1, *w.shape[1:]) for x in (q, k, v)], dim=0)
 
 
 def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
@@ -217,16 +280,24 @@ def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
 def _to_local(rule: Rule, pieces: list[torch.Tensor], d: Dims) -> torch.Tensor:
     """HF piece(s) of one table row -> the local-spec tensor (whole model, TP=1)."""
     if rule.kind == QKV:
-        return _fuse_qkv(*pieces, d.groups)
+        return _fuse_qkv(*pieces, d)
+    if rule.kind == GDN_IN:
+        return _fuse_gdn_in(*pieces, d)
+    if rule.kind == GDN_CONV:
+        return _fuse_gdn_conv(pieces[0], d)
     if rule.kind == GATE_UP:
         return torch.cat(pieces, dim=0)
     return pieces[0]
 
 
-def _to_hf(rule: Rule, t: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, ...]:
+def _to_hf(rule: Rule, t: torch.Tensor, d: Dims) -> tuple[torch.Tensor, ...]:
     """The local-spec tensor of one table row -> its HF piece(s); the inverse of `_to_local`."""
     if rule.kind == QKV:
-        return _split_qkv(t, cfg)
+        return _split_qkv(t, d)
+    if rule.kind == GDN_IN:
+        return _split_gdn_in(t, d)
+    if rule.kind == GDN_CONV:
+        return (_split_gdn_conv(t, d),)
     if rule.kind == GATE_UP:
         return tuple(t.chunk(2, dim=0))
     return (t,)
@@ -268,12 +339,11 @@ def load_hf_backbone_state(
         raise InputError("tp_rank/tp_size", f"need 0 <= tp_rank < tp_size, got {tp_rank}/{tp_size}")
     files = _SafetensorsFolder(folder)
     available = files.names()
-    if "model.embed_tokens.weight" in available:
-        prefix = "model."
-    elif "embed_tokens.weight" in available:
-        prefix = ""
-    else:
-        raise InputError(str(folder), "has no 'model.embed_tokens.weight' (nor 'embed_tokens.weight')")
+    # Qwen3.5's image-text checkpoints keep the text tower under `model.language_model.`.
+    prefixes = ("model.language_model.", "model.", "") if cfg["family"] == "qwen3_5" else ("model.", "")
+    prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in available), None)
+    if prefix is None:
+        raise InputError(str(folder), f"has no {' nor '.join(repr(p + 'embed_tokens.weight') for p in prefixes)}")
 
     d = dims_of(_field, cfg)
     h, vocab = d.h, d.vocab
@@ -302,6 +372,10 @@ def load_hf_backbone_state(
         _check_shape(f"{folder}: lm_head.weight", files.get("lm_head.weight"), (vocab, h))
         consumed.add("lm_head.weight")
     consumed.update(n for n in ("score.weight", "score.bias") if n in available)
+    if cfg["family"] == "qwen3_5":
+        # A Qwen3.5 actor's vision tower and its multi-token-prediction layers are not the text
+        # tower a critic starts from: read past, by name.
+        consumed.update(n for n in available if n.startswith(_QWEN3_5_NOT_TEXT))
     leftover = sorted(n for n in available - consumed if not n.endswith(_IGNORED_SUFFIXES))
     if leftover:
         raise InputError(
@@ -445,7 +519,7 @@ def export_critic_to_hf(
     for local, hf_names, rule, _ in rows(d):
         t = get(local)
         _check_shape(local, t, rule.shape(d))
-        hf.update(zip(("model." + n for n in hf_names), _to_hf(rule, t, backbone_config), strict=True))
+        hf.update(zip(("model." + n for n in hf_names), _to_hf(rule, t, d), strict=True))
     hf["score.weight"] = get(head_names[0])
     hf["score.bias"] = get(head_names[1])
 

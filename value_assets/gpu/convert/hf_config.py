@@ -1,7 +1,10 @@
 """Reading a Hugging Face `config.json` into the backbone shape the Megatron critic is built from.
 
-Supported families (by `config.json` `model_type`): ``llama``, ``qwen2`` (bias on q/k/v) and
-``qwen3`` (RMSNorm on q and k per head). Anything the Megatron local-spec GPTModel would compute
+Supported families (by `config.json` `model_type`): ``llama``, ``qwen2`` (bias on q/k/v),
+``qwen3`` (RMSNorm on q and k per head) and ``qwen3_5`` (its text tower: ``qwen3_5`` checkpoints keep it
+under ``text_config``, ``qwen3_5_text`` ones at the top; Gated DeltaNet and gated full-attention layers,
+partial RoPE; keys a Qwen3.5 config leaves out take transformers' `Qwen3_5TextConfig` defaults, as the
+actor did). Anything the Megatron local-spec GPTModel would compute
 differently (other activations, sliding-window layers, partial rotary, unsupported RoPE scaling,
 biases on other projections) is refused with an `InputError` naming the file, the key and the value,
 rather than converted into a model that silently disagrees with the actor.
@@ -19,7 +22,18 @@ from typing import Any
 
 from value_assets.core.errors import InputError, show
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5")
+# transformers' `Qwen3_5TextConfig` defaults for the keys a Qwen3.5 config.json may leave out.
+_QWEN3_5_DEFAULTS = {
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+}
 
 # Megatron's RotaryEmbedding._apply_scaling hard-codes these Llama-3.1 values; only the factor is
 # configurable there, so a checkpoint with other values must be refused.
@@ -44,6 +58,10 @@ SHAPE_FIELDS = (
     "qk_layernorm",
     "tie_word_embeddings",
     "torch_dtype",
+    "layer_types",
+    "linear_attention",
+    "rotary_percent",
+    "attention_output_gate",
 )
 
 
@@ -90,9 +108,80 @@ def _int(cfg: dict[str, Any], key: str, where: str, default: Any = None) -> int:
     return value
 
 
+def _qwen3_5(cfg: dict[str, Any], where: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """(text config, where it is, the Qwen3.5 fields) of a ``qwen3_5`` / ``qwen3_5_text`` config."""
+    if cfg.get("model_type") == "qwen3_5":
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise InputError(
+                f"{where}: text_config", f"a qwen3_5 config needs its text tower's config, got {show(text)}"
+            )
+        where = f"{where}: text_config"
+    else:
+        text = cfg
+    text = {**_QWEN3_5_DEFAULTS, **text}
+    layers = _int(text, "num_hidden_layers", where)
+    types = text.get("layer_types")
+    if types is None:
+        every = _int(text, "full_attention_interval", where)
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise InputError(
+            f"{where}: layer_types",
+            f"must list {layers} layers, each 'linear_attention' or 'full_attention', got {show(types)}",
+        )
+    if text.get("attn_output_gate") is False:
+        raise InputError(f"{where}: attn_output_gate", "Qwen3.5 attention without its output gate is not supported")
+    rope = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
+    head_dim = _int(text, "head_dim", where)
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise InputError(f"{where}: partial_rotary_factor", f"must be in (0, 1], got {show(partial)}")
+    if int(head_dim * partial) % 2 or int(head_dim * partial) != head_dim * partial:
+        raise InputError(
+            f"{where}: partial_rotary_factor", f"{partial} of head_dim {head_dim} is not an even number of channels"
+        )
+    la = {
+        "key_heads": _int(text, "linear_num_key_heads", where),
+        "value_heads": _int(text, "linear_num_value_heads", where),
+        "key_head_dim": _int(text, "linear_key_head_dim", where),
+        "value_head_dim": _int(text, "linear_value_head_dim", where),
+        "conv_kernel": _int(text, "linear_conv_kernel_dim", where),
+    }
+    if la["value_heads"] % la["key_heads"]:
+        raise InputError(
+            f"{where}: linear_num_value_heads",
+            f"{la['value_heads']} is not a multiple of linear_num_key_heads {la['key_heads']}",
+        )
+    # mrope (the multimodal positions) rotates the same angles as plain RoPE when every position
+    # dim carries the text position, which is all a text critic ever sees.
+    extra = {
+        "layer_types": list(types),
+        "linear_attention": la,
+        "rotary_percent": float(partial),
+        "attention_output_gate": True,
+    }
+    plain = {k: v for k, v in text.items() if k != "partial_rotary_factor"}
+    if rope:
+        plain["rope_parameters"] = {
+            k: v for k, v in rope.items() if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+        }
+    plain["layer_types"] = ["full_attention"] * layers  # the checks below are for attention
+    return plain, where, extra
+
+
 def parse_hf_config(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
     """The backbone shape of one parsed `config.json` (see `read_hf_config`)."""
     family = cfg.get("model_type")
+    extra: dict[str, Any] = {
+        "layer_types": None,
+        "linear_attention": None,
+        "rotary_percent": 1.0,
+        "attention_output_gate": False,
+    }
+    if family in ("qwen3_5", "qwen3_5_text"):
+        cfg, where, extra = _qwen3_5(cfg, where)
+        family = "qwen3_5"
     if family not in FAMILIES:
         raise InputError(f"{where}: model_type", f"{show(family)} is not supported; supported: {list(FAMILIES)}")
     act = cfg.get("hidden_act", "silu")
@@ -152,9 +241,10 @@ def parse_hf_config(cfg: dict[str, Any], where: str = "config.json") -> dict[str
         "rope_scaling_factor": factor,
         "rms_norm_eps": float(eps),
         "qkv_bias": qkv_bias,
-        "qk_layernorm": family == "qwen3",
+        "qk_layernorm": family in ("qwen3", "qwen3_5"),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "torch_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
+        **extra,
     }
 
 

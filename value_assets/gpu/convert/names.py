@@ -38,6 +38,11 @@ from typing import Any
 __all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "EXTRA_STATE", "Dims", "rows", "to_te", "dims_of"]
 
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
+# Qwen3.5's Gated DeltaNet: q, k, v, z, b, a regrouped per key head (`gated_delta.py`'s layout), and
+# the convolution's [q; k; v] channels regrouped the same way.
+GDN_IN, GDN_CONV = "gdn_in", "gdn_conv"
+# Which layers a row belongs to (core/backbone.py's layer kinds); None: every layer.
+LINEAR, FULL = "linear_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,14 @@ class Dims:
     layers: int
     qkv_bias: bool
     qk_layernorm: bool
+    # Qwen3.5: the per-layer kinds (None: every layer full attention), the output gate's rows in
+    # q_proj, and the Gated DeltaNet shape (key heads, value heads, dk, dv, conv kernel).
+    layer_types: tuple[str, ...] | None = None
+    gate: bool = False
+    la: tuple[int, int, int, int, int] | None = None
+
+    def layer_type(self, i: int) -> str:
+        return FULL if self.layer_types is None else self.layer_types[i]
 
 
 @dataclass(frozen=True)
@@ -63,17 +76,24 @@ class Rule:
     kind: str = COPY
     tp_dim: int | None = None
     when: str | None = None
+    layer: str | None = None  # LINEAR / FULL: only layers of that kind have the row
 
     def hf_shapes(self, d: Dims) -> list[tuple[int, ...]]:
         full = self.shape(d)
         if self.kind == QKV:
-            return [(d.heads * d.hd, *full[1:]), (d.groups * d.hd, *full[1:]), (d.groups * d.hd, *full[1:])]
+            q_rows = d.heads * d.hd * (2 if d.gate else 1)
+            return [(q_rows, *full[1:]), (d.groups * d.hd, *full[1:]), (d.groups * d.hd, *full[1:])]
+        if self.kind == GDN_IN:
+            nk, nv, dk, dv, _ = d.la
+            return [(2 * nk * dk + nv * dv, d.h), (nv * dv, d.h), (nv, d.h), (nv, d.h)]
         if self.kind == GATE_UP:
             return [(d.ffn, *full[1:]), (d.ffn, *full[1:])]
         return [full]
 
 
-_QKV_ROWS = lambda d: (d.heads + 2 * d.groups) * d.hd  # noqa: E731
+_QKV_ROWS = lambda d: (d.heads * (2 if d.gate else 1) + 2 * d.groups) * d.hd  # noqa: E731
+_GDN_IN_ROWS = lambda d: d.la[0] * (2 * d.la[2]) + d.la[1] * (2 * d.la[3] + 2)  # noqa: E731
+_GDN_CONV = lambda d: (2 * d.la[0] * d.la[2] + d.la[1] * d.la[3], 1, d.la[4])  # noqa: E731
 
 # (position, rule): "embed" before the layers, "layer" once per layer, "final" after them.
 HF_TABLE: tuple[tuple[str, Rule], ...] = (
@@ -87,6 +107,7 @@ HF_TABLE: tuple[tuple[str, Rule], ...] = (
             lambda d: (_QKV_ROWS(d), d.h),
             kind=QKV,
             tp_dim=0,
+            layer=FULL,
         ),
     ),
     (
@@ -98,20 +119,72 @@ HF_TABLE: tuple[tuple[str, Rule], ...] = (
             kind=QKV,
             tp_dim=0,
             when="qkv_bias",
+            layer=FULL,
         ),
     ),
     (
         "layer",
-        Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), lambda d: (d.hd,), when="qk_layernorm"),
-    ),
-    (
-        "layer",
-        Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), lambda d: (d.hd,), when="qk_layernorm"),
+        Rule(
+            "self_attention.q_layernorm.weight",
+            ("self_attn.q_norm.weight",),
+            lambda d: (d.hd,),
+            when="qk_layernorm",
+            layer=FULL,
+        ),
     ),
     (
         "layer",
         Rule(
-            "self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), lambda d: (d.h, d.heads * d.hd), tp_dim=1
+            "self_attention.k_layernorm.weight",
+            ("self_attn.k_norm.weight",),
+            lambda d: (d.hd,),
+            when="qk_layernorm",
+            layer=FULL,
+        ),
+    ),
+    (
+        "layer",
+        Rule(
+            "self_attention.linear_proj.weight",
+            ("self_attn.o_proj.weight",),
+            lambda d: (d.h, d.heads * d.hd),
+            tp_dim=1,
+            layer=FULL,
+        ),
+    ),
+    (
+        "layer",
+        Rule(
+            "self_attention.in_proj.weight",
+            tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+            lambda d: (_GDN_IN_ROWS(d), d.h),
+            kind=GDN_IN,
+            tp_dim=0,
+            layer=LINEAR,
+        ),
+    ),
+    (
+        "layer",
+        Rule(
+            "self_attention.conv1d.weight",
+            ("linear_attn.conv1d.weight",),
+            _GDN_CONV,
+            kind=GDN_CONV,
+            tp_dim=0,
+            layer=LINEAR,
+        ),
+    ),
+    ("layer", Rule("self_attention.A_log", ("linear_attn.A_log",), lambda d: (d.la[1],), tp_dim=0, layer=LINEAR)),
+    ("layer", Rule("self_attention.dt_bias", ("linear_attn.dt_bias",), lambda d: (d.la[1],), tp_dim=0, layer=LINEAR)),
+    ("layer", Rule("self_attention.out_norm", ("linear_attn.norm.weight",), lambda d: (d.la[3],), layer=LINEAR)),
+    (
+        "layer",
+        Rule(
+            "self_attention.out_proj.weight",
+            ("linear_attn.out_proj.weight",),
+            lambda d: (d.h, d.la[1] * d.la[3]),
+            tp_dim=1,
+            layer=LINEAR,
         ),
     ),
     ("layer", Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), lambda d: (d.h,))),
@@ -150,8 +223,10 @@ def rows(d: Dims) -> Iterator[tuple[str, tuple[str, ...], Rule, int | None]]:
     for r in pick("embed"):
         yield r.local, r.hf, r, None
     for i in range(d.layers):
+        kind = d.layer_type(i)
         for r in pick("layer"):
-            yield f"decoder.layers.{i}.{r.local}", tuple(f"layers.{i}.{n}" for n in r.hf), r, i
+            if r.layer is None or r.layer == kind:
+                yield f"decoder.layers.{i}.{r.local}", tuple(f"layers.{i}.{n}" for n in r.hf), r, i
     for r in pick("final"):
         yield r.local, r.hf, r, None
 
@@ -174,4 +249,15 @@ def dims_of(field: Callable[[Any, str], Any], cfg: Any) -> Dims:
         layers=field(cfg, "num_layers"),
         qkv_bias=bool(field(cfg, "qkv_bias")),
         qk_layernorm=bool(field(cfg, "qk_layernorm")),
+        layer_types=tuple(field(cfg, "layer_types")) if field(cfg, "layer_types") else None,
+        gate=bool(field(cfg, "attention_output_gate")),
+        la=_la_tuple(field(cfg, "linear_attention")),
     )
+
+
+def _la_tuple(la: Any) -> tuple[int, int, int, int, int] | None:
+    """(key heads, value heads, dk, dv, conv kernel) of a `LinearAttention` or its JSON dict."""
+    if la is None:
+        return None
+    get = la.get if isinstance(la, Mapping) else lambda k: getattr(la, k)
+    return (get("key_heads"), get("value_heads"), get("key_head_dim"), get("value_head_dim"), get("conv_kernel"))

@@ -1,4 +1,4 @@
-"""The critic: a megatron-core `GPTModel` backbone (Llama / Qwen2 / Qwen3 shape) with a value head.
+"""The critic: a megatron-core `GPTModel` backbone (Llama / Qwen2 / Qwen3 / Qwen3.5 shape) with a value head.
 
 Architecture only; parallel setup lives in `parallel.py`, training in `train.py`.
 
@@ -7,6 +7,8 @@ Architecture only; parallel setup lives in `parallel.py`, training in `train.py`
 - The LM output layer is replaced by `ValueHead` (Linear hidden -> K, bias, weight N(0, 0.02),
   bias 0, computed in float32) on the last pipeline stage only (docs/rules.md#critic). Embeddings untied.
 - Forward returns per-token head outputs, float32 [t, K] for a packed row of t tokens.
+- Qwen3.5 (`qwen3_5_block_spec`): a per-layer spec, Gated DeltaNet (`gated_delta.py`) or megatron's
+  attention with its output gate and partial RoPE, and zero-centred RMSNorms throughout.
 - Packed forwards (`critic_forward`) apply RoPE vectorized in `PackedCoreAttention` from per-token
   cos / sin gathered once per micro-batch by `position_ids` (see `rope.py`), and carry a host copy
   of `cu_seqlens`, so no layer syncs the device or loops over sequences in Python.
@@ -63,7 +65,9 @@ def transformer_config(
     if bf16 is None:
         bf16 = torch.cuda.is_available()
     cuda = torch.cuda.is_available()
-    return TransformerConfig(
+    if backbone.linear_attention is not None and memory.sequence_parallel:
+        raise ValueError("sequence parallelism is not supported for Qwen3.5 (Gated DeltaNet) critics")
+    cfg = TransformerConfig(
         num_layers=backbone.num_layers,
         hidden_size=backbone.hidden_size,
         ffn_hidden_size=backbone.ffn_hidden_size,
@@ -77,6 +81,7 @@ def transformer_config(
         add_bias_linear=False,
         add_qkv_bias=backbone.qkv_bias,
         qk_layernorm=backbone.qk_layernorm,
+        attention_output_gate=backbone.attention_output_gate,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -110,6 +115,10 @@ def transformer_config(
         # reproducible at any thread count; on CUDA megatron used F.embedding already.
         deterministic_mode=False,
     )
+    # The Gated DeltaNet shape rides on the config (gated_delta.GatedDeltaNet reads it), as megatron's
+    # own `linear_*` fields would; None for the pure-attention families.
+    cfg.critic_linear_attention = backbone.linear_attention
+    return cfg
 
 
 class ValueHead(torch.nn.Module):
@@ -176,6 +185,34 @@ def _quiet_gpt_deprecation() -> None:
         gpt_logger.addFilter(_DropGptDeprecation())
 
 
+def qwen3_5_block_spec(cfg: Any, backbone: BackboneConfig) -> Any:
+    """The decoder block spec of a Qwen3.5 critic for this pipeline stage: per layer megatron's local
+    `TransformerLayer` with either the Gated DeltaNet token mixer or self-attention (output gate and
+    QK-norm; `PackedCoreAttention` as core attention), every norm zero-centred."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from value_assets.core.backbone import LINEAR
+    from value_assets.gpu.model.gated_delta import GatedDeltaNet, ZeroCenteredRMSNorm
+
+    full = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    full.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    full.submodules.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+    full.submodules.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    full.submodules.input_layernorm = ZeroCenteredRMSNorm
+    full.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    linear = copy.deepcopy(full)
+    linear.submodules.self_attention = ModuleSpec(module=GatedDeltaNet)
+    offset = get_transformer_layer_offset(cfg)
+    count = get_num_layers_to_build(cfg)
+    specs = [linear if backbone.layer_type(i) == LINEAR else full for i in range(offset, offset + count)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
+
+
 def build_critic(
     backbone: BackboneConfig,
     objective: Objective,
@@ -200,7 +237,9 @@ def build_critic(
     cfg = transformer_config(backbone, tp=tp, pp=pp, bf16=bf16, memory=memory)
     spec = get_gpt_layer_local_spec(qk_layernorm=backbone.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
-    if cfg.sequence_parallel:
+    if backbone.family == "qwen3_5":
+        spec = qwen3_5_block_spec(cfg, backbone)
+    elif cfg.sequence_parallel:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
         spec.submodules.input_layernorm = SequenceParallelRMSNorm
@@ -221,6 +260,7 @@ def build_critic(
         parallel_output=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
+        rotary_percent=backbone.rotary_percent,
         rope_scaling=backbone.rope_scaling,
         rope_scaling_factor=float(backbone.rope_scaling_factor or 8.0),
         rotary_base=int(backbone.rotary_base) if float(backbone.rotary_base).is_integer() else backbone.rotary_base,
