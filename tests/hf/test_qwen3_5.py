@@ -236,3 +236,39 @@ def test_load_refuses_a_missing_or_unexpected_tensor(tmp_path, megatron_single_r
     with pytest.raises(InputError) as err:
         load_hf_backbone_state(folder)
     assert "model.layers.2.linear_attn.A_log" in err.value.where
+
+
+@pytest.mark.parametrize("objective", [Objective(loss_type="mse"), Objective(num_bins=5)], ids=["mse", "bins"])
+def test_export_loads_in_transformers_and_bootstraps_back(tmp_path, megatron_single_rank, objective):
+    """bootstrap -> export -> bootstrap gives the same tensors; transformers'
+    AutoModelForTokenClassification reads the export with nothing missing or left over, and its
+    logits equal the critic's head outputs (float32, 2e-5)."""
+    from transformers import AutoModelForTokenClassification
+
+    from value_assets.gpu.convert.hf import export_critic_to_hf, load_hf_value_head
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_qwen3_5_checkpoint(src, seed=7)
+    backbone = model_mod.BackboneConfig(**backbone_config_kwargs(read_hf_config(src)))
+    critic = model_mod.build_critic(backbone, objective, bf16=False, head_seed=3).eval()
+    critic.load_state_dict(load_hf_backbone_state(src), strict=False)
+    with torch.no_grad():
+        critic.output_layer.bias.uniform_(-1, 1)
+    export_critic_to_hf(critic.state_dict(), backbone, objective.head_size, out, objective=objective)
+
+    back = {**load_hf_backbone_state(out), **load_hf_value_head(out)}
+    mine = {k: v for k, v in critic.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(back) == sorted(mine)
+    assert all(torch.equal(back[k], mine[k]) for k in mine)
+    assert read_hf_config(out)["layer_types"] == list(backbone.layer_types)
+
+    hf, info = AutoModelForTokenClassification.from_pretrained(str(out), output_loading_info=True)
+    assert type(hf).__name__ == "Qwen3_5ForTokenClassification"
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    tokens = torch.randint(0, 300, (45,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = hf.eval()(input_ids=tokens[None]).logits[0]
+        got = _packed(critic, tokens, [45])
+    assert got.shape == want.shape == (45, objective.head_size)
+    assert (got - want).abs().max().item() < TOL

@@ -163,6 +163,10 @@ def carry_tokenizer(
     info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
+# Families whose Megatron-LM names for Miles are not written yet (docs/rules.md#hand-off).
+MILES_UNSUPPORTED = ("qwen3_5",)
+
+
 def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: str = "te") -> tuple[Path, str]:
     """`export-miles`: docs/rules.md#hand-off's `OUT/latest_checkpointed_iteration.txt`, `OUT/iter_{N:07d}/` and
     `OUT/value_pretrain_contract.json` (written last: it is what publishes the hand-off).
@@ -181,6 +185,14 @@ def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: s
     if layer_spec not in SPECS:
         raise InputError("--layer-spec", f"must be one of {SPECS}, got {layer_spec!r}")
     step_dir, contract, _ = contracted_step(checkpoint)
+    family = (contract.get("backbone_config") or {}).get("family")
+    if family in MILES_UNSUPPORTED:
+        raise InputError(
+            f"{checkpoint}: backbone_config.family",
+            f"{family!r} critics have no Miles bundle yet: Miles builds Qwen3.5 with its own layer spec "
+            "(miles_plugins), whose names this export does not write. Hand it over as a Hugging Face "
+            "folder (export-hf) instead",
+        )
     miles = build_miles_contract(contract, model_identity)
     data = miles_contract_bytes(miles)
     _empty_out(out)

@@ -71,6 +71,21 @@ HF_TOKEN_CLASSIFICATION = {
     "llama": "LlamaForTokenClassification",
     "qwen2": "Qwen2ForTokenClassification",
     "qwen3": "Qwen3ForTokenClassification",
+    "qwen3_5": "Qwen3_5ForTokenClassification",
+}
+# transformers' only Qwen3.5 token-classification model is the image-text one, so a Qwen3.5 critic
+# is written in that layout: the text tower under `model.language_model.`, and the smallest vision
+# tower transformers builds, all zeros, under `model.visual.` (the critic reads text only; a real
+# tower would add hundreds of MB that no value depends on).
+QWEN3_5_PLACEHOLDER_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 16,
+    "num_heads": 1,
+    "patch_size": 2,
+    "temporal_patch_size": 1,
+    "spatial_merge_size": 1,
+    "num_position_embeddings": 4,
 }
 VALUE_HEAD_FORMAT = "value_assets.value_head/1"
 # Tensors of a Qwen3.5 checkpoint outside its text tower (vision tower, multi-token prediction).
@@ -453,6 +468,28 @@ def _hf_config_dict(cfg: Any, num_labels: int, dtype: torch.dtype) -> dict[str, 
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": False,
     }
+    if family == "qwen3_5":
+        la = dims_of(_field, cfg).la
+        assert la is not None
+        text = {k: v for k, v in out.items() if k not in _TOP_LEVEL}
+        rope["partial_rotary_factor"] = float(_field(cfg, "rotary_percent"))
+        text.update(
+            model_type="qwen3_5_text",
+            layer_types=list(_field(cfg, "layer_types")),
+            linear_num_key_heads=la[0],
+            linear_num_value_heads=la[1],
+            linear_key_head_dim=la[2],
+            linear_value_head_dim=la[3],
+            linear_conv_kernel_dim=la[4],
+            attention_bias=False,
+            rope_parameters=rope,
+            partial_rotary_factor=rope["partial_rotary_factor"],
+        )
+        text.pop("rope_theta")
+        text.pop("rope_scaling")
+        vision = {**QWEN3_5_PLACEHOLDER_VISION, "out_hidden_size": out["hidden_size"]}
+        top = {k: out[k] for k in _TOP_LEVEL}
+        return {**top, "text_config": text, "vision_config": vision}
     if family == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif family == "qwen3":
@@ -460,6 +497,31 @@ def _hf_config_dict(cfg: Any, num_labels: int, dtype: torch.dtype) -> dict[str, 
     else:
         out.update(use_sliding_window=False)
     return out
+
+
+# Keys of a Qwen3.5 export's config.json that stay at its top level (the rest is `text_config`).
+_TOP_LEVEL = (
+    "model_type",
+    "architectures",
+    "num_labels",
+    "id2label",
+    "label2id",
+    "classifier_dropout",
+    "dtype",
+    "use_cache",
+    "tie_word_embeddings",
+)
+
+
+def _placeholder_vision(hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero tensors for transformers' smallest Qwen3.5 vision tower (names and shapes taken from
+    transformers itself, so they are the ones its loader expects)."""
+    from transformers import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    with torch.device("meta"):
+        tower = Qwen3_5VisionModel(Qwen3_5VisionConfig(**QWEN3_5_PLACEHOLDER_VISION, out_hidden_size=hidden))
+    return {f"model.visual.{n}": torch.zeros(t.shape, dtype=dtype) for n, t in tower.state_dict().items()}
 
 
 def export_critic_to_hf(
@@ -516,10 +578,14 @@ def export_critic_to_hf(
     state["embedding.word_embeddings.weight"] = emb[:vocab]  # TP padding rows dropped
     d = dims_of(_field, backbone_config)
     hf: dict[str, torch.Tensor] = {}
+    qwen3_5 = _field(backbone_config, "family") == "qwen3_5"
+    text_prefix = "model.language_model." if qwen3_5 else "model."
+    if qwen3_5:
+        hf.update(_placeholder_vision(h, dtype))
     for local, hf_names, rule, _ in rows(d):
         t = get(local)
         _check_shape(local, t, rule.shape(d))
-        hf.update(zip(("model." + n for n in hf_names), _to_hf(rule, t, d), strict=True))
+        hf.update(zip((text_prefix + n for n in hf_names), _to_hf(rule, t, d), strict=True))
     hf["score.weight"] = get(head_names[0])
     hf["score.bias"] = get(head_names[1])
 

@@ -118,6 +118,10 @@ def transformer_config(
     # The Gated DeltaNet shape rides on the config (gated_delta.GatedDeltaNet reads it), as megatron's
     # own `linear_*` fields would; None for the pure-attention families.
     cfg.critic_linear_attention = backbone.linear_attention
+    if backbone.layer_types is not None:
+        # Layers of two kinds cannot be stacked under one checkpoint key per tensor (megatron's
+        # default): each layer is saved under its own number, as megatron does for its own hybrids.
+        cfg.hetereogenous_dist_checkpoint = True
     return cfg
 
 
