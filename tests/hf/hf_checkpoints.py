@@ -97,12 +97,15 @@ QWEN3_5_VISION = dict(
 )
 
 
-def make_qwen3_5_checkpoint(folder: Path, *, image_text: bool = False, seed: int = 0, **text_changes):
+def make_qwen3_5_checkpoint(
+    folder: Path, *, image_text: bool = False, seed: int = 0, redraw: bool = True, **text_changes
+):
     """A random tiny Qwen3.5 saved as safetensors in `folder`: `Qwen3_5ForCausalLM` (text tower under
     `model.`) or, with `image_text`, `Qwen3_5ForConditionalGeneration` (text tower under
     `model.language_model.`, a vision tower under `model.visual.`). Every weight is drawn at random
-    (norms around 0: Qwen3.5's norms scale by 1 + weight), so a misplaced tensor shows. Returns the
-    text model (eval)."""
+    (norms around 0: Qwen3.5's norms scale by 1 + weight), so a misplaced tensor shows; `redraw=False`
+    keeps transformers' own initialisation (an actor a critic can learn from in a few steps). Returns
+    the text model (eval)."""
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
     text = {**QWEN3_5_TEXT, **text_changes}
@@ -115,7 +118,7 @@ def make_qwen3_5_checkpoint(folder: Path, *, image_text: bool = False, seed: int
     else:
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters() if redraw else ():
             if "norm" in name:
                 p.uniform_(-0.5, 0.5)
             elif name.endswith(("A_log", "dt_bias")):
