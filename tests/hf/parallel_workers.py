@@ -8,7 +8,12 @@ import torch
 
 
 def run(
-    rank: int, world: int, port: int, tp_cases: list[tuple[str, str, str]], pp_cases: list[tuple[str, str, str]]
+    rank: int,
+    world: int,
+    port: int,
+    tp_cases: list[tuple[str, str, str]],
+    pp_cases: list[tuple[str, str, str]],
+    engine_tp_cases: list[tuple[str, str, str]] = (),
 ) -> None:
     from megatron.core import parallel_state as ps
 
@@ -17,6 +22,7 @@ def run(
     try:
         init_distributed(rank, world, "127.0.0.1", port, tp=world)
         tensor_parallel(rank, world, tp_cases)
+        engine_tensor_parallel(rank, world, engine_tp_cases)
         ps.destroy_model_parallel()
         init_distributed(rank, world, "127.0.0.1", port, pp=world)  # the process group is kept
         pipeline_parallel(rank, world, pp_cases)
@@ -39,6 +45,30 @@ def tensor_parallel(rank: int, world: int, cases: list[tuple[str, str, str]]) ->
         hidden = final_hidden(gpt, torch.load(ids_path))
         if rank == 0:
             torch.save(hidden, out_path)
+
+
+def engine_tensor_parallel(rank: int, world: int, cases: list[tuple[str, str, str]]) -> None:
+    """TP=world: the engine's critic bootstrapped from an HF checkpoint (each rank its slice), one
+    packed micro-batch of rows [13, 20]. cases: (hf folder, input ids .pt [33], values .pt written by
+    rank 0, with the head)."""
+    from value_assets.core.objective import Objective
+    from value_assets.gpu.convert.bootstrap import load_backbone_into
+    from value_assets.gpu.convert.hf import backbone_config_kwargs, read_hf_config
+    from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward
+
+    for folder, ids_path, out_path in cases:
+        backbone = BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))
+        critic = build_critic(backbone, Objective(num_bins=11), tp=world, bf16=False, head_seed=0).eval()
+        load_backbone_into(critic, {"kind": "hf", "path": folder}, tp=world)
+        ids = torch.load(ids_path)
+        pos = torch.cat([torch.arange(13), torch.arange(20)])
+        cu = torch.tensor([0, 13, 33], dtype=torch.int32)
+        with torch.no_grad():
+            out = critic_forward(critic, ids, pos, cu, 20)
+        if rank == 0:
+            torch.save(
+                {"values": out, "weight": critic.output_layer.weight, "bias": critic.output_layer.bias}, out_path
+            )
 
 
 def pipeline_parallel(rank: int, world: int, cases: list[tuple[str, str, str]]) -> None:

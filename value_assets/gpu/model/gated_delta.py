@@ -16,7 +16,8 @@ What one layer computes, for each packed sequence on its own (transformers' `Qwe
 - q and k L2-normalised per head (eps 1e-6), q scaled by dk^-0.5; value head h reads key head
   h // (value heads / key heads);
 - the gated delta rule with beta = sigmoid(b) and log-decay g = -exp(A_log) * softplus(a + dt_bias),
-  state starting at zero for every sequence (`gated_delta_rule`);
+  state starting at zero for every sequence: `gated_delta_rule` (torch, chunked, float32), or on CUDA
+  with flash-linear-attention installed its Triton kernel, all packed rows in one call;
 - per value head an RMSNorm with a plain weight (eps = the model's), times SiLU(z), then `out_proj`.
 
 Parameter layout (the local names `hf.py`'s table maps): `in_proj.weight` holds, for each key-head
@@ -29,6 +30,7 @@ head) are in value-head order, which is the same order.
 
 from __future__ import annotations
 
+import functools
 from itertools import pairwise
 from typing import Any
 
@@ -127,6 +129,17 @@ def packed_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.T
     return out
 
 
+@functools.cache
+def _fla_delta_rule() -> Any:
+    """flash-linear-attention's `chunk_gated_delta_rule` (fla-core, pure Triton; CUDA only), or None
+    where it is not installed: the torch path above then runs, on CUDA too."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:  # not installed, or no Triton: the torch path
+        return None
+    return chunk_gated_delta_rule
+
+
 def _positions(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Each packed token's index in its own sequence."""
     return torch.cat([torch.arange(b - a, device=device) for a, b in pairwise(bounds)])
@@ -213,16 +226,39 @@ class GatedDeltaNet(MegatronModule):
         qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)  # channels grouped as conv1d.weight
         x = F.silu(packed_causal_conv(qkv, self.conv1d.weight[:, 0, :], positions))
         q, k, v = x.view(s, b, groups, -1).split([dk, dk, r * dv], dim=-1)
-        q = l2_normalize(q.float()).repeat_interleave(r, dim=2) * dk**-0.5  # [s, b, heads, dk]
-        k = l2_normalize(k.float()).repeat_interleave(r, dim=2)
+        q = l2_normalize(q.float())  # [s, b, groups, dk]: value head h reads key head h // r
+        k = l2_normalize(k.float())
         v = v.reshape(s, b, heads, dv)
         g = -self.A_log.float().exp() * F.softplus(a_in.reshape(s, b, heads).float() + self.dt_bias.float())
         beta = torch.sigmoid(b_in.reshape(s, b, heads).float())
-        core = torch.empty(s, b, heads, dv, dtype=torch.float32, device=hidden_states.device)
-        for col, lo, hi in rows:
-            core[lo:hi, col] = gated_delta_rule(
-                q[lo:hi, col], k[lo:hi, col], v[lo:hi, col], g[lo:hi, col], beta[lo:hi, col]
+        kernel = _fla_delta_rule() if hidden_states.is_cuda else None
+        if kernel is not None:
+            # flash-linear-attention's chunked kernel (Triton): all rows in one call, [1, tokens, heads, d]
+            # in sequence order, each row's state starting at zero at its cu_seqlens bound.
+            def flat(t: torch.Tensor) -> torch.Tensor:
+                return t.transpose(0, 1).reshape(1, s * b, *t.shape[2:])
+
+            bounds_all = [lo + col * s for col, lo, _ in rows] + [rows[-1][2] + rows[-1][0] * s]
+            cu = torch.tensor(bounds_all, dtype=torch.int32).to(hidden_states.device, non_blocking=True)
+            dtype = hidden_states.dtype
+            out, _ = kernel(
+                flat(q.to(dtype)),
+                flat(k.to(dtype)),
+                flat(v),
+                flat(g),
+                flat(beta.to(dtype)),
+                scale=dk**-0.5,
+                cu_seqlens=cu,
             )
+            core = out.reshape(b, s, heads, dv).transpose(0, 1).float()
+        else:
+            q = q.repeat_interleave(r, dim=2) * dk**-0.5  # [s, b, heads, dk]
+            k = k.repeat_interleave(r, dim=2)
+            core = torch.empty(s, b, heads, dv, dtype=torch.float32, device=hidden_states.device)
+            for col, lo, hi in rows:
+                core[lo:hi, col] = gated_delta_rule(
+                    q[lo:hi, col], k[lo:hi, col], v[lo:hi, col], g[lo:hi, col], beta[lo:hi, col]
+                )
         # Per-head RMSNorm (plain weight), then the SiLU output gate, as transformers' RMSNormGated.
         normed = (core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden_states.dtype)
         gated = (self.out_norm * normed).float() * F.silu(z.reshape(s, b, heads, dv).float())

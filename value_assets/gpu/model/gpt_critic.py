@@ -67,6 +67,13 @@ def transformer_config(
     cuda = torch.cuda.is_available()
     if backbone.linear_attention is not None and memory.sequence_parallel:
         raise ValueError("sequence parallelism is not supported for Qwen3.5 (Gated DeltaNet) critics")
+    if backbone.attention_output_gate and tp > backbone.num_query_groups:
+        # megatron-core 0.16.1 re-slices q for tp > groups but not the output gate, so the shapes
+        # disagree; untested on 0.19.2: refused on both.
+        raise ValueError(
+            f"tensor parallel {tp} above the {backbone.num_query_groups} key/value heads is not supported "
+            "with gated attention (Qwen3.5)"
+        )
     cfg = TransformerConfig(
         num_layers=backbone.num_layers,
         hidden_size=backbone.hidden_size,
