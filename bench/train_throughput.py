@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from value_assets.core.backbone import CriticShape
+from value_assets.core.backbone import CriticShape, qwen3_5
 from value_assets.core.memory import (
     GIB,
     RECOMPUTE,
@@ -706,6 +706,52 @@ def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = Non
 # --------------------------------------------------------------------------------------- HF
 
 
+# The tiny backbone as a Qwen3.5 (a DeltaNet layer, then an attention layer): the hybrid path's CPU smoke.
+_Q35_TINY = dict(
+    family="qwen3_5",
+    qkv_bias=False,
+    qk_layernorm=True,
+    kv_channels=32,
+    layer_types=("linear_attention", "full_attention"),
+    linear_attention=dict(key_heads=2, value_heads=4, key_head_dim=16, value_head_dim=16),
+    rotary_percent=0.25,
+    attention_output_gate=True,
+)
+
+
+def hf_config(bb):
+    """transformers' Qwen3.5 text config of a `qwen3_5` backbone (its Gated DeltaNet runs
+    flash-linear-attention's kernels where transformers finds them installed, else its torch path)."""
+    from transformers import Qwen3_5TextConfig
+
+    la = bb.linear_attention
+    return Qwen3_5TextConfig(
+        vocab_size=bb.vocab_size,
+        hidden_size=bb.hidden_size,
+        intermediate_size=bb.ffn_hidden_size,
+        num_hidden_layers=bb.num_layers,
+        num_attention_heads=bb.num_attention_heads,
+        num_key_value_heads=bb.num_query_groups,
+        head_dim=bb.head_dim,
+        layer_types=list(bb.layer_types),
+        linear_num_key_heads=la.key_heads,
+        linear_num_value_heads=la.value_heads,
+        linear_key_head_dim=la.key_head_dim,
+        linear_value_head_dim=la.value_head_dim,
+        linear_conv_kernel_dim=la.conv_kernel,
+        max_position_embeddings=bb.max_seq_len,
+        rms_norm_eps=bb.norm_epsilon,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": bb.rotary_base,
+            "partial_rotary_factor": bb.rotary_percent,
+        },
+        tie_word_embeddings=False,
+        use_cache=False,
+        attention_dropout=0.0,
+    )
+
+
 def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ...] = ("fwd", "train")) -> None:
     from transformers import AutoModel, Qwen2Config
 
@@ -727,19 +773,23 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
     train_note = f"{n_mb:.1f} padded mb/step, {100 * (1 - real / padded):.0f}% pad"
     eval_note = f"padded mb, {100 * (1 - real / epadded):.0f}% pad"
 
-    cfg = Qwen2Config(
-        vocab_size=bb.vocab_size,
-        hidden_size=bb.hidden_size,
-        intermediate_size=bb.ffn_hidden_size,
-        num_hidden_layers=bb.num_layers,
-        num_attention_heads=bb.num_attention_heads,
-        num_key_value_heads=bb.num_query_groups,
-        max_position_embeddings=bb.max_seq_len,
-        rope_theta=bb.rotary_base,
-        rms_norm_eps=bb.norm_epsilon,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attention_dropout=0.0,
+    cfg = (
+        hf_config(bb)
+        if bb.family == "qwen3_5"
+        else Qwen2Config(
+            vocab_size=bb.vocab_size,
+            hidden_size=bb.hidden_size,
+            intermediate_size=bb.ffn_hidden_size,
+            num_hidden_layers=bb.num_layers,
+            num_attention_heads=bb.num_attention_heads,
+            num_key_value_heads=bb.num_query_groups,
+            max_position_embeddings=bb.max_seq_len,
+            rope_theta=bb.rotary_base,
+            rms_norm_eps=bb.norm_epsilon,
+            tie_word_embeddings=False,
+            use_cache=False,
+            attention_dropout=0.0,
+        )
     )
     model = head = opt = params = None
     try:
@@ -836,7 +886,11 @@ def run_hf(name: str, bb, obj, batches, args, res: Results, modes: tuple[str, ..
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="0.5b,1.5b", help="comma list of 0.5b, 1.5b (tiny with --smoke)")
+    ap.add_argument(
+        "--models",
+        default="0.5b,1.5b",
+        help="comma list of 0.5b, 1.5b, 3b, q3.5-0.8b, q3.5-4b (Qwen3.5 shapes); tiny or q3.5-tiny with --smoke",
+    )
     ap.add_argument("--systems", default="ours,hf", help="comma list of ours, hf")
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps (global batches)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -920,7 +974,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup = 2, 1
         args.global_batch = min(args.global_batch, 8)
         args.micro_batch_tokens = min(args.micro_batch_tokens, 256)
-        names = ["tiny"]
+        given = args.models != ap.get_default("models")
+        names = [m.strip().lower() for m in args.models.split(",") if m.strip()] if given else ["tiny"]
     else:
         names = [m.strip().lower() for m in args.models.split(",") if m.strip()]
     if args.eval_micro_batch_tokens is None:
@@ -931,10 +986,15 @@ def main(argv: list[str] | None = None) -> int:
         "1.5b": BackboneConfig.qwen2_5_1_5b,
         "3b": lambda: BackboneConfig.qwen2_5("3b"),
         "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096),
+        "q3.5-0.8b": lambda: qwen3_5("0.8b"),
+        "q3.5-4b": lambda: qwen3_5("4b"),
+        "q3.5-tiny": lambda: BackboneConfig(
+            **{**BackboneConfig.tiny(max_seq_len=4096).to_json(), **_Q35_TINY}  # CPU smoke of the hybrid path
+        ),
     }
     for n in names:
         if n not in presets:
-            ap.error(f"unknown model {n!r}; choose from 0.5b, 1.5b")
+            ap.error(f"unknown model {n!r}; choose from {', '.join(presets)}")
     if args.profile is None:
         args.profile_rows = set()
     elif not args.profile.strip():

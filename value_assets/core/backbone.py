@@ -255,6 +255,44 @@ class BackboneConfig:
         return cls.qwen2_5("1.5b")
 
 
+# Qwen3.5 dense text towers (the published config.json files): layers, hidden, ffn, heads, query
+# groups, linear-attention key heads, value heads; every size has head_dim 256 (a quarter rotated,
+# RoPE theta 1e7), DeltaNet head dims 128, conv kernel 4, a 3:1 DeltaNet/attention pattern and
+# vocabulary 248320.
+QWEN3_5_SHAPES = {
+    "0.8b": (24, 1024, 3584, 8, 2, 16, 16),
+    "4b": (32, 2560, 9216, 16, 4, 16, 32),
+}
+
+
+def qwen3_5(size: str) -> BackboneConfig:
+    """The Qwen3.5 dense text tower of `size` ("0.8b", "4b"), for benchmarks and planning."""
+    try:
+        layers, hidden, ffn, heads, groups, key_heads, value_heads = QWEN3_5_SHAPES[size]
+    except KeyError:
+        raise ValueError(f"no Qwen3.5 shape {size!r}; known: {', '.join(QWEN3_5_SHAPES)}") from None
+    return BackboneConfig(
+        family="qwen3_5",
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=248320,
+        max_seq_len=262144,
+        rotary_base=1e7,
+        norm_epsilon=1e-6,
+        qk_layernorm=True,
+        kv_channels=256,
+        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
+        linear_attention=LinearAttention(
+            key_heads=key_heads, value_heads=value_heads, key_head_dim=128, value_head_dim=128
+        ),
+        rotary_percent=0.25,
+        attention_output_gate=True,
+    )
+
+
 # Qwen2.5 dense models: layers, hidden, ffn, heads, query groups, vocabulary.
 QWEN2_5_SHAPES = {
     "0.5b": (24, 896, 4864, 14, 2, 151936),
