@@ -143,14 +143,18 @@ def test_a_chunked_file_of_another_size_is_refused_before_reading(tmp_path, chan
         read_checked(path, chunk_pin(data), [(0, 10)])
 
 
-def test_a_pinned_file_swapped_for_a_symlink_is_not_followed(tmp_path):
+@pytest.mark.parametrize("pin", ["chunks", "whole file"])
+def test_a_pinned_file_swapped_for_a_symlink_is_not_followed(tmp_path, pin):
+    """The link leads to the very bytes the contract binds, and is still refused: a contracted save
+    holds regular files only, and an older contract's whole-file pin is no exception."""
     from value_assets.gpu.runtime.checkpoint import read_checked
 
     data = b"weights" * 10
     (tmp_path / "elsewhere").write_bytes(data)
     os.symlink(tmp_path / "elsewhere", tmp_path / "__0_0.distcp")
+    binding = chunk_pin(data) if pin == "chunks" else whole_pin(data)
     with pytest.raises(InputError, match=r"__0_0\.distcp: a symlink now \(never followed\); the file changed after"):
-        read_checked(tmp_path / "__0_0.distcp", chunk_pin(data), [(0, 7)])
+        read_checked(tmp_path / "__0_0.distcp", binding, [(0, 7)])
     assert read_checked(tmp_path / "__0_0.distcp", None, [(0, 7)]) == {(0, 7): b"weights"}  # a backbone's own folder
 
 

@@ -107,16 +107,9 @@ def read_checked(
     spans kept while reading. Without a pin (a backbone the user names, not a contracted save) the
     spans as read. `cache`: checked chunks an earlier read of the same load kept (used instead of
     reading them again), and where a small read keeps its own."""
+    fd = _open_read(path, pinned=pin is not None)
     if pin is not None and not pin.chunked:
-        return _read_whole_checked(path, pin, spans)
-    # A contracted save holds only regular files (describe_folder): a link there is never followed.
-    nofollow = getattr(os, "O_NOFOLLOW", 0) if pin is not None else 0
-    try:
-        fd = os.open(path, os.O_RDONLY | nofollow | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise _changed(path, "a symlink now (never followed)") from None
+        return _read_whole_checked(path, fd, pin, spans)
     try:
         size = os.fstat(fd).st_size
         wanted = sorted(set(spans)) if spans is not None else [(0, size if pin is None else pin.size)]
@@ -212,15 +205,28 @@ def _cut_spans(spans: list[Span], first: int, offset: int, buf: Any, parts: dict
     return first
 
 
-def _read_whole_checked(path: Path, pin: FileBinding, spans: list[Span] | None) -> dict[Span, bytes]:
-    """A file a contract binds by its whole sha256 (written before chunk digests): read whole,
-    once, hashed, keeping the spans; returned only when what was read matches the pin."""
+def _open_read(path: Path, *, pinned: bool) -> int:
+    """A read-only descriptor of `path`. A file a contract pins is never reached through a link: a
+    contracted save holds only regular files (describe_folder), so a link there is a change."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0) if pinned else 0
+    try:
+        return os.open(path, os.O_RDONLY | nofollow | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _changed(path, "a symlink now (never followed)") from None
+
+
+def _read_whole_checked(path: Path, fd: int, pin: FileBinding, spans: list[Span] | None) -> dict[Span, bytes]:
+    """A file a contract binds by its whole sha256 (written before chunk digests), open at `fd`
+    (closed here): read whole, once, hashed, keeping the spans; returned only when what was read
+    matches the pin."""
     wanted = sorted(set(spans)) if spans is not None else None
     parts: dict[Span, list[bytes]] = {span: [] for span in wanted or []}
     whole: list[bytes] = []
     digest = hashlib.sha256()
     pos, first = 0, 0
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             end = pos + len(chunk)
