@@ -31,23 +31,28 @@ def _contracted(
     *,
     head_bias: str = "trained",
     model: dict | None = None,
+    cfg=None,
+    backbone_state: dict | None = None,
 ):
     """A critic folder with one contracted step (as the train job publishes it); returns the
     engine's values for `ids` and its whole state. `head_bias` 'zero': the head's bias stays 0 (as
-    `--head-bias zero` trains it); `model`: the contract's backbone identity."""
+    `--head-bias zero` trains it); `model`: the contract's backbone identity; `cfg` (default: a tiny
+    Qwen2) and `backbone_state` (loaded over the initialisation) another backbone."""
     from value_assets.core.contract import build_contract, iter_dirname, write_contract
     from value_assets.core.plan import build_plan
     from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward, init_layout_invariant
     from value_assets.gpu.runtime.checkpoint import save_critic
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
-    cfg = BackboneConfig.tiny(family="qwen2", vocab_size=256, max_seq_len=64)
+    cfg = cfg or BackboneConfig.tiny(family="qwen2", vocab_size=256, max_seq_len=64)
     step = root / iter_dirname(STEPS)
     step.mkdir(parents=True)
     init_distributed(0, 1, "127.0.0.1", 0)
     try:
         critic = build_critic(cfg, objective, bf16=False).eval()
         init_layout_invariant(critic, 0)
+        if backbone_state is not None:
+            critic.load_state_dict(backbone_state, strict=False)
         if head_bias == "trained":
             with torch.no_grad():  # a dropped bias would show
                 critic.output_layer.bias.copy_(torch.linspace(-0.3, 0.4, objective.head_size))
@@ -284,3 +289,116 @@ def test_the_hf_exports_carry_the_actors_tokenizer(tmp_path, mse_critic, capsys)
     # --tokenizer names one (nothing was recorded to check it against)
     out = export_checkpoint(mse_critic[0], tmp_path / "given", "scalar", tokenizer=actor)
     assert tokenizer_sha256(out) == tokenizer_sha256(actor)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_critic(tmp_path_factory):
+    """A contracted Qwen3.5 critic (layers: DeltaNet, DeltaNet, DeltaNet, attention) whose every
+    backbone tensor is random (tests/hf/hf_checkpoints.py), so a misplaced tensor shows."""
+    from tests.hf.hf_checkpoints import make_qwen3_5_checkpoint
+    from value_assets.gpu.convert.hf import backbone_config_kwargs, load_hf_backbone_state, read_hf_config
+    from value_assets.gpu.model.gpt_critic import BackboneConfig
+
+    actor, root = tmp_path_factory.mktemp("q35-actor"), tmp_path_factory.mktemp("q35-critic")
+    make_qwen3_5_checkpoint(actor, seed=5)
+    cfg = BackboneConfig(**backbone_config_kwargs(read_hf_config(actor)))
+    objective = Objective(loss_type="mse", reward_range=(-1.0, 1.0))
+    _, _, state = _contracted(root, objective, cfg=cfg, backbone_state=load_hf_backbone_state(actor))
+    return root, cfg, state
+
+
+def test_export_miles_writes_a_qwen3_5_critic_in_miles_names(tmp_path, qwen3_5_critic):
+    """A Qwen3.5 bundle under the names of Miles' own Qwen3.5 model (`names.miles_qwen3_5_rows`,
+    read from radixark/miles 31f1ca96 `miles_plugins/models/qwen3_5.py`): layers numbered; in a
+    linear-attention layer `self_attention.input_layernorm.weight` and
+    `self_attention.linear_attn.<HF name>` holding exactly the tensors `export-hf` writes under the
+    HF names (Miles' mbridge copies them unchanged); attention and MLP under TE's names with the
+    local tensors (the gated qkv layout is shared); the head and TE `_extra_state` objects;
+    the arguments Miles' scripts pass. What this does not show: that Miles' model loads it (no
+    Transformer Engine here; tests/rl checks Miles' own linear-attention module)."""
+    from safetensors.torch import load_file
+
+    from value_assets.gpu.convert import megatron_lm, names
+    from value_assets.gpu.convert.export import export_checkpoint, export_miles
+    from value_assets.gpu.runtime.safe_pickle import load_dcp_metadata
+
+    root, cfg, state = qwen3_5_critic
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    out, hf_out = tmp_path / "miles", tmp_path / "hf"
+    export_miles(root, out, "q35@test")
+    export_checkpoint(root, hf_out)
+    step = out / f"iter_{STEPS:07d}"
+    shapes = megatron_lm.tensor_shapes(step)
+    want = megatron_lm.miles_qwen3_5_shapes(cfg)
+    assert shapes == {**want, "output_layer.weight": (1, cfg.hidden_size), "output_layer.bias": (1,)}
+    gdn = "decoder.layers.0.self_attention."
+    assert sorted(k[len(gdn) :] for k in shapes if k.startswith(gdn)) == [
+        "input_layernorm.weight",
+        "linear_attn.A_log",
+        "linear_attn.conv1d.weight",
+        "linear_attn.dt_bias",
+        "linear_attn.in_proj_a.weight",
+        "linear_attn.in_proj_b.weight",
+        "linear_attn.in_proj_qkv.weight",
+        "linear_attn.in_proj_z.weight",
+        "linear_attn.norm.weight",
+        "linear_attn.out_proj.weight",
+    ]
+    full = "decoder.layers.3."
+    assert sorted(k[len(full) :] for k in shapes if k.startswith(full)) == [
+        "mlp.linear_fc1.layer_norm_weight",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+        "self_attention.k_layernorm.weight",
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.layer_norm_weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.q_layernorm.weight",
+    ]
+    assert shapes[full + "self_attention.linear_qkv.weight"] == ((2 * 4 + 2 * 2) * 32, 64)  # q, gate, k, v
+    objects = {k.split("/")[0] for k, v in load_dcp_metadata(step / ".metadata").state_dict_metadata.items()}
+    objects -= set(shapes)
+    assert objects == {
+        f"decoder.layers.{i}.{m}._extra_state"
+        for i, kind in enumerate(cfg.layer_types)
+        for m in names.MILES_QWEN3_5_EXTRA_STATE[kind]
+    }
+    # The tensors: Miles' linear-attention names hold the HF tensors, the rest the local ones.
+    got = megatron_lm._read(step, list(shapes))
+    hf = load_file(str(hf_out / "model.safetensors"))
+    for i in range(3):
+        for k in (n for n in shapes if n.startswith(f"decoder.layers.{i}.self_attention.")):
+            rest = k[len(f"decoder.layers.{i}.self_attention.") :]
+            assert torch.equal(got[k], hf[f"model.language_model.layers.{i}.{rest}"].float()), k
+    for k in (n for n in shapes if not n.startswith(("decoder.layers.0.", "decoder.layers.1.", "decoder.layers.2."))):
+        local = {
+            "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+        }
+        name = k
+        for te, loc in local.items():
+            name = name.replace(te, loc)
+        t = state[name].float()
+        if k == "embedding.word_embeddings.weight":
+            assert torch.equal(got[k][: cfg.vocab_size], t) and not got[k][cfg.vocab_size :].any()
+        else:
+            assert torch.equal(got[k], t), k
+    for i in range(3):  # the GDN layers' MLP norm too
+        k = f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight"
+        assert torch.equal(got[k], state[f"decoder.layers.{i}.pre_mlp_layernorm.weight"].float())
+    args = megatron_lm.saved_args(step)
+    assert args["spec"] == ["miles_plugins.models.qwen3_5", "get_qwen3_5_spec"]
+    assert args["apply_layernorm_1p"] and args["layernorm_zero_centered_gamma"] and args["attention_output_gate"]
+    assert args["rotary_percent"] == 0.25 and args["transformer_impl"] == "transformer_engine"
+    assert args["qk_layernorm"] and args["kv_channels"] == 32
+
+
+def test_export_miles_refuses_a_qwen3_5_critic_with_the_local_spec(tmp_path, qwen3_5_critic):
+    """Miles builds Qwen3.5 only with Transformer Engine: `--layer-spec local` is refused by name,
+    nothing written."""
+    from value_assets.gpu.convert.export import export_miles
+
+    out = tmp_path / "miles"
+    with pytest.raises(InputError, match=r"--layer-spec: 'local': Miles builds a Qwen3.5 model only"):
+        export_miles(qwen3_5_critic[0], out, "q35@test", layer_spec="local")
+    assert not out.exists() and not list(tmp_path.iterdir())

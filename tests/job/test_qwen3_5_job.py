@@ -1,6 +1,8 @@
 """A Qwen3.5 critic through the commands a user runs: `value-assets train MANIFEST --backbone
 QWEN35_HF_DIR` on local Ray (two CPU workers), `evaluate` and its gate, `export-hf`; `export-miles`
-refuses it by name, and a manifest whose token ids the actor's vocabulary does not have is refused.
+writes it in the names of Miles' own Qwen3.5 model and refuses `--layer-spec local` by name (Miles
+builds Qwen3.5 with Transformer Engine only), and a manifest whose token ids the actor's vocabulary
+does not have is refused.
 
 The actor is a tiny random Qwen3.5 (transformers' own initialisation) with layers alternating Gated
 DeltaNet and gated full attention. Bar fixed before the run: trajectory EV > 0.2 on the demo data's
@@ -73,10 +75,26 @@ def test_qwen3_5_critic_trains_evaluates_and_exports(tmp_path):
     assert config["text_config"]["layer_types"] == ALTERNATING
 
     miles = tmp_path / "miles"
-    refused = cli("export-miles", "--checkpoint", str(critic), "--out", str(miles), "--model-identity", "q")
+    refused = cli(
+        "export-miles",
+        "--checkpoint",
+        str(critic),
+        "--out",
+        str(miles),
+        "--model-identity",
+        "q",
+        "--layer-spec",
+        "local",
+    )
     assert refused.returncode == 2
-    assert "backbone_config.family" in refused.stderr and "qwen3_5" in refused.stderr
+    assert "--layer-spec" in refused.stderr and "Transformer Engine" in refused.stderr
     assert not miles.exists()
+    exported = cli("export-miles", "--checkpoint", str(critic), "--out", str(miles), "--model-identity", "q")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    from value_assets.gpu.convert.megatron_lm import tensor_shapes
+
+    step = next(miles.glob("iter_*"))
+    assert "decoder.layers.0.self_attention.linear_attn.in_proj_qkv.weight" in tensor_shapes(step)
 
 
 def test_tokens_beyond_the_qwen3_5_vocabulary_are_refused(tmp_path):

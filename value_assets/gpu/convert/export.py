@@ -163,10 +163,6 @@ def carry_tokenizer(
     info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
-# Families whose Megatron-LM names for Miles are not written yet (docs/rules.md#hand-off).
-MILES_UNSUPPORTED = ("qwen3_5",)
-
-
 def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: str = "te") -> tuple[Path, str]:
     """`export-miles`: docs/rules.md#hand-off's `OUT/latest_checkpointed_iteration.txt`, `OUT/iter_{N:07d}/` and
     `OUT/value_pretrain_contract.json` (written last: it is what publishes the hand-off).
@@ -186,12 +182,11 @@ def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: s
         raise InputError("--layer-spec", f"must be one of {SPECS}, got {layer_spec!r}")
     step_dir, contract, _ = contracted_step(checkpoint)
     family = (contract.get("backbone_config") or {}).get("family")
-    if family in MILES_UNSUPPORTED:
+    if family == "qwen3_5" and layer_spec != "te":
         raise InputError(
-            f"{checkpoint}: backbone_config.family",
-            f"{family!r} critics have no Miles bundle yet: Miles builds Qwen3.5 with its own layer spec "
-            "(miles_plugins), whose names this export does not write. Hand it over as a Hugging Face "
-            "folder (export-hf) instead",
+            "--layer-spec",
+            f"{layer_spec!r}: Miles builds a Qwen3.5 model only with Transformer Engine (its "
+            "miles_plugins.models.qwen3_5 get_qwen3_5_spec), so a Qwen3.5 critic is written with --layer-spec te",
         )
     miles = build_miles_contract(contract, model_identity)
     data = miles_contract_bytes(miles)

@@ -464,7 +464,20 @@ def load_head(step_dir: str | Path) -> dict[str, torch.Tensor]:
 def megatron_lm_args(cfg: Any, padded_vocab: int, spec: str) -> argparse.Namespace:
     """The saved-arguments namespace of a written critic: what Megatron-LM's loader reads
     (TP / PP sizes, `no_save_optim`, `no_save_rng`) and the architecture `backbone_from_args` reads."""
+    qwen3_5 = getattr(cfg, "family", None) == "qwen3_5"
+    extra: dict[str, Any] = {}
+    if qwen3_5:  # Miles' scripts/models/qwen3.5-*.py flags (names.miles_qwen3_5_rows)
+        if spec != "te":
+            raise InputError("--layer-spec", f"Miles builds Qwen3.5 with Transformer Engine only, got {show(spec)}")
+        extra = {
+            "spec": list(names.MILES_QWEN3_5_SPEC),
+            "apply_layernorm_1p": True,  # Megatron-LM 0.12-0.15's name
+            "layernorm_zero_centered_gamma": True,  # 0.16+'s
+            "attention_output_gate": True,
+            "rotary_percent": cfg.rotary_percent,
+        }
     return argparse.Namespace(
+        **extra,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -508,6 +521,8 @@ def sharded_critic_state(
 
     if spec not in SPECS:
         raise InputError("--layer-spec", f"must be one of {SPECS}, got {show(spec)}")
+    if getattr(cfg, "family", None) == "qwen3_5":
+        return _sharded_miles_qwen3_5(state, cfg, spec)
     d = _dims(cfg)
     want = checkpoint_names(cfg, fused_norms)
     sd: dict[str, Any] = {}
@@ -529,6 +544,56 @@ def sharded_critic_state(
         for i in range(d.layers):
             sd[f"{key}#{i}"] = ShardedObject(key, _extra_state_placeholder(spec), (d.layers,), (i,), replica_id=0)
     return sd
+
+
+def _sharded_miles_qwen3_5(state: Mapping[str, torch.Tensor], cfg: Any, spec: str) -> dict[str, Any]:
+    """A Qwen3.5 critic under the names of Miles' own Qwen3.5 model (`names.miles_qwen3_5_rows`):
+    layers numbered, each tensor whole (TP=1), the linear-attention tensors in HF's layout, and
+    the `_extra_state` objects of its Transformer Engine modules (numbered: shape (1,), offset (0,),
+    as megatron-core's `make_sharded_object_for_checkpoint` gives a layer saved under its number)."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    from value_assets.gpu.convert.hf import _to_hf
+
+    if spec != "te":
+        raise InputError("--layer-spec", f"Miles builds Qwen3.5 with Transformer Engine only, got {show(spec)}")
+    d = _dims(cfg)
+    sd: dict[str, Any] = {}
+    pieces: dict[str, tuple[torch.Tensor, ...]] = {}
+    for ck, local, piece, rule in names.miles_qwen3_5_rows(d):
+        t = state[local]
+        if local == "embedding.word_embeddings.weight":
+            padded = -(-d.vocab // VOCAB_DIVISOR) * VOCAB_DIVISOR
+            t = torch.cat([t[: d.vocab], t.new_zeros(padded - d.vocab, d.h)])
+        elif piece is not None:
+            if local not in pieces:
+                pieces[local] = _to_hf(rule, t, d)
+            t = pieces[local][piece]
+        sd[ck] = ShardedTensor.from_rank_offsets(ck, t.contiguous(), replica_id=0)
+    for k in HEAD:
+        sd[k] = ShardedTensor.from_rank_offsets(k, state[k].detach().float().contiguous(), replica_id=0)
+    for i in range(d.layers):
+        for module in names.MILES_QWEN3_5_EXTRA_STATE[d.layer_type(i)]:
+            key = f"{_LAYER}{i}.{module}._extra_state"
+            sd[key] = ShardedObject(key, _extra_state_placeholder(spec), (1,), (0,), replica_id=0)
+    return sd
+
+
+def miles_qwen3_5_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """{checkpoint name: global shape} of the tensors `export-miles` writes for a Qwen3.5 critic of
+    `cfg` (the backbone, the embedding padded; the head is `HEAD`): what Miles' model must request."""
+    from value_assets.gpu.convert.hf import _to_hf
+
+    d = _dims(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for ck, _, piece, rule in names.miles_qwen3_5_rows(d):
+        shape = rule.shape(d)
+        if ck == "embedding.word_embeddings.weight":
+            shape = (-(-d.vocab // VOCAB_DIVISOR) * VOCAB_DIVISOR, d.h)
+        elif piece is not None:
+            shape = tuple(_to_hf(rule, torch.empty(shape, device="meta"), d)[piece].shape)
+        out[ck] = tuple(shape)
+    return out
 
 
 def _extra_state_placeholder(spec: str) -> Any:

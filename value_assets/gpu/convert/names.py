@@ -20,6 +20,21 @@ builds) are the hub: every other format maps onto them.
   (`get_gpt_layer_local_spec`'s `sharded_state_dict_keys_map`, megatron-core 0.16.1 line ~417), so
   that both specs' torch_dist checkpoints load into either. Every other name is the module name.
   Checkpoints with unfused norm names (other writers) are read too.
+- `miles_qwen3_5_rows` / `MILES_QWEN3_5_EXTRA_STATE`: a Qwen3.5 critic under the names of Miles' own
+  Qwen3.5 model (`--spec miles_plugins.models.qwen3_5 get_qwen3_5_spec`, radixark/miles @ 31f1ca96,
+  `miles_plugins/models/qwen3_5.py`): megatron-core's Transformer Engine block spec
+  (`get_gpt_decoder_block_spec(config, use_transformer_engine=True)`, hard-coded there) in which
+  every linear-attention layer's `self_attention` is Miles' `Attention`: an HF-style module holding
+  `input_layernorm` (transformers' `Qwen3NextRMSNorm`, x(1+w)) and `linear_attn`
+  (`Qwen3_5GatedDeltaNet`: transformers' parameter names and layouts, `conv1d` fla's
+  `ShortConvolution`, `norm` fla's `FusedRMSNormGated` with a plain weight). So those layers save
+  `self_attention.input_layernorm.weight` and `self_attention.linear_attn.<HF name>` with the HF
+  tensors unchanged (Miles' mbridge `miles_plugins/mbridge/qwen3_5.py` copies them so), while
+  full-attention and MLP parts keep TE's names (`TE_RENAMES`; the gated `linear_qkv` in the
+  per-group [queries; gates; k; v] layout both sides share). Every zero-centred norm stores w of
+  x(1+w), as HF does (Miles' scripts pass `--apply-layernorm-1p`). `get_qwen3_5_spec` sets
+  `moe_layer_freq` to a list, so megatron-core numbers the layers (`decoder.layers.{i}.`) instead of
+  stacking them.
 - `EXTRA_STATE`: per spec, the modules of one dense layer whose `_extra_state` entry a Megatron
   model requests when it loads (megatron-core 0.16.1, checked by instantiating the local spec: its
   four parallel linears request one, holding None; TE's linears hold FP8 metadata, a placeholder
@@ -35,7 +50,19 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Rule", "HF_TABLE", "TE_RENAMES", "EXTRA_STATE", "Dims", "rows", "to_te", "dims_of"]
+__all__ = [
+    "Rule",
+    "HF_TABLE",
+    "TE_RENAMES",
+    "EXTRA_STATE",
+    "MILES_QWEN3_5_SPEC",
+    "MILES_QWEN3_5_EXTRA_STATE",
+    "Dims",
+    "rows",
+    "miles_qwen3_5_rows",
+    "to_te",
+    "dims_of",
+]
 
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
 # Qwen3.5's Gated DeltaNet: q, k, v, z, b, a regrouped per key head (`gated_delta.py`'s layout), and
@@ -229,6 +256,35 @@ def rows(d: Dims) -> Iterator[tuple[str, tuple[str, ...], Rule, int | None]]:
                 yield f"decoder.layers.{i}.{r.local}", tuple(f"layers.{i}.{n}" for n in r.hf), r, i
     for r in pick("final"):
         yield r.local, r.hf, r, None
+
+
+# Miles' Qwen3.5 model (module docstring): the layer spec its scripts pass, and the modules per layer
+# kind whose `_extra_state` a Transformer Engine model requests (Miles' GDN `Attention` is plain
+# torch modules: none there).
+MILES_QWEN3_5_SPEC = ("miles_plugins.models.qwen3_5", "get_qwen3_5_spec")
+MILES_QWEN3_5_EXTRA_STATE: Mapping[str, tuple[str, ...]] = {
+    FULL: EXTRA_STATE["te"],
+    LINEAR: ("mlp.linear_fc1", "mlp.linear_fc2"),
+}
+_MILES_GDN_NORM = {"input_layernorm.weight": "self_attention.input_layernorm.weight"}
+
+
+def miles_qwen3_5_rows(d: Dims) -> Iterator[tuple[str, str, int | None, Rule]]:
+    """(Miles checkpoint name, local name, piece, rule) of a whole Qwen3.5 critic backbone in Miles'
+    names (module docstring), layers numbered. `piece` None: the local tensor as it is; an index:
+    that HF piece of it (`hf._to_hf`), which Miles' linear-attention module holds under its HF name."""
+    for local, _, rule, layer in rows(d):
+        if layer is None:
+            yield local, local, None, rule
+            continue
+        at = f"decoder.layers.{layer}."
+        if d.layer_type(layer) == LINEAR and rule.hf[0].startswith("linear_attn."):
+            for j, hf_name in enumerate(rule.hf):
+                yield f"{at}self_attention.{hf_name}", local, j, rule
+        elif d.layer_type(layer) == LINEAR and rule.local in _MILES_GDN_NORM:
+            yield at + _MILES_GDN_NORM[rule.local], local, None, rule
+        else:
+            yield at + to_te(rule.local), local, None, rule
 
 
 def to_te(layer_name: str) -> str:
