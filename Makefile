@@ -8,7 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo ui tensorboard test test-fast test-system test-rl rl-deps test-mcore-next lint format lock lock-check venv bench clean clean-demo
+.PHONY: demo ui tensorboard test test-fast test-system test-rl rl-deps test-miles test-mcore-next lint format lock lock-check venv bench clean clean-demo
 
 # Installed from the lock (locks/dev.txt: every package at the version the tests ran with).
 $(STAMP): pyproject.toml locks/dev.txt
@@ -75,7 +75,7 @@ tensorboard: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not rl and not system" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -m "not gpu and not rl and not system and not miles" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The `system` tier: the deployment end to end (`make ui` on a Postgres server with a headless
 # browser: Debian chromium, which .ci/run installs; a two-node Ray cluster through Ray Jobs;
@@ -123,6 +123,28 @@ rl-deps: $(RL_STAMP)
 # Megatron-LM subprocess) are built once.
 test-rl: $(RL_STAMP)
 	PYTHONPATH=$(CURDIR)/$(RL_DIR)/site $(BIN)/python -m pytest -q -m rl -p no:cacheprovider tests/rl
+
+# Miles' own Qwen3.5 plugin on the product's Qwen3.5 Miles bundle (tests/rl/test_miles_qwen3_5.py,
+# the `miles` tier). Miles is on neither PyPI nor a registry CI reaches, so this is opt-in, from a
+# local clone of github.com/radixark/miles that has the pinned commit:
+#   make test-miles MILES_SRC=path/to/miles      (a work tree or a bare repository)
+# `miles` and `miles_plugins` of exactly MILES_COMMIT are taken from it (git archive), with the
+# flash-linear-attention Miles' docker/Dockerfile pins and the triton fla imports (import only: its
+# kernels need a GPU), into .rl/miles, which only the Miles side process puts on its PYTHONPATH.
+MILES_COMMIT := 31f1ca961a94cb860cec3b2dea34ec332bfa8f76
+MILES_PACKAGES := flash-linear-attention==0.4.2 fla-core==0.4.2 triton==3.6.0
+MILES_STAMP := $(RL_DIR)/miles/.installed-$(MILES_COMMIT)
+
+$(MILES_STAMP): $(RL_STAMP)
+	@test -n "$(MILES_SRC)" || { echo "set MILES_SRC to a clone of github.com/radixark/miles"; exit 2; }
+	git -C "$(MILES_SRC)" cat-file -e $(MILES_COMMIT)^{commit} || { echo "$(MILES_SRC) lacks commit $(MILES_COMMIT)"; exit 2; }
+	rm -rf $(RL_DIR)/miles
+	$(BIN)/python -m pip install -q --no-deps --target $(RL_DIR)/miles $(MILES_PACKAGES)
+	git -C "$(MILES_SRC)" archive $(MILES_COMMIT) miles miles_plugins | tar -x -C $(RL_DIR)/miles
+	@touch $(MILES_STAMP)
+
+test-miles: $(MILES_STAMP)
+	PYTHONPATH=$(CURDIR)/$(RL_DIR)/site $(BIN)/python -m pytest -q -m miles -p no:cacheprovider tests/rl/test_miles_qwen3_5.py
 
 # The GPU code paths on megatron-core 0.19.2 as well: the release the GPU image and every GPU figure
 # use (Python 3.12). The rest of the CPU suite runs 0.16.1, the newest release for Python 3.11

@@ -8,6 +8,8 @@
 - system: the deployment end to end (`make ui` on Postgres with a headless browser, a two-node Ray
   cluster through Ray Jobs, run-manifests with the real GPU job on a full disk); not in
   `make test`: `make test-system`, which .ci/run runs after it.
+- miles: Miles' own Qwen3.5 plugin on the product's bundle; Miles comes from a local clone
+  (`make test-miles MILES_SRC=...`): it is on no registry CI reaches, so not in .ci/run.
 
 A tier given to a single test inside a module would hide it from the module's tier, so none is.
 The test folders are packages: helpers are imported relatively, never through `sys.path`.
@@ -24,7 +26,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "integration", "gpu", "rl", "system")
+TIERS = ("unit", "integration", "gpu", "rl", "system", "miles")
 
 
 def _test_modules() -> list[Path]:

@@ -49,6 +49,10 @@ REPO = Path(__file__).resolve().parents[2]
 RL_SITE = REPO / ".rl" / "site"
 MEGATRON_LM = REPO / ".rl" / "megatron-lm"
 MEGATRON_LM_VERSION = "0.17.0"
+# radixark/miles' `miles` and `miles_plugins` at this commit, with flash-linear-attention and triton
+# (`make rl-deps`): only the Miles side process puts it on its PYTHONPATH (tests/rl/miles_qwen3_5_side.py).
+MILES = REPO / ".rl" / "miles"
+MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
 # The keys of the product's `read_hf_config` dict the Megatron-LM side builds its flags from.
 ARCH_KEYS = (
     "num_layers",
@@ -96,6 +100,21 @@ def start_megatron_lm_side(job: Path) -> subprocess.Popen:
         )
     proc.log = log  # type: ignore[attr-defined]
     return proc
+
+
+def run_miles_side(job: Path, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    """tests/rl/miles_qwen3_5_side.py on `job`: Megatron-LM 0.17.0 first on PYTHONPATH, then Miles
+    (.rl/miles), this repository and .rl/site (einops for fla)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(MEGATRON_LM), str(MILES), str(REPO), str(RL_SITE)])
+    return subprocess.run(
+        [sys.executable, "-m", "tests.rl.miles_qwen3_5_side", str(job)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 # ----------------------------------------------------------------------------- S1 + S3: OpenRLHF
