@@ -304,3 +304,17 @@ def test_gradients_equal_transformers(qwen35):
         assert (g_ours[local] - want).abs().max().item() < 1e-4 * scale, local
         checked += 1
     assert checked == len(mine)  # every parameter of the backbone (the head is replaced here)
+
+
+def test_a_deltanet_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "t"
+    make_qwen3_5_checkpoint(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.linear_attn.conv1d.weight"
+    tensors[name] = tensors[name][:, :, :3].contiguous()  # a kernel of 3 where config.json says 4
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(InputError, match=r"has shape \(96, 1, 3\), expected \(96, 1, 4\)") as err:
+        load_hf_backbone_state(folder)
+    assert name in err.value.where
