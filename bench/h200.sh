@@ -19,7 +19,9 @@ if [ ! -f /tmp/site/.installed ]; then
   if [ -f /tmp/bundle/ray-nojars.tar.xz ]; then xz -dc /tmp/bundle/ray-nojars.tar.xz | tar -C /tmp/site -xf - || exit 1; fi
   # Appended to sys.path (a .pth file), not prepended: a carried package fills a gap and never shadows the image's.
   echo /tmp/site > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz_carried.pth" || exit 1
-  if ! python3 -c "import dagster, ray, datasets, trl" > /tmp/site/.imports.log 2>&1; then
+  # The bundle names the modules it carries (bundle/IMPORTS: the lean one has no Dagster, TRL or datasets).
+  mods=$(cat /tmp/bundle/IMPORTS 2>/dev/null || echo dagster ray datasets trl)
+  if ! python3 -c "import ${mods// /, }" > /tmp/site/.imports.log 2>&1; then
     echo "imports fail with the carried packages after the image's: /tmp/site goes first ($(tail -1 /tmp/site/.imports.log))"
     touch /tmp/site/.first
   fi

