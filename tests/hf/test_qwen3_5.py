@@ -318,3 +318,43 @@ def test_a_deltanet_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path):
     with pytest.raises(InputError, match=r"has shape \(96, 1, 3\), expected \(96, 1, 4\)") as err:
         load_hf_backbone_state(folder)
     assert name in err.value.where
+
+
+def test_memory_model_counts_what_a_deltanet_layer_keeps_for_backward(qwen35, monkeypatch):
+    """core.memory's Gated DeltaNet count, less the share fla's kernel keeps, equals the bytes
+    autograd really keeps for one bf16 DeltaNet layer outside the delta rule (saved-tensor hooks,
+    each storage counted once, parameters and the layer's input left out) within 2 %. On CPU the
+    torch delta rule runs in the kernel's place: what it keeps is counted apart and left out."""
+    from value_assets.core import memory
+    from value_assets.gpu.model import gated_delta
+
+    folder, _, backbone, _ = qwen35
+    critic = model_mod.build_critic(backbone, Objective(loss_type="mse"), bf16=True)
+    layer = critic.decoder.layers[backbone.layer_types.index("linear_attention")].self_attention
+    params = {p.untyped_storage().data_ptr() for p in critic.parameters()}
+    kept: dict[int, int] = {}
+    in_rule: set[int] = set()
+    rule = gated_delta.gated_delta_rule
+
+    def counted_rule(*args, **kwargs):
+        def note(t):
+            in_rule.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+            return rule(*args, **kwargs)
+
+    def keep(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    monkeypatch.setattr(gated_delta, "gated_delta_rule", counted_rule)
+    tokens = 640
+    x = torch.randn(tokens, 1, backbone.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        layer(x)
+    left_out = params | in_rule | {x.untyped_storage().data_ptr()}
+    measured = sum(n for ptr, n in kept.items() if ptr not in left_out) / 2 / tokens  # bf16 elements per token
+    la = backbone.linear_attention
+    predicted = memory.delta_net_elements(la, 1) - memory.delta_net_kernel_elements(la, 1)
+    assert measured == pytest.approx(predicted, rel=0.02)

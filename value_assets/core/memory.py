@@ -37,6 +37,25 @@ activations of `pp` micro-batches of L/pp layers: as many as one micro-batch thr
     evaluation   = c_eval * w * tokens * (3h + 4f/tp) (one layer's live set, nothing kept)
     peak         = static + activations + workspace
 
+Qwen3.5 (hybrid) backbones count each layer by its kind; their norms are zero-centred RMSNorms
+computed in float32 (each keeps its float32 input and output, 4h, where the fused norm keeps h: the
+layer's shared part is 10h + the MLP's), with, per token (Hk, Hv key and value heads over tp, dk,
+dv their dims, K the convolution kernel, C = Hk (2dk + r dv) the convolution's channels; float32
+tensors count twice):
+    Gated DeltaNet   (K + 2) C (the convolution's input, K - 1 shifted taps, its output, and SiLU's
+                     output, which the kernel keeps as v) + 6 Hk dk (q, k in float32 for the L2
+                     norm, in bf16 for the kernel) + 10 Hv dv (the output's float32 RMSNorm, the SiLU
+                     gate and out_proj's input) + 75 Hv (the gates' float32 steps, the kernel's g and
+                     beta, and its A: one 64-token chunk per head); the in-projection's output is
+                     not kept (every part of it is copied before use)
+    gated attention  10 q + 7 kv (qkv out with the gate rows, float32 QK-norms, roped q k, the
+                     attention output, the sigmoid gate and its product); selective recompute
+                     drops q + kv, as for plain attention; it does not touch DeltaNet layers
+The DeltaNet count outside the kernel is checked against what autograd keeps on CPU
+(tests/hf/test_qwen3_5.py); the kernel's share is read off fla 0.6.0's `ChunkGatedDeltaRuleFunction`
+(q, k, v, g, beta, A) and the gated-attention count off the code; neither is fitted to a GPU peak yet
+(the Qwen3.5 rows of the throughput bench print the prediction beside the measured peak).
+
 `c_act` and `c_eval` (allocator rounding, temporaries the count above misses) and the fixed
 workspace are calibrated on the H200 measurements in `MEASURED`: Qwen2.5-0.5B / 1.5B / 3B shapes,
 one GPU, bf16, plain Adam, training with the fused SwiGLU on micro-batches of 14,848 to 82,944
@@ -52,7 +71,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from value_assets.core.backbone import QWEN2_5_SHAPES, BackboneConfig, CriticShape
+from value_assets.core.backbone import LINEAR, QWEN2_5_SHAPES, BackboneConfig, CriticShape, LinearAttention
 from value_assets.core.errors import InputError
 from value_assets.core.objective import Objective
 
@@ -170,12 +189,15 @@ MEASURED = (
 )
 
 
+def _stage_layers(shape: CriticShape, layout: Layout) -> range:
+    """Layer indices of the first pipeline stage."""
+    return range(math.ceil(shape.backbone.num_layers / layout.pp))
+
+
 def stage_params(shape: CriticShape, layout: Layout) -> int:
     """Parameters held by one GPU of the first pipeline stage (the largest one: the embedding)."""
-    h, tp = shape.backbone.hidden_size, layout.tp
-    layers = math.ceil(shape.backbone.num_layers / layout.pp)
-    per_layer = (shape.backbone.layer_params() - 2 * h) / tp + 2 * h
-    n = shape.backbone.vocab_size * h / tp + layers * per_layer
+    b, h, tp = shape.backbone, shape.backbone.hidden_size, layout.tp
+    n = b.vocab_size * h / tp + sum((b.layer_params(i) - 2 * h) / tp + 2 * h for i in _stage_layers(shape, layout))
     if layout.pp == 1:
         n += h + h * shape.head_size + shape.head_size
     return int(n)
@@ -194,20 +216,45 @@ def static_bytes(
     return int(4 * p + 4 * p + 8 * p / shard)
 
 
+def delta_net_elements(la: LinearAttention, tp: int) -> float:
+    """Elements a Gated DeltaNet token mixer keeps for backward per token (module docstring)."""
+    hk, r = la.key_heads / tp, la.ratio
+    hv, dk, dv = hk * r, la.key_head_dim, la.value_head_dim
+    channels = hk * (2 * dk + r * dv)
+    return (la.conv_kernel + 2) * channels + 6 * hk * dk + 10 * hv * dv + 75 * hv
+
+
+# What fla's kernel keeps of a DeltaNet layer's tensors per token: q and k in bf16, v (SiLU's output:
+# the convolution's v channels, holding the whole of it alive), g (float32) and beta, and A.
+def delta_net_kernel_elements(la: LinearAttention, tp: int) -> float:
+    """The share of `delta_net_elements` that flash-linear-attention's kernel saves (module docstring)."""
+    hk = la.key_heads / tp
+    return 2 * hk * la.key_head_dim + hk * (2 * la.key_head_dim + la.ratio * la.value_head_dim) + 67 * hk * la.ratio
+
+
 def saved_elements_per_token_layer(
-    shape: CriticShape, layout: Layout, memory: MemoryConfig, recompute: str | None = None, *, fused_swiglu: bool = True
+    shape: CriticShape,
+    layout: Layout,
+    memory: MemoryConfig,
+    recompute: str | None = None,
+    *,
+    fused_swiglu: bool = True,
+    index: int = 0,
 ) -> float:
-    """Elements kept for backward per token and layer (no recompute factor for 'full').
+    """Elements kept for backward per token by layer `index` (no recompute factor for 'full').
     `fused_swiglu`: megatron's fused SwiGLU (the critic on CUDA) keeps fc1's output only; the
     plain ops (CPU) also keep silu's output."""
-    tp = layout.tp
-    h = shape.backbone.hidden_size / (tp if memory.sequence_parallel else 1)
-    q, kv, f = shape.backbone.q_size / tp, shape.backbone.kv_size / tp, shape.backbone.ffn_hidden_size / tp
+    b, tp = shape.backbone, layout.tp
+    h = b.hidden_size / (tp if memory.sequence_parallel else 1)
+    q, kv, f = b.q_size / tp, b.kv_size / tp, b.ffn_hidden_size / tp
     mlp = (3 if fused_swiglu else 4) * f
-    mode = recompute or memory.recompute
-    if mode == "selective":
-        return 4 * h + 2 * q + 2 * kv + mlp
-    return 4 * h + 3 * q + 3 * kv + mlp
+    selective = (recompute or memory.recompute) == "selective"
+    if b.family != "qwen3_5":
+        return 4 * h + (2 if selective else 3) * (q + kv) + mlp
+    if b.layer_type(index) == LINEAR:
+        assert b.linear_attention is not None
+        return 10 * h + delta_net_elements(b.linear_attention, tp) + mlp
+    return 10 * h + 10 * q + 7 * kv - (q + kv if selective else 0) + mlp
 
 
 def recomputed_layers(shape: CriticShape, layout: Layout, memory: MemoryConfig) -> int:
@@ -220,26 +267,45 @@ def recomputed_layers(shape: CriticShape, layout: Layout, memory: MemoryConfig) 
     return min(layout.pp * memory.recompute_layers, shape.backbone.num_layers)
 
 
+def _eval_live_elements(shape: CriticShape, layout: Layout) -> float:
+    """Elements live per token in the forward of the largest layer (nothing kept): the MLP's 3h + 4f,
+    or a Gated DeltaNet's in-projection, convolution and float32 output."""
+    b, tp = shape.backbone, layout.tp
+    h, f = b.hidden_size, b.ffn_hidden_size
+    live = 3 * h + 4 * f / tp
+    if b.linear_attention is not None:
+        la = b.linear_attention
+        hk = la.key_heads / tp
+        proj = hk * (2 * la.key_head_dim + 2 * la.ratio * la.value_head_dim + 2 * la.ratio)
+        channels = hk * (2 * la.key_head_dim + la.ratio * la.value_head_dim)
+        live = max(live, 2 * h + proj + 3 * channels + 6 * hk * la.ratio * la.value_head_dim)
+    return live
+
+
 def activation_bytes(
     shape: CriticShape, layout: Layout, memory: MemoryConfig, tokens: int, *, train: bool = True, bf16: bool = True
 ) -> int:
     """Activation memory of one packed micro-batch of `tokens` tokens (see the module docstring)."""
     w = 2 if bf16 else 4
-    h, f, tp = shape.backbone.hidden_size, shape.backbone.ffn_hidden_size, layout.tp
+    h, tp = shape.backbone.hidden_size, layout.tp
+    head = 4 * h + 16 * shape.head_size
     if not train:
-        return int(C_EVAL * w * tokens * (3 * h + 4 * f / tp) + tokens * (4 * h + 16 * shape.head_size))
+        return int(C_EVAL * w * tokens * _eval_live_elements(shape, layout) + tokens * head)
     # 1F1B: the first stage holds min(pp, micro-batches) in flight; with L/pp layers each that is
     # the activations of the whole model for one micro-batch.
     layers = shape.backbone.num_layers
+    mode = "selective" if memory.recompute == "selective" else "none"
+    kept = [
+        saved_elements_per_token_layer(shape, layout, memory, mode, fused_swiglu=bf16, index=i) for i in range(layers)
+    ]
     if memory.recompute == "selective":
-        per_token = layers * saved_elements_per_token_layer(shape, layout, memory, fused_swiglu=bf16)
+        per_token = sum(kept)
     else:
         hs = h / (tp if memory.sequence_parallel else 1)
         r = recomputed_layers(shape, layout, memory)
-        per_token = r * hs + max(layers - r, 1 if r else 0) * saved_elements_per_token_layer(
-            shape, layout, memory, "none", fused_swiglu=bf16
-        )
-    head = 4 * h + 16 * shape.head_size
+        # The layers past the first r keep everything; with every layer recomputed, one layer's set
+        # is live while it is recomputed in backward.
+        per_token = r * hs + (sum(kept[r:]) if r < layers else max(kept))
     return int(C_ACT * w * tokens * per_token + tokens * head)
 
 
