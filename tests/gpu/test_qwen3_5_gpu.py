@@ -1,5 +1,7 @@
 """GPU tier, Qwen3.5: flash-linear-attention's kernel against the torch delta rule, and a bf16
-Qwen3.5 critic on CUDA against transformers' Qwen3.5 in float32 (skipped without CUDA).
+Qwen3.5 critic on CUDA against transformers' Qwen3.5 in float32, also on CUDA (where transformers
+takes fla's kernel too: the kernel itself is held to the torch rule by the first test; skipped
+without CUDA).
 
 Tolerances: the fla kernel on float32 inputs against `gated_delta_rule` 2e-3 absolute (fla's
 chunked kernels accumulate in float32 but use TF32 matmuls; values of order 1); the bf16 critic's
@@ -80,7 +82,13 @@ def test_bf16_qwen3_5_critic_on_cuda_matches_transformers(tmp_path):
         cu = torch.tensor([0, 70, 75, 108], dtype=torch.int32)
         with torch.no_grad():
             got = m.critic_forward(critic, tokens.cuda(), pos.cuda(), cu.cuda(), 70, cu_seqlens_host=cu).cpu()
-            want = torch.cat([hf(input_ids=row[None]).last_hidden_state[0] for row in tokens.split(lengths)])
+            # transformers' reference runs on CUDA too: with fla importable, transformers 5.17 (the
+            # device image's) hands CPU tensors to fla's Triton kernel (seen on the H100, 2026-12-06:
+            # "Pointer argument ... cannot be accessed from Triton (cpu tensor?)").
+            hf = hf.cuda()
+            want = torch.cat(
+                [hf(input_ids=row[None].cuda()).last_hidden_state[0].cpu() for row in tokens.split(lengths)]
+            )
     finally:
         destroy()
     assert (got - want).abs().max().item() < 2e-2
