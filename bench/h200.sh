@@ -46,7 +46,7 @@ case "$step" in
     fi
     for m in ${CKPT_MODELS:-1.5b 3b}; do
       extra=""; [ "$m" = 1.5b ] && [ "${CKPT_OLD:-1}" = 1 ] && extra="--old"
-      python3 bench/checkpoint_load.py --model "$m" --repeat ${CKPT_REPEAT:-1} $extra 2>&1 | grep -vi warn \
+      python3 bench/checkpoint_load.py --model "$m" --repeat ${CKPT_REPEAT:-1} $extra 2>&1 | grep --line-buffered -vi warn \
         | tee "$out/checkpoint-load-$m.log" | tail -30
     done ;;
   bench)

@@ -1009,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {dev_name}; torch {torch.__version__}; "
         f"varlen_attn: {_varlen_available()}; MFU denominator {PEAK_TFLOPS:.0f} TFLOP/s "
-        "(measured bf16 matmul rate on this H200)",
+        "(bf16 matmul rate measured on this workplace's H200)",
         flush=True,
     )
     t_start = time.perf_counter()

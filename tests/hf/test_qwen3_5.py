@@ -358,3 +358,28 @@ def test_memory_model_counts_what_a_deltanet_layer_keeps_for_backward(qwen35, mo
     la = backbone.linear_attention
     predicted = memory.delta_net_elements(la, 1) - memory.delta_net_kernel_elements(la, 1)
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "capability, triton_version, tilelang, refused",
+    [
+        ((9, 0), "3.6.0", False, True),  # the H100/H200 image of 2026-12-06: torch 2.11's pin
+        ((9, 0), "3.4.0", False, True),
+        ((9, 0), "3.7.0+git1234", False, True),
+        ((9, 0), "3.7.1", False, False),
+        ((9, 0), "3.8", False, False),
+        ((9, 0), "3.3.1", False, False),
+        ((9, 0), "3.6.0", True, False),  # tilelang takes the kernel
+        ((8, 0), "3.6.0", False, False),  # A100: not affected
+        ((10, 0), "3.6.0", False, False),  # Blackwell: not affected
+    ],
+)
+def test_fla_gated_backward_refused_where_fla_refuses_it(capability, triton_version, tilelang, refused):
+    """fla 0.6.0's own condition (fla/ops/common/chunk_o.py, chunk_bwd_dqkwg), asked before the first
+    training forward so the error names the versions and the fix instead of a kernel trace."""
+    from value_assets.gpu.model.gated_delta import fla_backward_problem
+
+    problem = fla_backward_problem(capability, triton_version, tilelang)
+    assert (problem is not None) == refused
+    if refused:
+        assert triton_version in problem and "3.7.1" in problem and "tilelang" in problem

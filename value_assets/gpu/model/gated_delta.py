@@ -31,6 +31,8 @@ head) are in value-head order, which is the same order.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import re
 from itertools import pairwise
 from typing import Any
 
@@ -140,6 +142,35 @@ def _fla_delta_rule() -> Any:
     return chunk_gated_delta_rule
 
 
+def fla_backward_problem(capability: tuple[int, int], triton_version: str, has_tilelang: bool) -> str | None:
+    """Why fla's gated backward cannot run here, or None. fla-core 0.6.0 refuses `chunk_bwd_dqkwg` with
+    a gate on Hopper (compute capability 9.x) under Triton >= 3.4.0 and < 3.7.1 unless tilelang is
+    installed (fla issue #640: those Triton releases compute wrong gradients there). Seen on the H100
+    of 2026-12-06 (Triton 3.6.0, torch 2.11's pin): the forward ran, the first backward raised deep in
+    a training step. Checked before the first training forward instead, with the fix named."""
+    if capability[0] != 9 or has_tilelang:
+        return None
+    parts = [int(p) for p in re.findall(r"\d+", triton_version)[:3]]
+    version = tuple(parts + [0] * (3 - len(parts)))
+    if not (3, 4, 0) <= version < (3, 7, 1):
+        return None
+    return (
+        f"Qwen3.5 training on this GPU (compute capability {capability[0]}.{capability[1]}, Hopper) needs "
+        f"Triton >= 3.7.1 or tilelang for flash-linear-attention's gated delta-rule backward; found Triton "
+        f"{triton_version} and no tilelang (fla issue #640: these Triton releases give wrong gradients "
+        "on Hopper). Install tilelang (`pip install tilelang`) or a Triton >= 3.7.1 that your torch "
+        "accepts; evaluation (forward only) is not affected."
+    )
+
+
+@functools.cache
+def _fla_training_problem(device_index: int | None) -> str | None:
+    import triton
+
+    capability = torch.cuda.get_device_capability(device_index)
+    return fla_backward_problem(capability, triton.__version__, importlib.util.find_spec("tilelang") is not None)
+
+
 def _positions(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Each packed token's index in its own sequence."""
     return torch.cat([torch.arange(b - a, device=device) for a, b in pairwise(bounds)])
@@ -232,6 +263,10 @@ class GatedDeltaNet(MegatronModule):
         g = -self.A_log.float().exp() * F.softplus(a_in.reshape(s, b, heads).float() + self.dt_bias.float())
         beta = torch.sigmoid(b_in.reshape(s, b, heads).float())
         kernel = _fla_delta_rule() if hidden_states.is_cuda else None
+        if kernel is not None and torch.is_grad_enabled():
+            problem = _fla_training_problem(hidden_states.device.index)
+            if problem is not None:
+                raise RuntimeError(problem)
         if kernel is not None:
             # flash-linear-attention's chunked kernel (Triton): all rows in one call, [1, tokens, heads, d]
             # in sequence order, each row's state starting at zero at its cu_seqlens bound.
