@@ -64,10 +64,16 @@ class LinearAttention:
         """Channels of the short convolution: q, k (key heads x dk) and v (value heads x dv)."""
         return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
 
+    @property
+    def in_proj_width(self) -> int:
+        """Output width of the in-projection: q, k (key heads x dk), v, z (value heads x dv), b and a
+        (one per value head)."""
+        return self.conv_channels + self.value_heads * self.value_head_dim + 2 * self.value_heads
+
     def params(self, hidden: int) -> int:
         """in_proj (q, k, v, z, b, a), the convolution, A_log, dt_bias, the gated norm and out_proj."""
-        qk, vd = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
-        in_proj = hidden * (2 * qk + 2 * vd + 2 * self.value_heads)
+        vd = self.value_heads * self.value_head_dim
+        in_proj = hidden * self.in_proj_width
         conv = self.conv_channels * self.conv_kernel
         return in_proj + conv + 2 * self.value_heads + self.value_head_dim + vd * hidden
 

@@ -275,8 +275,7 @@ def _eval_live_elements(shape: CriticShape, layout: Layout) -> float:
     if b.linear_attention is not None:
         la = b.linear_attention
         vd = la.value_heads * la.value_head_dim / tp
-        proj = (2 * la.key_heads * la.key_head_dim + 2 * la.value_heads * la.value_head_dim + 2 * la.value_heads) / tp
-        live = max(live, 2 * h + proj + 3 * la.conv_channels / tp + 6 * vd)
+        live = max(live, 2 * h + la.in_proj_width / tp + 3 * la.conv_channels / tp + 6 * vd)
     return live
 
 

@@ -199,18 +199,18 @@ class GatedDeltaNet(MegatronModule):
         self.groups = la.key_heads // tp  # key-head groups on this rank
         self.value_heads = self.groups * self.ratio
         self.eps = config.layernorm_epsilon
-        self.group_width = 2 * self.dk + 2 * self.ratio * self.dv + 2 * self.ratio
+        self.group_width = la.in_proj_width // la.key_heads  # [q, k, v, z, b, a] of one key-head group
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.in_proj = ColumnParallelLinear(
             config.hidden_size,
-            la.key_heads * self.group_width,
+            la.in_proj_width,
             config=config,
             init_method=config.init_method,
             bias=False,
             gather_output=False,
             skip_bias_add=True,
         )
-        channels = self.groups * (2 * self.dk + self.ratio * self.dv)
+        channels = la.conv_channels // tp
         self.conv1d = torch.nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
         # A in [1, 16] spread over the value heads (a deterministic stand-in for a random init: the
         # same model for any tensor-parallel size); dt_bias 1, as transformers initialises it.
