@@ -211,3 +211,22 @@ def test_critic_shape_is_the_backbone_and_its_head():
     assert (b.q_size, b.kv_size, s.head_size) == (64, 32, 3)
     # embedding + layers + final norm + head (weights and bias): counted once, from the backbone
     assert s.num_params() == 100 * 64 + b.num_layers * b.layer_params() + 64 + 64 * 3 + 3
+
+
+def test_hints_for_a_qwen3_5_critic_offer_only_flags_it_accepts():
+    # Gated DeltaNet layers refuse sequence parallelism (gpt_critic.build_critic): a hint naming it
+    # would send the user to an error (the 4B-shaped row on an H100, 2026-12-06, got one).
+    from value_assets.core.backbone import qwen3_5
+    from value_assets.core.memory import DEFAULT_HEAD_SIZE, CriticShape
+
+    shape = CriticShape(qwen3_5("4b"), DEFAULT_HEAD_SIZE)
+    with pytest.raises(InputError) as err:
+        auto_micro_batch_tokens(shape, Layout(), MemoryConfig(), free_bytes=40 * GIB, longest_row=32767)
+    hints = str(err.value).split("it would fit with: ")[1].split("; or ")
+    assert "--sequence-parallel" not in str(err.value)
+    tp_hints = [h for h in hints if h.startswith("--tensor-parallel")]
+    assert tp_hints, hints
+    tp = int(tp_hints[0].split()[1])
+    assert shape.backbone.linear_attention.key_heads % tp == 0
+    # the layout it names does fit by the same model
+    assert max_tokens(shape, Layout(tp=tp), MemoryConfig(recompute="full"), int(40 * GIB * 0.9)) >= 32767

@@ -380,13 +380,18 @@ def auto_micro_batch_tokens(
         alt = replace(memory, distributed_optimizer=True)
         if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
             hints.append("--distributed-optimizer")
+    linear = shape.backbone.linear_attention
+    # Gated DeltaNet (Qwen3.5) layers refuse sequence parallelism and split their key heads by tp.
+    sp = linear is None
     for tp in (2, 4, 8):
-        if tp <= layout.tp or shape.backbone.num_query_groups % tp:
+        if tp <= layout.tp or shape.backbone.num_query_groups % tp or (linear is not None and linear.key_heads % tp):
             continue
         alt_layout = Layout(tp=tp, pp=layout.pp, dp=layout.dp)
-        alt = MemoryConfig(recompute="full", distributed_optimizer=memory.distributed_optimizer, sequence_parallel=True)
+        alt = MemoryConfig(recompute="full", distributed_optimizer=memory.distributed_optimizer, sequence_parallel=sp)
         if max_tokens(shape, alt_layout, alt, budget, bf16=bf16) >= longest_row:
-            hints.append(f"--tensor-parallel {tp} --sequence-parallel --recompute full (x{tp} the GPUs)")
+            hints.append(
+                f"--tensor-parallel {tp}{' --sequence-parallel' if sp else ''} --recompute full (x{tp} the GPUs)"
+            )
             break
     layers = "" if memory.recompute_layers is None else f" of {memory.recompute_layers} layers per stage"
     hints.append(f"a GPU with {need / GIB:.1f} GiB free, or dropping rows longer than {t} tokens")
