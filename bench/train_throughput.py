@@ -74,6 +74,7 @@ import numpy as np
 import torch
 
 from value_assets.core.backbone import CriticShape, qwen3_5
+from value_assets.core.errors import InputError
 from value_assets.core.memory import (
     GIB,
     RECOMPUTE,
@@ -1034,13 +1035,24 @@ def main(argv: list[str] | None = None) -> int:
             run_args = args
             if args.mbt_auto and CUDA:
                 longest = max(n for b in batches for n in model_lens(b))
-                mbt = auto_micro_batch_tokens(
-                    CriticShape(bb, obj.head_size),
-                    Layout(),
-                    MemoryConfig(),
-                    free_bytes=torch.cuda.mem_get_info()[0],
-                    longest_row=longest,
-                )
+                try:
+                    mbt = auto_micro_batch_tokens(
+                        CriticShape(bb, obj.head_size),
+                        Layout(),
+                        MemoryConfig(),
+                        free_bytes=torch.cuda.mem_get_info()[0],
+                        longest_row=longest,
+                    )
+                except InputError as exc:
+                    # The memory model says the longest row does not fit this GPU: a row that says so
+                    # (and what would fit) instead of a stopped table; the HF critic is still tried.
+                    print(f"  micro-batch tokens (auto): {exc}", flush=True)
+                    need = predict_peak(CriticShape(bb, obj.head_size), Layout(), MemoryConfig(), longest) / GIB
+                    for mode in ("eval", "fwd", "train") if "ours" in systems else ():
+                        res.add(name, "ours", mode, error="does not fit", pred_gib=need, notes="auto: see the log")
+                    if "hf" in systems:
+                        run_hf(name, bb, obj, batches, args, res)
+                    continue
                 run_args = argparse.Namespace(
                     **{
                         **vars(args),
