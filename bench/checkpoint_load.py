@@ -146,14 +146,21 @@ def main() -> int:
         size_gb = sum(f["size"] for f in files) / 1e9
         rows_out += [("save: megatron (unchecked)", min(saves)), ("save: hash every chunk (describe)", min(describes))]
 
-        def megatron(with_optimizer: bool):
+        def megatron(with_optimizer: bool, into_modules: bool = True):
+            # Megatron-LM's own load: dist_checkpointing.load, then the loaded state into the model
+            # (and the optimizer), as its load_checkpoint does; `into_modules=False` is the read alone.
             def run():
                 ckpt.safe_byte_entries()
                 sd = ckpt._model_sharded_state_dict(ddp.module)
                 state = {"model": sd, "iteration": torch.tensor(0, dtype=torch.int64)}
                 if with_optimizer:
                     state["optimizer"] = opt.sharded_state_dict(sd, is_loading=True, metadata=ckpt._OPTIMIZER_METADATA)
-                dist_checkpointing.load(state, str(step), strict=StrictHandling.RAISE_UNEXPECTED)
+                loaded = dist_checkpointing.load(state, str(step), strict=StrictHandling.RAISE_UNEXPECTED)
+                if into_modules:
+                    ddp.module.load_state_dict(loaded["model"], strict=True)
+                    if with_optimizer:
+                        with torch.no_grad():
+                            opt.load_state_dict(loaded["optimizer"])
 
             return run
 
@@ -168,7 +175,9 @@ def main() -> int:
         ]
         for label, with_opt in (("forward-only", False), ("resume", True)):
             rows_out += [
+                (f"{label}: megatron, read alone (unchecked)", _best(megatron(with_opt, False), args.repeat)),
                 (f"{label}: megatron (unchecked)", _best(megatron(with_opt), args.repeat)),
+                (f"{label}: the product's load, unchecked", _best(checked(with_opt, None), args.repeat)),
                 (f"{label}: checked", _best(checked(with_opt, contract), args.repeat)),
             ]
             if args.old:
