@@ -264,10 +264,25 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
         total = sum(len(f["chunk_sha256"]) for f in contract["checkpoint_files"] if f["path"].endswith(".distcp"))
 
         read: list[tuple[int, int]] = []  # (file size, chunk index) of each chunk read
-        real = checkpoint.read_chunk
-        monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append((b.size, i)) or real(fd, b, i))
+        events: list[tuple[int, int] | None] = []  # the same, and None for each tensor torch decodes
+        real, real_load = checkpoint.read_chunk, torch.load
+
+        def counted(fd, b, i):
+            read.append((b.size, i))
+            events.append((b.size, i))
+            return real(fd, b, i)
+
+        monkeypatch.setattr(checkpoint, "read_chunk", counted)
+        monkeypatch.setattr(torch, "load", lambda *a, **k: events.append(None) or real_load(*a, **k))
         ddp2, opt2 = wrap_for_training(build_critic(cfg, obj), lr=1e-3, weight_decay=0.0, clip_grad=1.0)
         assert checkpoint.load_critic(save, ddp2, opt2, contract=contract) == 1
+        # One pass: a data file is decoded while its later chunks are still being read and checked
+        # (its first tensor is decoded before its last chunk is read), not read whole first.
+        biggest = max(shards)
+        last_read = max(j for j, e in enumerate(events) if e is not None and e[0] == biggest)
+        first_read = min(j for j, e in enumerate(events) if e is not None and e[0] == biggest)
+        assert any(e is None for e in events[first_read:last_read]), "the file was read whole before decoding"
+        monkeypatch.setattr(torch, "load", real_load)
         for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values(), strict=True):
             if torch.is_tensor(a):
                 assert torch.equal(a, b), name
@@ -310,3 +325,54 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
             checkpoint.load_model_weights(save, build_critic(cfg, obj), contract=old)
     finally:
         destroy()
+
+
+def test_a_span_read_from_its_pieces_equals_the_joined_bytes():
+    """`_PiecesFile` (what torch.load reads a tensor's bytes from) against io.BytesIO of the joined
+    bytes, on random seeks and reads across piece boundaries, readinto and readall included."""
+    import io
+
+    from value_assets.gpu.runtime.checkpoint import _PiecesFile
+
+    rng = random.Random(0)
+    data = bytes(rng.randrange(256) for _ in range(300))
+    cuts = sorted({0, 300, *rng.sample(range(1, 300), 9)})
+    pieces = [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    ours, ref = _PiecesFile(pieces), io.BytesIO(data)
+    for _ in range(200):
+        where, whence = rng.randrange(-20, 320), rng.choice([io.SEEK_SET, io.SEEK_CUR, io.SEEK_END])
+        if (0 if whence == io.SEEK_SET else ref.tell() if whence == io.SEEK_CUR else 300) + where < 0:
+            continue
+        assert ours.seek(where, whence) == ref.seek(where, whence)
+        n = rng.randrange(0, 80)
+        assert ours.read(n) == ref.read(n)
+        buf_a, buf_b = bytearray(rng.randrange(0, 50)), None
+        buf_b = bytearray(len(buf_a))
+        assert ours.readinto(buf_a) == ref.readinto(buf_b) and buf_a == buf_b
+        assert ours.tell() == ref.tell()
+    ours.seek(17)
+    ref.seek(17)
+    assert ours.read() == ref.read()
+
+
+def test_a_changed_last_chunk_is_refused_after_decoding_began(tmp_path):
+    """Streaming hands out early spans before later chunks are checked: a change in the file's
+        last chunk is still refused by index when the load reaches a span that needs it, and no span
+    that needs it is given out."""
+    from value_assets.gpu.runtime.checkpoint import _checked_pieces, _SpanSource
+
+    data = bytes(range(256)) * 4
+    pin = chunk_pin(data)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        spans = [(0, 100), (100, 900), (1000, 24)]
+        source = _SpanSource(path, _checked_pieces(path, fd, pin, spans, None, None))
+        assert source.open((0, 100)).read() == data[:100]
+        assert source.open((0, 100)).read() == data[:100]  # the same stored item asked for again
+        assert source.open((100, 900)).read() == data[100:1000]  # chunks 6-62, all checked
+        with pytest.raises(InputError, match=r"chunk 63 of 64 \(bytes 1008\.\.1023\): read sha256"):
+            source.open((1000, 24))
+    finally:
+        os.close(fd)

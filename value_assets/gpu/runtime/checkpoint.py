@@ -20,6 +20,7 @@ gpu/runtime/safe_pickle.py), `common.pt` with `torch.load(weights_only=True)`, a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import errno
@@ -136,23 +137,43 @@ def read_checked(
 def _read_chunked(
     path: Path, fd: int, pin: FileBinding, wanted: list[Span], pool: Executor | None, cache: ChunkCache | None
 ) -> dict[Span, bytes]:
-    """`wanted` (sorted) cut from the chunks that cover them, each chunk checked before it is used.
-    Chunks are read in order with a bounded number in flight; a span is joined (one copy) as soon
-    as its last chunk is checked, so memory holds the spans plus a few chunks. A chunk `cache`
-    holds is used as it is (it was checked when kept); a read of at most `cache.limit` chunks keeps
-    them there."""
-    out: dict[Span, bytes] = {}
+    """`wanted` (sorted) cut from the chunks that cover them, each chunk checked before it is used,
+    each span joined into one bytes object (`_checked_pieces`)."""
+    return {span: b"".join(pieces) for span, pieces in _checked_pieces(path, fd, pin, wanted, pool, cache)}
+
+
+def _checked_pieces(
+    path: Path,
+    fd: int,
+    pin: FileBinding,
+    wanted: list[Span],
+    pool: Executor | None,
+    cache: ChunkCache | None,
+    *,
+    check: bool = True,
+) -> Iterator[tuple[Span, list[memoryview]]]:
+    """(span, its bytes as pieces of checked chunks) for each of `wanted` (sorted), yielded as soon
+    as the span's last chunk is checked. Chunks are read in order on `pool` (or a pool of its own)
+    with a bounded number in flight, so reading and hashing go on while the consumer uses a span,
+    and memory holds the spans not yet dropped plus a few chunks. A chunk `cache` holds is used as
+    it is (it was checked when kept); a read of at most `cache.limit` chunks keeps them there.
+    `check=False` (a folder no contract binds) reads the same way without hashing."""
     indices = sorted({i for off, n in wanted for i in pin.chunks_covering(off, n)})
     small = cache is not None and len(indices) <= cache.limit
     kept: dict[int, bytes] = {}
 
-    def fetch(i: int) -> tuple[int, bytes, str]:
+    def fetch(i: int) -> tuple[int, bytes, str | None]:
         held = cache.take(path, i) if cache is not None else None
-        return (i, held, pin.chunks[i]) if held is not None else read_chunk(fd, pin, i)
+        if held is not None:
+            return i, held, pin.chunks[i]
+        if not check:
+            offset, length = pin.chunk_span(i)
+            return i, pread_full(fd, length, offset), None
+        return read_chunk(fd, pin, i)
 
     for span in wanted:
         if span[1] == 0:
-            out[span] = b""
+            yield span, []
     live = [span for span in wanted if span[1] > 0]
     parts: dict[Span, list[memoryview]] = {span: [] for span in live}
     ends = sorted(live, key=lambda sp: sp[0] + sp[1])
@@ -162,11 +183,11 @@ def _read_chunked(
     try:
         for i, data, digest in ordered_map(own or pool, fetch, indices, 2 * threads):
             offset, length = pin.chunk_span(i)
-            if len(data) != length:
+            if check and len(data) != length:
                 raise _changed(
                     path, f"chunk {i} of {len(pin.chunks)}: read {len(data)} bytes, the contract binds {length}"
                 )
-            if digest != pin.chunks[i]:
+            if check and digest != pin.chunks[i]:
                 raise _changed(
                     path,
                     f"chunk {i} of {len(pin.chunks)} (bytes {offset}..{offset + length - 1}): read sha256 {digest}, "
@@ -174,18 +195,95 @@ def _read_chunked(
                 )
             if small:
                 kept[i] = data
-            end = offset + length
+            end = offset + len(data)
             first = _cut_spans(live, first, offset, memoryview(data), parts)
             while done < len(ends) and ends[done][0] + ends[done][1] <= end:
                 span = ends[done]
-                out[span] = b"".join(parts.pop(span))
+                yield span, parts.pop(span)
                 done += 1
+        for span in ends[done:]:  # unchecked reads only: the file ended before these spans did
+            yield span, parts.pop(span)
     finally:
         if own is not None:
             own.shutdown(cancel_futures=True)
     if small and cache is not None:
         cache.keep(path, kept)
-    return out
+
+
+class _PiecesFile(io.RawIOBase):
+    """A read-only, seekable file over a span's pieces (memoryviews of checked chunks): torch.load
+    reads the span from the chunk buffers themselves (readinto), never from a joined copy."""
+
+    def __init__(self, pieces: list[memoryview]):
+        super().__init__()
+        self._pieces = pieces
+        self._starts = [0]
+        for piece in pieces:
+            self._starts.append(self._starts[-1] + len(piece))
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._starts[-1]}[whence]
+        if base + pos < 0:
+            raise ValueError(f"negative seek position {base + pos}")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        got = 0
+        j = bisect.bisect_right(self._starts, self._pos) - 1
+        while got < len(out) and 0 <= j < len(self._pieces):
+            piece, at = self._pieces[j], self._pos - self._starts[j]
+            n = min(len(piece) - at, len(out) - got)
+            out[got : got + n] = piece[at : at + n]
+            got += n
+            self._pos += n
+            j += 1
+        return got
+
+    def readall(self) -> bytes:
+        size = max(0, self._starts[-1] - self._pos)
+        buf = bytearray(size)
+        return bytes(buf[: self.readinto(buf)])
+
+
+class _SpanSource:
+    """The checked spans of one data file, in the order the load asks for them (by offset): each
+    is taken from `_checked_pieces` as it becomes ready and handed out as a `_PiecesFile`; a span
+    asked for again at once (two reads of one stored tensor) is handed out again, and a span is
+    dropped once the load moves past it."""
+
+    def __init__(self, path: Path, pieces: Iterator[tuple[Span, list[memoryview]]]):
+        self._path, self._pieces = path, pieces
+        self._ready: dict[Span, list[memoryview]] = {}
+        self._last: tuple[Span, list[memoryview]] | None = None
+
+    def open(self, span: Span) -> _PiecesFile:
+        if self._last is not None and self._last[0] == span:
+            return _PiecesFile(self._last[1])
+        while span not in self._ready:
+            got = next(self._pieces, None)
+            if got is None:
+                raise RuntimeError(f"{self._path}: span {span} was not among the spans read")
+            self._ready[got[0]] = got[1]
+        pieces = self._ready.pop(span)
+        have = sum(len(p) for p in pieces)
+        if have != span[1]:
+            raise InputError(
+                str(self._path), f"ends at byte {span[0] + have}, before the index's entry at (offset, length) {span}"
+            )
+        self._last = (span, pieces)
+        return _PiecesFile(pieces)
 
 
 def _cut_spans(spans: list[Span], first: int, offset: int, buf: Any, parts: dict[Span, list[Any]]) -> int:
@@ -282,9 +380,12 @@ class _CheckedReader(FileSystemReader):
     the contract's binding; None for an unpinned backbone folder).
 
     `.metadata` is read whole, checked, and unpickled from those bytes with the restricted
-    unpickler; the data files are read file by file: each whole, once, hashed, keeping the slices
-    the load asked for, which torch then decodes (tensors with weights_only) only once the file
-    matched. A file the contract does not bind is never read."""
+    unpickler; the data files are read file by file, each chunk once: the chunks that hold the
+    slices the load asks for are read and hashed on every core ahead of torch's decoding (tensors
+    with weights_only), which takes each slice from the chunk buffers as soon as every chunk it
+    needs matched its digest (`_SpanSource`); a file an older contract binds by its whole sha256 is
+    read whole and matched before any of it is decoded. A file the contract does not bind is never
+    read."""
 
     def __init__(
         self,
@@ -297,7 +398,8 @@ class _CheckedReader(FileSystemReader):
         self._cache = cache
         self._root = Path(path)
         self._pins = pins
-        self._slices: dict[tuple[str, int, int], bytes] = {}
+        self._source: _SpanSource | None = None  # the data file being decoded (`_read_data`)
+        self._source_rel: str | None = None
         self.fs = _CheckedFileSystem(self.fs, self._root)
         # Every refusal this reader raised, for the load to raise as itself: megatron-core 0.19
         # catches a failed index read and raises its own AssertionError with the message as text.
@@ -339,10 +441,10 @@ class _CheckedReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
-        if not isinstance(file, _Unread):
+    def _slice_file(self, file: Any, sinfo: Any) -> io.RawIOBase:
+        if not isinstance(file, _Unread) or self._source is None or self._source_rel != file.relative_path:
             raise TypeError("checkpoint data is read through _CheckedReader only")
-        return io.BytesIO(self._slices[(file.relative_path, sinfo.offset, sinfo.length)])
+        return self._source.open((sinfo.offset, sinfo.length))
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         try:
@@ -356,45 +458,81 @@ class _CheckedReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
 
         fut = None
-        # Files are read and checked ahead (a chunked file's chunks on every core, whole-file pins one
-        # file per thread) and decoded in order as each is checked.
-        pins = [self._pins.get(rel) for rel in per_file] if self._pins is not None else []
-        whole = any(pin is not None and not pin.chunked for pin in pins)
+        # A file the contract binds by chunks (or none binds) is streamed: its chunks are read and
+        # hashed on every core ahead of torch's decoding, which takes each tensor's bytes from the
+        # checked chunks as they become ready, in file order. A file an older contract binds by its
+        # whole sha256 is read whole and checked before any of it is decoded (one file per thread,
+        # read ahead).
+        pins = {rel: self._pin(rel) for rel in per_file}
+        whole = [rel for rel, pin in pins.items() if pin is not None and not pin.chunked]
         with (
             ThreadPoolExecutor(max_workers=hash_threads(1 << 30)) as chunk_pool,
-            ThreadPoolExecutor(
-                max_workers=hash_threads(len(per_file)) if whole else min(2, len(per_file) or 1)
-            ) as pool,
+            ThreadPoolExecutor(max_workers=hash_threads(len(whole) or 1)) as whole_pool,
         ):
-
-            def checked(rel: str) -> dict[tuple[int, int], bytes]:
-                infos = [self.storage_data[i.storage_index] for i in per_file[rel]]
-                try:
-                    return read_checked(
-                        self._root / rel,
-                        self._pin(rel),
-                        [(m.offset, m.length) for m in infos],
-                        pool=chunk_pool,
-                        cache=self._cache,
-                    )
-                except FileNotFoundError:
-                    raise _changed(self._root / rel, "missing") from None
-
-            pending = {rel: pool.submit(checked, rel) for rel in per_file}
+            spans = {
+                rel: [(m.offset, m.length) for m in (self.storage_data[i.storage_index] for i in items)]
+                for rel, items in per_file.items()
+            }
+            ahead = {rel: whole_pool.submit(self._whole_file, rel, spans[rel]) for rel in whole}
             try:
                 for rel, items in per_file.items():
-                    kept = pending.pop(rel).result()
-                    self._slices = {(rel, off, length): data for (off, length), data in kept.items()}
-                    del kept
-                    fut = super().read_data(dataclasses.replace(plan, items=items), planner)
-                    fut.wait()
-                    self._slices = {}
+                    items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
+                    with self._opened(rel) as fd:
+                        if rel in ahead:
+                            kept = ahead.pop(rel).result()
+                            pieces: Iterator[tuple[Span, list[memoryview]]] = iter(
+                                [(span, [memoryview(data)]) for span, data in kept.items()]
+                            )
+                        else:
+                            pieces = self._streamed(rel, fd, sorted(set(spans[rel])), chunk_pool)
+                        self._source, self._source_rel = _SpanSource(self._root / rel, pieces), rel
+                        try:
+                            fut = super().read_data(dataclasses.replace(plan, items=items), planner)
+                            fut.wait()
+                        finally:
+                            self._source = self._source_rel = None
+                            close = getattr(pieces, "close", None)
+                            if close is not None:
+                                close()
             finally:
-                for later in pending.values():
+                for later in ahead.values():
                     later.cancel()
         if fut is None:
             fut = super().read_data(plan, planner)
         return fut
+
+    @contextlib.contextmanager
+    def _opened(self, rel: str) -> Iterator[int]:
+        path = self._root / rel
+        try:
+            fd = _open_read(path, pinned=self._pins is not None)
+        except FileNotFoundError:
+            raise _changed(path, "missing") from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _whole_file(self, rel: str, spans: list[Span]) -> dict[Span, bytes]:
+        try:
+            return read_checked(self._root / rel, self._pin(rel), spans)
+        except FileNotFoundError:
+            raise _changed(self._root / rel, "missing") from None
+
+    def _streamed(
+        self, rel: str, fd: int, wanted: list[Span], pool: Executor
+    ) -> Iterator[tuple[Span, list[memoryview]]]:
+        path, pin = self._root / rel, self._pin(rel)
+        size = os.fstat(fd).st_size
+        if pin is not None and size != pin.size:
+            raise _changed(path, f"size {size}, the contract binds {pin.size}")
+        binding = pin if pin is not None else FileBinding(size=size, chunk_bytes=_CHUNK)
+        past = [span for span in wanted if span[0] + span[1] > binding.size]
+        if past:  # refused before anything is read
+            raise InputError(
+                str(path), f"ends at byte {binding.size}, before the index's entry at (offset, length) {past[0]}"
+            )
+        return _checked_pieces(path, fd, binding, wanted, pool, self._cache, check=pin is not None)
 
 
 @contextlib.contextmanager
