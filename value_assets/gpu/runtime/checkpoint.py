@@ -195,6 +195,8 @@ def _checked_pieces(
                 )
             if small:
                 kept[i] = data
+                if len(kept) == len(indices) and cache is not None:  # before the last yield: the
+                    cache.keep(path, kept)  # consumer may close this generator once it has its spans
             end = offset + len(data)
             first = _cut_spans(live, first, offset, memoryview(data), parts)
             while done < len(ends) and ends[done][0] + ends[done][1] <= end:
@@ -206,8 +208,6 @@ def _checked_pieces(
     finally:
         if own is not None:
             own.shutdown(cancel_futures=True)
-    if small and cache is not None:
-        cache.keep(path, kept)
 
 
 class _PiecesFile(io.RawIOBase):
