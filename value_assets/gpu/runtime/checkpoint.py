@@ -165,7 +165,7 @@ def _checked_pieces(
     def fetch(i: int) -> tuple[int, bytes, str | None]:
         held = cache.take(path, i) if cache is not None else None
         if held is not None:
-            return i, held, pin.chunks[i]
+            return i, held, pin.chunks[i] if check else None
         if not check:
             offset, length = pin.chunk_span(i)
             return i, pread_full(fd, length, offset), None
