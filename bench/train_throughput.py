@@ -1047,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
                     # The memory model says the longest row does not fit this GPU: a row that says so
                     # (and what would fit) instead of a stopped table; the HF critic is still tried.
                     print(f"  micro-batch tokens (auto): {exc}", flush=True)
-                    need = predict_peak(CriticShape(bb, obj.head_size), Layout(), MemoryConfig(), longest) / GIB
+                    need = predicted_gib(bb, obj, MemoryConfig(), longest, train=True)
                     for mode in ("eval", "fwd", "train") if "ours" in systems else ():
                         res.add(name, "ours", mode, error="does not fit", pred_gib=need, notes="auto: see the log")
                     if "hf" in systems:

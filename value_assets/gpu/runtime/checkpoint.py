@@ -27,7 +27,7 @@ import errno
 import hashlib
 import io
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -117,13 +117,7 @@ def read_checked(
         if pin is None:
             out = {span: pread_full(fd, span[1], span[0]) for span in wanted}
         else:
-            if size != pin.size:
-                raise _changed(path, f"size {size}, the contract binds {pin.size}")
-            past = [span for span in wanted if span[0] + span[1] > pin.size]
-            if past:  # refused before anything is read
-                raise InputError(
-                    str(path), f"ends at byte {pin.size}, before the index's entry at (offset, length) {past[0]}"
-                )
+            _refuse_unfit(path, size, pin, wanted)
             out = _read_chunked(path, fd, pin, wanted, pool, cache)
     finally:
         os.close(fd)
@@ -132,6 +126,17 @@ def read_checked(
         end = max(off + len(out[(off, n)]) for off, n in short)
         raise InputError(str(path), f"ends at byte {end}, before the index's entry at (offset, length) {short[0]}")
     return {(0, -1): out[wanted[0]]} if spans is None else out
+
+
+def _refuse_unfit(path: Path, size: int, pin: FileBinding | None, wanted: list[Span]) -> None:
+    """Refuse, before anything is read, a file of another `size` than `pin` binds, and `wanted`
+    spans that end past the file (its pinned size, else `size`)."""
+    if pin is not None and size != pin.size:
+        raise _changed(path, f"size {size}, the contract binds {pin.size}")
+    end = size if pin is None else pin.size
+    past = [span for span in wanted if span[0] + span[1] > end]
+    if past:
+        raise InputError(str(path), f"ends at byte {end}, before the index's entry at (offset, length) {past[0]}")
 
 
 def _read_chunked(
@@ -473,27 +478,22 @@ class _CheckedReader(FileSystemReader):
                 rel: [(m.offset, m.length) for m in (self.storage_data[i.storage_index] for i in items)]
                 for rel, items in per_file.items()
             }
-            ahead = {rel: whole_pool.submit(self._whole_file, rel, spans[rel]) for rel in whole}
+            ahead = {rel: whole_pool.submit(self._whole_file, rel, pins[rel], spans[rel]) for rel in whole}
             try:
                 for rel, items in per_file.items():
                     items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
-                    with self._opened(rel) as fd:
-                        if rel in ahead:
-                            kept = ahead.pop(rel).result()
-                            pieces: Iterator[tuple[Span, list[memoryview]]] = iter(
-                                [(span, [memoryview(data)]) for span, data in kept.items()]
-                            )
-                        else:
-                            pieces = self._streamed(rel, fd, sorted(set(spans[rel])), chunk_pool)
-                        self._source, self._source_rel = _SpanSource(self._root / rel, pieces), rel
-                        try:
-                            fut = super().read_data(dataclasses.replace(plan, items=items), planner)
-                            fut.wait()
-                        finally:
-                            self._source = self._source_rel = None
-                            close = getattr(pieces, "close", None)
-                            if close is not None:
-                                close()
+                    if rel in ahead:
+                        kept = ahead.pop(rel).result()
+                        pieces = ((span, [memoryview(data)]) for span, data in kept.items())
+                    else:
+                        pieces = self._streamed(rel, pins[rel], sorted(set(spans[rel])), chunk_pool)
+                    self._source, self._source_rel = _SpanSource(self._root / rel, pieces), rel
+                    try:
+                        fut = super().read_data(dataclasses.replace(plan, items=items), planner)
+                        fut.wait()
+                    finally:
+                        self._source = self._source_rel = None
+                        pieces.close()
             finally:
                 for later in ahead.values():
                     later.cancel()
@@ -501,38 +501,29 @@ class _CheckedReader(FileSystemReader):
             fut = super().read_data(plan, planner)
         return fut
 
-    @contextlib.contextmanager
-    def _opened(self, rel: str) -> Iterator[int]:
+    def _whole_file(self, rel: str, pin: FileBinding, spans: list[Span]) -> dict[Span, bytes]:
+        try:
+            return read_checked(self._root / rel, pin, spans)
+        except FileNotFoundError:
+            raise _changed(self._root / rel, "missing") from None
+
+    def _streamed(
+        self, rel: str, pin: FileBinding | None, wanted: list[Span], pool: Executor
+    ) -> Generator[tuple[Span, list[memoryview]], None, None]:
+        """`_checked_pieces` of the data file `rel`, opened (and its size and spans checked) when
+        the load asks for its first span, closed with this generator."""
         path = self._root / rel
         try:
             fd = _open_read(path, pinned=self._pins is not None)
         except FileNotFoundError:
             raise _changed(path, "missing") from None
         try:
-            yield fd
+            size = os.fstat(fd).st_size
+            _refuse_unfit(path, size, pin, wanted)
+            binding = pin if pin is not None else FileBinding(size=size, chunk_bytes=_CHUNK)
+            yield from _checked_pieces(path, fd, binding, wanted, pool, self._cache, check=pin is not None)
         finally:
             os.close(fd)
-
-    def _whole_file(self, rel: str, spans: list[Span]) -> dict[Span, bytes]:
-        try:
-            return read_checked(self._root / rel, self._pin(rel), spans)
-        except FileNotFoundError:
-            raise _changed(self._root / rel, "missing") from None
-
-    def _streamed(
-        self, rel: str, fd: int, wanted: list[Span], pool: Executor
-    ) -> Iterator[tuple[Span, list[memoryview]]]:
-        path, pin = self._root / rel, self._pin(rel)
-        size = os.fstat(fd).st_size
-        if pin is not None and size != pin.size:
-            raise _changed(path, f"size {size}, the contract binds {pin.size}")
-        binding = pin if pin is not None else FileBinding(size=size, chunk_bytes=_CHUNK)
-        past = [span for span in wanted if span[0] + span[1] > binding.size]
-        if past:  # refused before anything is read
-            raise InputError(
-                str(path), f"ends at byte {binding.size}, before the index's entry at (offset, length) {past[0]}"
-            )
-        return _checked_pieces(path, fd, binding, wanted, pool, self._cache, check=pin is not None)
 
 
 @contextlib.contextmanager
