@@ -47,8 +47,8 @@ def counted_file(tmp_path, monkeypatch):
     path = tmp_path / "__0_0.distcp"
     path.write_bytes(data)
     read: list[int] = []
-    real = checkpoint.read_chunk
-    monkeypatch.setattr(checkpoint, "read_chunk", lambda fd, b, i: read.append(i) or real(fd, b, i))
+    real = checkpoint.read_chunk_into
+    monkeypatch.setattr(checkpoint, "read_chunk_into", lambda fd, b, i, views: read.append(i) or real(fd, b, i, views))
     return data, path, chunk_pin(data), read
 
 
@@ -265,15 +265,24 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
 
         read: list[tuple[int, int]] = []  # (file size, chunk index) of each chunk read
         events: list[tuple[int, int] | None] = []  # the same, and None for each tensor torch decodes
-        real, real_load = checkpoint.read_chunk, torch.load
+        real, real_decode = checkpoint.read_chunk_into, checkpoint.decode_record
+        shared: list[bool] = []  # per decoded tensor: its storage is the checked span's buffer
 
-        def counted(fd, b, i):
+        def counted(fd, b, i, views):
             read.append((b.size, i))
             events.append((b.size, i))
-            return real(fd, b, i)
+            return real(fd, b, i, views)
 
-        monkeypatch.setattr(checkpoint, "read_chunk", counted)
-        monkeypatch.setattr(torch, "load", lambda *a, **k: events.append(None) or real_load(*a, **k))
+        def decoded(data):
+            events.append(None)
+            tensor = real_decode(data)
+            if torch.is_tensor(tensor) and tensor.numel():
+                begin = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+                shared.append(begin <= tensor.untyped_storage().data_ptr() < begin + len(data))
+            return tensor
+
+        monkeypatch.setattr(checkpoint, "read_chunk_into", counted)
+        monkeypatch.setattr(checkpoint, "decode_record", decoded)
         ddp2, opt2 = wrap_for_training(build_critic(cfg, obj), lr=1e-3, weight_decay=0.0, clip_grad=1.0)
         assert checkpoint.load_critic(save, ddp2, opt2, contract=contract) == 1
         # One pass: a data file is decoded while its later chunks are still being read and checked
@@ -282,7 +291,10 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
         last_read = max(j for j, e in enumerate(events) if e is not None and e[0] == biggest)
         first_read = min(j for j, e in enumerate(events) if e is not None and e[0] == biggest)
         assert any(e is None for e in events[first_read:last_read]), "the file was read whole before decoding"
-        monkeypatch.setattr(torch, "load", real_load)
+        # One copy: each tensor is decoded in place from the buffer its bytes were read and checked
+        # in (only the copy into the model is left), not copied out of it into a storage of its own.
+        assert shared and all(shared), shared
+        monkeypatch.setattr(checkpoint, "decode_record", real_decode)
         for (name, a), b in zip(ddp.module.state_dict().items(), ddp2.module.state_dict().values(), strict=True):
             if torch.is_tensor(a):
                 assert torch.equal(a, b), name
@@ -327,18 +339,16 @@ def test_a_saved_critic_comes_back_exactly_from_checked_chunks(tmp_path, monkeyp
         destroy()
 
 
-def test_a_span_read_from_its_pieces_equals_the_joined_bytes():
-    """`_PiecesFile` (what torch.load reads a tensor's bytes from) against io.BytesIO of the joined
-    bytes, on random seeks and reads across piece boundaries, readinto and readall included."""
+def test_a_span_read_as_a_file_equals_bytesio():
+    """`_ViewFile` (what torch's zip reader reads a record's index from) against io.BytesIO of the
+    same bytes, on random seeks and reads, readinto and readall included."""
     import io
 
-    from value_assets.gpu.runtime.checkpoint import _PiecesFile
+    from value_assets.gpu.runtime.checkpoint import _ViewFile
 
     rng = random.Random(0)
     data = bytes(rng.randrange(256) for _ in range(300))
-    cuts = sorted({0, 300, *rng.sample(range(1, 300), 9)})
-    pieces = [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    ours, ref = _PiecesFile(pieces), io.BytesIO(data)
+    ours, ref = _ViewFile(memoryview(data)), io.BytesIO(data)
     for _ in range(200):
         where, whence = rng.randrange(-20, 320), rng.choice([io.SEEK_SET, io.SEEK_CUR, io.SEEK_END])
         if (0 if whence == io.SEEK_SET else ref.tell() if whence == io.SEEK_CUR else 300) + where < 0:
@@ -346,7 +356,7 @@ def test_a_span_read_from_its_pieces_equals_the_joined_bytes():
         assert ours.seek(where, whence) == ref.seek(where, whence)
         n = rng.randrange(0, 80)
         assert ours.read(n) == ref.read(n)
-        buf_a, buf_b = bytearray(rng.randrange(0, 50)), None
+        buf_a = bytearray(rng.randrange(0, 50))
         buf_b = bytearray(len(buf_a))
         assert ours.readinto(buf_a) == ref.readinto(buf_b) and buf_a == buf_b
         assert ours.tell() == ref.tell()
@@ -355,11 +365,71 @@ def test_a_span_read_from_its_pieces_equals_the_joined_bytes():
     assert ours.read() == ref.read()
 
 
+def test_a_record_decodes_in_place_as_torch_load_decodes_it():
+    """`decode_record` against torch.load (the reference) on records of several dtypes and shapes,
+    views of larger storages, a scalar and an empty tensor among them: equal values, dtype, shape
+    and strides, and each tensor's storage lies inside the record's own buffer (no copy)."""
+    import io
+
+    import numpy as np
+    import torch
+
+    from value_assets.gpu.runtime.checkpoint import decode_record
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(40, 30, generator=g)
+    cases = [
+        base,
+        base[5:17],  # a view: torch.save stores its whole storage
+        base.t(),  # non-contiguous strides
+        base.to(torch.bfloat16),
+        torch.randint(-(2**40), 2**40, (33,), generator=g),
+        torch.tensor(3.5, dtype=torch.float64),
+        torch.zeros(0, 4),
+        torch.arange(10, dtype=torch.int8),
+    ]
+    for tensor in cases:
+        raw = io.BytesIO()
+        torch.save(tensor, raw)
+        buf = np.frombuffer(bytearray(raw.getvalue()), dtype=np.uint8)
+        data = memoryview(buf).cast("B")
+        ours, ref = decode_record(data), torch.load(io.BytesIO(raw.getvalue()), weights_only=True)
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape and ours.stride() == ref.stride()
+        assert torch.equal(ours, ref)
+        if ours.numel():
+            at = ours.untyped_storage().data_ptr() - buf.ctypes.data
+            assert 0 <= at < len(data), "decoded into a storage of its own"
+
+
+def test_preadv_full_fills_every_buffer_as_pread_would(tmp_path):
+    """The scatter read behind the checked reads against slicing the file (the reference): random
+    cuts into buffers, empty buffers among them, more buffers than one preadv takes, a read past
+    the end of the file (short, only at the end)."""
+    from value_assets.core.chunks import preadv_full
+
+    rng = random.Random(1)
+    data = bytes(rng.randrange(256) for _ in range(5000))
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset, total, pieces in [(0, 5000, 7), (123, 3000, 2500), (4000, 2000, 30), (0, 0, 3)]:
+            cuts = sorted(rng.randrange(0, total + 1) for _ in range(pieces - 1))
+            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+            bufs = [bytearray(n) for n in sizes]
+            got = preadv_full(fd, [memoryview(b) for b in bufs], offset)
+            expect = data[offset : offset + total]
+            assert got == len(expect)
+            assert b"".join(bufs)[:got] == expect
+    finally:
+        os.close(fd)
+
+
 def test_a_changed_last_chunk_is_refused_after_decoding_began(tmp_path):
     """Streaming hands out early spans before later chunks are checked: a change in the file's
         last chunk is still refused by index when the load reaches a span that needs it, and no span
     that needs it is given out."""
-    from value_assets.gpu.runtime.checkpoint import _checked_pieces, _SpanSource
+    from value_assets.gpu.runtime.checkpoint import _checked_spans, _SpanSource
 
     data = bytes(range(256)) * 4
     pin = chunk_pin(data)
@@ -368,10 +438,10 @@ def test_a_changed_last_chunk_is_refused_after_decoding_began(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         spans = [(0, 100), (100, 900), (1000, 24)]
-        source = _SpanSource(path, _checked_pieces(path, fd, pin, spans, None, None))
-        assert source.open((0, 100)).read() == data[:100]
-        assert source.open((0, 100)).read() == data[:100]  # the same stored item asked for again
-        assert source.open((100, 900)).read() == data[100:1000]  # chunks 6-62, all checked
+        source = _SpanSource(path, _checked_spans(path, fd, pin, spans, None, None))
+        assert source.open((0, 100)) == data[:100]
+        assert source.open((0, 100)) == data[:100]  # the same stored item asked for again
+        assert source.open((100, 900)) == data[100:1000]  # chunks 6-62, all checked
         with pytest.raises(InputError, match=r"chunk 63 of 64 \(bytes 1008\.\.1023\): read sha256"):
             source.open((1000, 24))
     finally:

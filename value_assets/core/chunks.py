@@ -117,6 +117,38 @@ def pread_full(fd: int, length: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+
+
+def preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Fill `buffers` (writable, in order) with the file's bytes from `offset` on, each byte read
+    straight into its buffer; returns the bytes read, fewer only at the end of the file."""
+    got, i, at = 0, 0, 0  # bytes read; the buffer being filled and how far
+    while i < len(buffers):
+        views = [buffers[i][at:], *buffers[i + 1 : i + _IOV_MAX]]
+        n = os.preadv(fd, views, offset + got)
+        if n == 0:
+            break
+        got += n
+        n += at
+        while i < len(buffers) and n >= len(buffers[i]):
+            n -= len(buffers[i])
+            i += 1
+        at = n
+    return got
+
+
+def sha256_views(views: list[memoryview], length: int) -> str:
+    """sha256 of the first `length` bytes of `views` joined (hashlib releases the GIL on each)."""
+    h = hashlib.sha256()
+    for view in views:
+        if length <= 0:
+            break
+        h.update(view[:length])
+        length -= len(view)
+    return h.hexdigest()
+
+
 def sha256_fd(fd: int, block: int = 8 << 20) -> tuple[str, int]:
     """(sha256, bytes read) of a whole file, sequentially (a whole-file binding)."""
     h, pos = hashlib.sha256(), 0

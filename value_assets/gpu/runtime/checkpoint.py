@@ -20,23 +20,24 @@ gpu/runtime/safe_pickle.py), `common.pt` with `torch.load(weights_only=True)`, a
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import dataclasses
 import errno
 import hashlib
+import inspect
 import io
 import os
-from collections.abc import Generator, Iterator, Mapping
+import pickle
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from value_assets.core.checkpoint_files import CONTRACT_NAME, bound_files
-from value_assets.core.chunks import FileBinding, hash_threads, ordered_map, pread_full, read_chunk
+from value_assets.core.chunks import FileBinding, hash_threads, ordered_map, pread_full, preadv_full, sha256_views
 from value_assets.core.errors import InputError
 
 _CHUNK = 8 << 20  # bytes hashed per read of a file bound by its whole sha256
@@ -142,12 +143,21 @@ def _refuse_unfit(path: Path, size: int, pin: FileBinding | None, wanted: list[S
 def _read_chunked(
     path: Path, fd: int, pin: FileBinding, wanted: list[Span], pool: Executor | None, cache: ChunkCache | None
 ) -> dict[Span, bytes]:
-    """`wanted` (sorted) cut from the chunks that cover them, each chunk checked before it is used,
-    each span joined into one bytes object (`_checked_pieces`)."""
-    return {span: b"".join(pieces) for span, pieces in _checked_pieces(path, fd, pin, wanted, pool, cache)}
+    """`wanted` (sorted) read through `_checked_spans`: each chunk checked before a span is used."""
+    return {span: bytes(data) for span, data in _checked_spans(path, fd, pin, wanted, pool, cache)}
 
 
-def _checked_pieces(
+def read_chunk_into(fd: int, pin: FileBinding, index: int, views: list[memoryview]) -> int:
+    """Chunk `index` of the file read into `views` (its bytes in order); the bytes read."""
+    return preadv_full(fd, views, pin.chunk_span(index)[0])
+
+
+def _span_buffer(length: int) -> memoryview:
+    """A writable buffer of `length` bytes, left uninitialised (every byte is read into it)."""
+    return memoryview(np.empty(length, dtype=np.uint8)).cast("B")
+
+
+def _checked_spans(
     path: Path,
     fd: int,
     pin: FileBinding,
@@ -156,41 +166,82 @@ def _checked_pieces(
     cache: ChunkCache | None,
     *,
     check: bool = True,
-) -> Iterator[tuple[Span, list[memoryview]]]:
-    """(span, its bytes as pieces of checked chunks) for each of `wanted` (sorted), yielded as soon
-    as the span's last chunk is checked. Chunks are read in order on `pool` (or a pool of its own)
-    with a bounded number in flight, so reading and hashing go on while the consumer uses a span,
-    and memory holds the spans not yet dropped plus a few chunks. A chunk `cache` holds is used as
-    it is (it was checked when kept); a read of at most `cache.limit` chunks keeps them there.
-    `check=False` (a folder no contract binds) reads the same way without hashing."""
-    indices = sorted({i for off, n in wanted for i in pin.chunks_covering(off, n)})
-    small = cache is not None and len(indices) <= cache.limit
-    kept: dict[int, bytes] = {}
-
-    def fetch(i: int) -> tuple[int, bytes, str | None]:
-        held = cache.take(path, i) if cache is not None else None
-        if held is not None:
-            return i, held, pin.chunks[i] if check else None
-        if not check:
-            offset, length = pin.chunk_span(i)
-            return i, pread_full(fd, length, offset), None
-        return read_chunk(fd, pin, i)
-
+) -> Iterator[tuple[Span, memoryview]]:
+    """(span, its bytes) for each of `wanted` (sorted), yielded as soon as every chunk under the
+    span matched its digest. Each run of spans (one span, or spans that overlap) is read from the
+    file straight into a buffer of its own, a span being a view of its run's buffer (the bytes
+    between runs go to scratch buffers, to be hashed), chunk by chunk on `pool` (or a pool of its
+    own), in order with a bounded number of chunks in flight; a chunk is hashed over the buffers it
+    was read into. So a byte is read once, into the memory the consumer decodes it from (no chunk
+    buffer to copy out of), and reading and hashing go on while the consumer uses a span. A chunk
+    `cache` holds is used as it is (it was checked when kept); a read of at most `cache.limit`
+    chunks keeps its own there. `check=False` (a folder no contract binds) reads the same way
+    without hashing."""
     for span in wanted:
         if span[1] == 0:
-            yield span, []
-    live = [span for span in wanted if span[1] > 0]
-    parts: dict[Span, list[memoryview]] = {span: [] for span in live}
-    ends = sorted(live, key=lambda sp: sp[0] + sp[1])
-    first = done = 0
+            yield span, memoryview(b"")
+    runs: list[tuple[Span, list[Span]]] = []  # (offset, length) of each run, and its spans
+    for span in (sp for sp in wanted if sp[1] > 0):
+        if runs and span[0] < runs[-1][0][0] + runs[-1][0][1]:
+            (off, n), members = runs[-1]
+            runs[-1] = ((off, max(n, span[0] + span[1] - off)), [*members, span])
+        else:
+            runs.append((span, [span]))
+    indices = sorted({i for (off, n), _ in runs for i in pin.chunks_covering(off, n)})
+    small = cache is not None and len(indices) <= cache.limit
+    kept: dict[int, bytes] = {}
+    buffers: dict[Span, memoryview] = {}  # the runs begun and not yet handed out
+
+    def plan() -> Iterator[tuple[int, list[memoryview]]]:
+        # (chunk, the buffers its bytes go to, in file order), made in the consumer's thread
+        j = 0
+        for i in indices:
+            lo, n = pin.chunk_span(i)
+            hi, pos = lo + n, lo
+            while j < len(runs) and runs[j][0][0] + runs[j][0][1] <= lo:
+                j += 1
+            views: list[memoryview] = []
+            k = j
+            while k < len(runs) and runs[k][0][0] < hi:
+                (off, length), k = runs[k][0], k + 1
+                if off > pos:
+                    views.append(_span_buffer(off - pos))
+                    pos = off
+                buf = buffers.get((off, length))
+                if buf is None:
+                    buf = buffers[(off, length)] = _span_buffer(length)
+                end = min(off + length, hi)
+                views.append(buf[pos - off : end - off])
+                pos = end
+            if pos < hi:
+                views.append(_span_buffer(hi - pos))
+            yield i, views
+
+    def fetch(item: tuple[int, list[memoryview]]) -> tuple[int, int, str | None, list[memoryview]]:
+        i, views = item
+        held = cache.take(path, i) if cache is not None else None
+        if held is not None:
+            at = 0
+            for view in views:
+                view[:] = held[at : at + len(view)]
+                at += len(view)
+            return i, len(held), pin.chunks[i] if check else None, views
+        got = read_chunk_into(fd, pin, i, views)
+        return i, got, sha256_views(views, got) if check else None, views
+
+    ends = iter(runs)
+    run = next(ends, None)
     threads = hash_threads(len(indices))
     own = ThreadPoolExecutor(max_workers=threads) if pool is None else None
     try:
-        for i, data, digest in ordered_map(own or pool, fetch, indices, 2 * threads):
+        for i, got, digest, views in ordered_map(own or pool, fetch, plan(), 2 * threads):
             offset, length = pin.chunk_span(i)
-            if check and len(data) != length:
-                raise _changed(
-                    path, f"chunk {i} of {len(pin.chunks)}: read {len(data)} bytes, the contract binds {length}"
+            if got != length and check:
+                raise _changed(path, f"chunk {i} of {len(pin.chunks)}: read {got} bytes, the contract binds {length}")
+            if got != length:  # unchecked: the file ended early
+                short = run[1][-1] if run is not None else None
+                raise InputError(
+                    str(path), f"ends at byte {offset + got}, before the index's entry at (offset, length) {short}"
                 )
             if check and digest != pin.chunks[i]:
                 raise _changed(
@@ -199,33 +250,26 @@ def _checked_pieces(
                     f"the contract binds {pin.chunks[i]}",
                 )
             if small:
-                kept[i] = data
+                kept[i] = b"".join(views)
                 if len(kept) == len(indices) and cache is not None:  # before the last yield: the
                     cache.keep(path, kept)  # consumer may close this generator once it has its spans
-            end = offset + len(data)
-            first = _cut_spans(live, first, offset, memoryview(data), parts)
-            while done < len(ends) and ends[done][0] + ends[done][1] <= end:
-                span = ends[done]
-                yield span, parts.pop(span)
-                done += 1
-        for span in ends[done:]:  # unchecked reads only: the file ended before these spans did
-            yield span, parts.pop(span)
+            while run is not None and run[0][0] + run[0][1] <= offset + length:
+                buf = buffers.pop(run[0])
+                for span in run[1]:
+                    yield span, buf[span[0] - run[0][0] : span[0] - run[0][0] + span[1]]
+                run = next(ends, None)
     finally:
         if own is not None:
             own.shutdown(cancel_futures=True)
 
 
-class _PiecesFile(io.RawIOBase):
-    """A read-only, seekable file over a span's pieces (memoryviews of checked chunks): torch.load
-    reads the span from the chunk buffers themselves (readinto), never from a joined copy."""
+class _ViewFile(io.RawIOBase):
+    """A read-only, seekable file over one span's bytes (no copy of them): what torch's zip
+    reader reads a record's index from, and torch.load the record from where it cannot be mapped."""
 
-    def __init__(self, pieces: list[memoryview]):
+    def __init__(self, data: memoryview):
         super().__init__()
-        self._pieces = pieces
-        self._starts = [0]
-        for piece in pieces:
-            self._starts.append(self._starts[-1] + len(piece))
-        self._pos = 0
+        self._data, self._pos = data, 0
 
     def readable(self) -> bool:
         return True
@@ -237,7 +281,7 @@ class _PiecesFile(io.RawIOBase):
         return self._pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._starts[-1]}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
         if base + pos < 0:
             raise ValueError(f"negative seek position {base + pos}")
         self._pos = base + pos
@@ -245,50 +289,69 @@ class _PiecesFile(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        got = 0
-        j = bisect.bisect_right(self._starts, self._pos) - 1
-        while got < len(out) and 0 <= j < len(self._pieces):
-            piece, at = self._pieces[j], self._pos - self._starts[j]
-            n = min(len(piece) - at, len(out) - got)
-            out[got : got + n] = piece[at : at + n]
-            got += n
-            self._pos += n
-            j += 1
-        return got
+        piece = self._data[self._pos : self._pos + len(out)]
+        out[: len(piece)] = piece
+        self._pos += len(piece)
+        return len(piece)
 
-    def readall(self) -> bytes:
-        size = max(0, self._starts[-1] - self._pos)
-        buf = bytearray(size)
-        return bytes(buf[: self.readinto(buf)])
+
+def _mapped_load() -> Callable[..., Any] | None:
+    """torch's own zip-record decoder, given the record's bytes as the storage its tensors view
+    (what `torch.load(mmap=True)` does for a file): `torch.serialization._load` with
+    `overall_storage`, where this torch has it; None where it does not."""
+    load = getattr(torch.serialization, "_load", None)
+    if load is None or not hasattr(torch.serialization, "_open_zipfile_reader"):
+        return None
+    try:
+        parameters = inspect.signature(load).parameters
+    except (TypeError, ValueError):
+        return None
+    return load if "overall_storage" in parameters else None
+
+
+_MAPPED_LOAD = _mapped_load()
+
+
+def decode_record(data: memoryview) -> Any:
+    """The tensor a checkpoint record (one `torch.save` zip: a data file's span) holds, unpickled
+    with torch's weights-only unpickler and `map_location="cpu"`, as `torch.load` would. Its
+    storage is `data` itself where this torch allows (writable `data`: a span `_checked_spans`
+    read), so a tensor's bytes are copied once, into the model (`target.copy_`), as megatron's own
+    load copies them; else torch.load reads it (one copy more)."""
+    if _MAPPED_LOAD is None or data.readonly or len(data) == 0:
+        return torch.load(_ViewFile(data), map_location="cpu", weights_only=True)
+    from torch import _weights_only_unpickler
+
+    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    with torch.serialization._open_zipfile_reader(_ViewFile(data)) as zip_file:
+        try:
+            return _MAPPED_LOAD(zip_file, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
+        except pickle.UnpicklingError as exc:  # as torch.load reports a refused global
+            raise pickle.UnpicklingError(f"Weights only load failed: {exc}") from None
 
 
 class _SpanSource:
     """The checked spans of one data file, in the order the load asks for them (by offset): each
-    is taken from `_checked_pieces` as it becomes ready and handed out as a `_PiecesFile`; a span
-    asked for again at once (two reads of one stored tensor) is handed out again, and a span is
-    dropped once the load moves past it."""
+    is taken from `_checked_spans` as it becomes ready; a span asked for again at once (two reads
+    of one stored tensor) is handed out again, and a span is dropped once the load moves past it."""
 
-    def __init__(self, path: Path, pieces: Iterator[tuple[Span, list[memoryview]]]):
-        self._path, self._pieces = path, pieces
-        self._ready: dict[Span, list[memoryview]] = {}
-        self._last: tuple[Span, list[memoryview]] | None = None
+    def __init__(self, path: Path, spans: Iterator[tuple[Span, memoryview]]):
+        self._path, self._spans = path, spans
+        self._ready: dict[Span, memoryview] = {}
+        self._last: tuple[Span, memoryview] | None = None
 
-    def open(self, span: Span) -> _PiecesFile:
+    def open(self, span: Span) -> memoryview:
         if self._last is not None and self._last[0] == span:
-            return _PiecesFile(self._last[1])
+            return self._last[1]
+        self._last = None
         while span not in self._ready:
-            got = next(self._pieces, None)
+            got = next(self._spans, None)
             if got is None:
                 raise RuntimeError(f"{self._path}: span {span} was not among the spans read")
             self._ready[got[0]] = got[1]
-        pieces = self._ready.pop(span)
-        have = sum(len(p) for p in pieces)
-        if have != span[1]:
-            raise InputError(
-                str(self._path), f"ends at byte {span[0] + have}, before the index's entry at (offset, length) {span}"
-            )
-        self._last = (span, pieces)
-        return _PiecesFile(pieces)
+        data = self._ready.pop(span)
+        self._last = (span, data)
+        return data
 
 
 def _cut_spans(spans: list[Span], first: int, offset: int, buf: Any, parts: dict[Span, list[Any]]) -> int:
@@ -386,11 +449,12 @@ class _CheckedReader(FileSystemReader):
 
     `.metadata` is read whole, checked, and unpickled from those bytes with the restricted
     unpickler; the data files are read file by file, each chunk once: the chunks that hold the
-    slices the load asks for are read and hashed on every core ahead of torch's decoding (tensors
-    with weights_only), which takes each slice from the chunk buffers as soon as every chunk it
-    needs matched its digest (`_SpanSource`); a file an older contract binds by its whole sha256 is
-    read whole and matched before any of it is decoded. A file the contract does not bind is never
-    read."""
+    records the load asks for are read (each record into a buffer of its own) and hashed on every
+    core ahead of the decoding, which decodes each record in place (`decode_record`: torch's
+    weights-only unpickler) as soon as every chunk under it matched its digest (`_SpanSource`) and
+    copies it into its target, as torch's own `read_data` does; a file an older contract binds by
+    its whole sha256 is read whole and matched before any of it is decoded. A file the contract
+    does not bind is never read."""
 
     def __init__(
         self,
@@ -403,8 +467,6 @@ class _CheckedReader(FileSystemReader):
         self._cache = cache
         self._root = Path(path)
         self._pins = pins
-        self._source: _SpanSource | None = None  # the data file being decoded (`_read_data`)
-        self._source_rel: str | None = None
         self.fs = _CheckedFileSystem(self.fs, self._root)
         # Every refusal this reader raised, for the load to raise as itself: megatron-core 0.19
         # catches a failed index read and raises its own AssertionError with the message as text.
@@ -447,9 +509,7 @@ class _CheckedReader(FileSystemReader):
         return metadata
 
     def _slice_file(self, file: Any, sinfo: Any) -> io.RawIOBase:
-        if not isinstance(file, _Unread) or self._source is None or self._source_rel != file.relative_path:
-            raise TypeError("checkpoint data is read through _CheckedReader only")
-        return self._source.open((sinfo.offset, sinfo.length))
+        raise TypeError("checkpoint data is read through _CheckedReader.read_data only")
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         try:
@@ -458,16 +518,17 @@ class _CheckedReader(FileSystemReader):
             raise self._refused(exc) from exc.__cause__
 
     def _read_data(self, plan: Any, planner: Any) -> Any:
+        from torch.futures import Future
+
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
 
-        fut = None
         # A file the contract binds by chunks (or none binds) is streamed: its chunks are read and
-        # hashed on every core ahead of torch's decoding, which takes each tensor's bytes from the
-        # checked chunks as they become ready, in file order. A file an older contract binds by its
-        # whole sha256 is read whole and checked before any of it is decoded (one file per thread,
-        # read ahead).
+        # hashed on every core ahead of the decoding, which takes each record from the checked
+        # spans as they become ready, in file order. A file an older contract binds by its whole
+        # sha256 is read whole and checked before any of it is decoded (one file per thread, read
+        # ahead).
         pins = {rel: self._pin(rel) for rel in per_file}
         whole = [rel for rel, pin in pins.items() if pin is not None and not pin.chunked]
         with (
@@ -481,25 +542,50 @@ class _CheckedReader(FileSystemReader):
             ahead = {rel: whole_pool.submit(self._whole_file, rel, pins[rel], spans[rel]) for rel in whole}
             try:
                 for rel, items in per_file.items():
-                    items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
                     if rel in ahead:
                         kept = ahead.pop(rel).result()
-                        pieces = ((span, [memoryview(data)]) for span, data in kept.items())
+                        got: Iterator[tuple[Span, memoryview]] = ((s, memoryview(d)) for s, d in kept.items())
                     else:
-                        pieces = self._streamed(rel, pins[rel], sorted(set(spans[rel])), chunk_pool)
-                    self._source, self._source_rel = _SpanSource(self._root / rel, pieces), rel
+                        got = self._streamed(rel, pins[rel], sorted(set(spans[rel])), chunk_pool)
                     try:
-                        fut = super().read_data(dataclasses.replace(plan, items=items), planner)
-                        fut.wait()
+                        self._decode_file(rel, items, _SpanSource(self._root / rel, got), planner)
                     finally:
-                        self._source = self._source_rel = None
-                        pieces.close()
+                        got.close()
             finally:
                 for later in ahead.values():
                     later.cancel()
-        if fut is None:
-            fut = super().read_data(plan, planner)
-        return fut
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _decode_file(self, rel: str, items: list[Any], source: _SpanSource, planner: Any) -> None:
+        """What torch's `FileSystemReader.read_data` does with one file's read items, in file order,
+        each record decoded from its checked span (`decode_record`) and copied into its target."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+            info = self.storage_data[item.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                raise InputError(
+                    str(self._root / rel),
+                    f"the record at (offset, length) {(info.offset, info.length)} is stored transformed "
+                    f"({list(info.transform_descriptors)}); only plain records are read",
+                )
+            data = source.open((info.offset, info.length))
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            tensor = narrow_tensor_by_index(decode_record(data), item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise InputError(
+                    str(self._root / rel),
+                    f"the record at (offset, length) {(info.offset, info.length)} holds shape "
+                    f"{tuple(tensor.size())}, the load expects {tuple(target.size())}",
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
 
     def _whole_file(self, rel: str, pin: FileBinding, spans: list[Span]) -> dict[Span, bytes]:
         try:
@@ -509,8 +595,8 @@ class _CheckedReader(FileSystemReader):
 
     def _streamed(
         self, rel: str, pin: FileBinding | None, wanted: list[Span], pool: Executor
-    ) -> Generator[tuple[Span, list[memoryview]], None, None]:
-        """`_checked_pieces` of the data file `rel`, opened (and its size and spans checked) when
+    ) -> Generator[tuple[Span, memoryview], None, None]:
+        """`_checked_spans` of the data file `rel`, opened (and its size and spans checked) when
         the load asks for its first span, closed with this generator."""
         path = self._root / rel
         try:
@@ -521,7 +607,7 @@ class _CheckedReader(FileSystemReader):
             size = os.fstat(fd).st_size
             _refuse_unfit(path, size, pin, wanted)
             binding = pin if pin is not None else FileBinding(size=size, chunk_bytes=_CHUNK)
-            yield from _checked_pieces(path, fd, binding, wanted, pool, self._cache, check=pin is not None)
+            yield from _checked_spans(path, fd, binding, wanted, pool, self._cache, check=pin is not None)
         finally:
             os.close(fd)
 
@@ -535,17 +621,15 @@ def checked_reads(path: str | os.PathLike, contract: Mapping[str, Any] | None) -
     also through the copy of that name in `serialization`, and reads a legacy `common.pt` through
     `serialization.load_common`; 0.16 reads `common.pt` through the load's common strategy): each of
     these present in this version is replaced for the load. Fails closed when none is found."""
-    import inspect
-
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
     from torch.distributed.checkpoint.api import CheckpointException
 
     pins = None if contract is None else bound_files(contract, str(Path(path) / CONTRACT_NAME))
-    if not hasattr(mcore_torch, "_get_filesystem_reader") or not hasattr(FileSystemReader, "_slice_file"):
+    if not hasattr(mcore_torch, "_get_filesystem_reader"):
         raise RuntimeError(
-            "this megatron-core / torch reads torch_dist checkpoints through other functions than the "
-            "checked reader replaces (strategies.torch._get_filesystem_reader, FileSystemReader._slice_file)"
+            "this megatron-core reads torch_dist checkpoints through other functions than the checked "
+            "reader replaces (strategies.torch._get_filesystem_reader)"
         )
 
     refusals: list[InputError] = []
