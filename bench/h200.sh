@@ -3,7 +3,7 @@
 # Ray without its jars, the SmolLM2 GGUF: bench/make_device_bundle.sh builds it), then one of: tests
 # (GPU tier), bench (throughput table), scale (long rows, profiles), auto (all rows, memory-sized
 # micro-batches, hf floor), smol (SmolLM2 end to end), study (real rollouts), ckpt (issue 30: the GPU
-# tier, then checked loads for 1.5B and 3B), rl-critics, rl-calibrate
+# tier, then checked loads for 1.5B and 3B), qwen35 (issue 29: Qwen3.5 rows, Triton 3.7.1), rl-critics, rl-calibrate
 # and rl SEEDS (issue 28: PPO with the promoted critics, bench/README.md#ppo-with-a-promoted-critic).
 # The bundle arrives in parts under /tmp/b (a call's tree is capped at 64 MiB): one call per part,
 # `mkdir -p /tmp/b && cp .bundle/pN /tmp/b/`, the last one with SHA256SUMS and then the step.
@@ -49,6 +49,19 @@ case "$step" in
       python3 bench/checkpoint_load.py --model "$m" --repeat ${CKPT_REPEAT:-1} $extra 2>&1 | grep --line-buffered -vi warn \
         | tee "$out/checkpoint-load-$m.log" | tail -30
     done ;;
+  qwen35)
+    # Issue 29: the Qwen3.5 rows (0.8B- and 4B-shaped critics, ours and the HF critic in the same run)
+    # with Triton 3.7.1 first on the path (the parts of `TRITON=1 make_device_bundle.sh`, carried to
+    # /tmp/t: training on Hopper needs it), then the GPU tier's Qwen3.5 tests under it.
+    if [ ! -f /tmp/site2/.installed ]; then
+      (cd /tmp/t && sha256sum --quiet -c SHA256SUMS) || exit 1
+      mkdir -p /tmp/site2 && cat /tmp/t/x* | xz -dc | tar -C /tmp/site2 -xf - && touch /tmp/site2/.installed || exit 1
+    fi
+    export PYTHONPATH=/tmp/site2:$PYTHONPATH
+    python3 -c "import torch, triton, fla, megatron.core; print(torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'megatron-core', megatron.core.__version__)"
+    python3 bench/train_throughput.py --models ${QWEN35_MODELS:-q3.5-0.8b,q3.5-4b} --steps 2 --warmup 1 --global-batch 32 \
+      --micro-batch-tokens auto --json "$out/train_throughput_qwen35.json" 2>&1 | grep --line-buffered -vi warn \
+      | tee "$out/bench-qwen35.log" | tail -60 ;;
   bench)
     python3 bench/train_throughput.py --profile --json "$out/train_throughput.json" 2>&1 | tee "$out/bench.log" | tail -80 ;;
   scale)

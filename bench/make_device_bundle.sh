@@ -24,9 +24,29 @@
 # (`h200.sh tests`, `ckpt`, `bench`): megatron-core, pysimdjson, fla-core, dagster-pipes, Ray and the
 # four packages Ray needs that the image lacks; no TRL, datasets, Dagster or GGUF. It fits one device
 # call with the tree, so a session short of device time spends no calls on carrying parts.
+#
+#   TRITON=1 bash bench/make_device_bundle.sh  # .bundle/triton/x0 .. x2: Triton 3.7.1 (about 118 MiB)
+#
+# Triton 3.7.1 for training Qwen3.5 critics on Hopper (fla-core 0.6.0 refuses its gated backward under
+# the image's Triton 3.6.0: docs/architecture.md#qwen35): the pinned cp312 wheel unpacked, tar.xz, cut
+# into parts of 52 MiB; `h200.sh qwen35` unpacks /tmp/t/x* into /tmp/site2 and puts it first on the
+# path for its rows only.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 lean=${LEAN:-0}
+if [ "${TRITON:-0}" = 1 ]; then
+  whl=triton-3.7.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+  dl=$root/.bundle/build/dl out=$root/.bundle/triton
+  mkdir -p "$dl" "$out"
+  [ -f "$dl/$whl" ] || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 -d "$dl" triton==3.7.1
+  echo "7e40869937a68206ec70d7f25bb7ec6433cb083f9135e1f36dbd318dc449a728  $dl/$whl" | sha256sum --quiet -c
+  rm -rf "$out/build" "$out"/x* && mkdir -p "$out/build/site"
+  python3 -m zipfile -e "$dl/$whl" "$out/build/site"
+  tar -C "$out/build/site" -cf - . | xz -T0 -6 | split -b 52M -d -a 1 - "$out/x"
+  (cd "$out" && sha256sum x* > SHA256SUMS && rm -rf build && ls -l x* && cat SHA256SUMS)
+  exit 0
+fi
 out=$root/.bundle
 [ "$lean" = 1 ] && out=$root/.bundle/lean
 dl=$root/.bundle/build/dl
