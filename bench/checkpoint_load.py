@@ -15,9 +15,12 @@ one process, each step is timed:
   read whole and hashed, the pre-chunk way);
 
 for the forward-only load (model tensors, as evaluation and export) and the resume load (model and
-optimizer). The files are in the page cache after the save, so the table compares the CPU work of
-reading, hashing and decoding, not disk speed. Targets (issue 30, on the H200): verify <= 3 s for
-1.5B, checked forward-only <= 2x megatron's, checked resume <= 1.3x megatron's.
+optimizer). Before the timings, megatron's load and the checked load each run once into tensors
+overwritten first, and every restored tensor must equal the saved one bit for bit (the run stops
+otherwise): a loader that skipped work could not time fast. The files are in the page cache after
+the save, so the table compares the CPU work of reading, hashing and decoding, not disk speed.
+Targets (issue 30, on the H200): verify <= 3 s for 1.5B, checked forward-only <= 2x megatron's,
+checked resume <= 1.3x megatron's.
 
     python bench/checkpoint_load.py --model 1.5b [--dir /tmp] [--repeat 2] [--threads N] [--old]
     python bench/checkpoint_load.py --model tiny             # CPU smoke run
@@ -53,6 +56,43 @@ def _best(fn, repeat: int) -> float:
         _sync()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _state_tensors(ddp, opt, with_optimizer: bool) -> list[torch.Tensor]:
+    """The tensors a load restores: the model's (and, for a resume, every optimizer's fp32 main
+    parameters and Adam moments; 0-dim entries such as the step count are left out)."""
+    out = [t for t in ddp.module.state_dict().values() if torch.is_tensor(t) and t.dim() > 0]
+    if with_optimizer:
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            inner = o.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    out.append(p.data)
+                    out += [v for v in inner.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+    return out
+
+
+def _restores(load, collect, saved: list[torch.Tensor]) -> int:
+    """Overwrite every tensor a load must restore, run the load, and require each tensor the model
+    and optimizer then hold (`collect()`, gathered again: an optimizer's load may put new tensors in
+    its state) to equal what was saved, bit for bit: a load that skipped a tensor (or read the wrong
+    bytes) would time faster and fail here. Returns the number of elements compared."""
+    with torch.no_grad():
+        for t in collect():
+            t.fill_(-3)
+    load()
+    _sync()
+    tensors = collect()
+    if len(tensors) != len(saved):
+        raise SystemExit(f"a load left {len(tensors)} tensors where {len(saved)} were saved")
+    bad = [i for i, (t, s) in enumerate(zip(tensors, saved, strict=True)) if not torch.equal(t.cpu(), s)]
+    if bad:
+        first = tensors[bad[0]]
+        raise SystemExit(
+            f"a load did not restore {len(bad)} of {len(tensors)} tensors (first: #{bad[0]}, "
+            f"shape {tuple(first.shape)}, {(first.cpu() != saved[bad[0]]).sum().item()} elements differ)"
+        )
+    return sum(t.numel() for t in tensors)
 
 
 def _presets():
@@ -107,6 +147,7 @@ def main() -> int:
     init_distributed(0, 1, "127.0.0.1", free_port(), backend=None if cuda else "gloo")
     folder = Path(tempfile.mkdtemp(prefix="ckload", dir=args.dir))
     rows_out: list[tuple[str, float]] = []
+    checks: list[str] = []
     try:
         obj, cfg = Objective(), _presets()[args.model]()
         ddp, opt = wrap_for_training(build_critic(cfg, obj), lr=1e-5, weight_decay=0.0, clip_grad=1.0)
@@ -174,6 +215,15 @@ def main() -> int:
             ("verify: whole-file sha256 (old contract)", _best(lambda: verify_checkpoint(step, whole), args.repeat)),
         ]
         for label, with_opt in (("forward-only", False), ("resume", True)):
+            # Each loader, once, into overwritten tensors: it must restore what was saved.
+            def collect(with_opt=with_opt):
+                return _state_tensors(ddp, opt, with_opt)
+
+            saved = [t.detach().to("cpu", copy=True) for t in collect()]
+            for name, load in (("megatron", megatron(with_opt)), ("checked", checked(with_opt, contract))):
+                n = _restores(load, collect, saved)
+                checks.append(f"{label}, {name}: {len(saved)} tensors ({n / 1e9:.2f} G elements) restored bit for bit")
+            del saved
             rows_out += [
                 (f"{label}: megatron, read alone (unchecked)", _best(megatron(with_opt, False), args.repeat)),
                 (f"{label}: megatron (unchecked)", _best(megatron(with_opt), args.repeat)),
@@ -199,6 +249,9 @@ def main() -> int:
         f"{device}, {threads} hashing threads ({os.cpu_count()} cores), {args.chunk_mib} MiB chunks, best of "
         f"{args.repeat}\n"
     )
+    for line in checks:
+        print(line)
+    print()
     print("| step | seconds | GB/s of files |")
     print("| --- | --- | --- |")
     for name, seconds in rows_out:
