@@ -35,6 +35,9 @@ case "$step" in
   tests)
     nvidia-smi -L; python3 -c "import torch, megatron.core, ray; print(torch.__version__, megatron.core.__version__, ray.__version__)"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+  pytest)
+    # Chosen GPU tests: bash bench/h200.sh pytest tests/gpu/test_gpu.py -k offload
+    nvidia-smi -L; python3 -m pytest -q -m gpu -p no:cacheprovider "${@:2}" 2>&1 | tee "$out/pytest.log" | tail -40 ;;
   ckpt)
     # Issue 30: checked loads with chunk digests. The GPU tier first (the in-process training save and
     # the chunked checked reload on CUDA), then the load table for 1.5B (with the old whole-file

@@ -340,8 +340,14 @@ _SETTING_RECEIVERS = (
     ("value_assets/gpu/runtime/parallel.py", "open_rendezvous"),
 )
 # Receivers' parameters whose default is the neutral one the jobs have too (no freezing, the plain
-# optimizer, a local Ray).
-_NEUTRAL = {"freeze": "none", "head_bias": "trained", "distributed_optimizer": False, "ray_address": None}
+# optimizer, no offload, a local Ray).
+_NEUTRAL = {
+    "freeze": "none",
+    "head_bias": "trained",
+    "distributed_optimizer": False,
+    "optimizer_offload": 0.0,
+    "ray_address": None,
+}
 
 
 def _parameters_with_defaults(path: Path, qualname: str) -> dict[str, object]:

@@ -15,6 +15,7 @@ from value_assets.core.memory import (
     MemoryConfig,
     activation_bytes,
     auto_micro_batch_tokens,
+    host_bytes,
     max_tokens,
     more_recompute,
     predict_peak,
@@ -153,6 +154,55 @@ def test_distributed_optimizer_divides_optimizer_state_by_dp():
         assert static_bytes(S15, lay, plain) == pytest.approx(18 * p, rel=1e-6)  # 2 + 4 + 12 bytes/param
         assert static_bytes(S15, lay, dist) == pytest.approx(6 * p + 12 * p / dp, rel=1e-6)
     assert static_bytes(S15, Layout(dp=1), dist) == static_bytes(S15, Layout(dp=1), plain)
+
+
+def test_optimizer_offload_is_a_fraction_of_the_distributed_optimizer_named_in_its_errors():
+    for bad in (-0.1, 1.5, True, "half", float("nan")):
+        with pytest.raises(InputError) as err:
+            MemoryConfig(distributed_optimizer=True, optimizer_offload=bad)
+        assert err.value.where == "optimizer_offload" and "fraction from 0 to 1" in err.value.message
+    with pytest.raises(InputError, match=r"optimizer_offload: 0.5 needs the distributed optimizer"):
+        MemoryConfig(optimizer_offload=0.5)
+    m = MemoryConfig(distributed_optimizer=True, optimizer_offload=1)
+    assert m.to_json()["optimizer_offload"] == 1.0 and MemoryConfig.from_json(m.to_json()) == m
+    # unset: older contracts' execution facts keep their bytes
+    assert "optimizer_offload" not in MemoryConfig(distributed_optimizer=True).to_json()
+
+
+def test_optimizer_offload_moves_its_fraction_of_the_optimizer_state_to_the_host():
+    """Per parameter, bf16: weights 2 + fp32 grads 4 bytes stay on the GPU; of the fp32 master
+    weight and two moments (12 bytes) the fraction f goes to the host, with an fp32 copy of the
+    gradient (16 bytes per offloaded parameter)."""
+    p = S15.num_params()
+    for dp in (1, 2):
+        for f in (0.0, 0.25, 1.0):
+            m = MemoryConfig(distributed_optimizer=True, optimizer_offload=f)
+            assert static_bytes(S15, Layout(dp=dp), m) == pytest.approx(6 * p + (1 - f) * 12 * p / dp, rel=1e-6)
+            assert host_bytes(S15, Layout(dp=dp), m) == pytest.approx(f * 16 * p / dp, rel=1e-6)
+    # a Qwen2.5-7B-shaped critic on an 80 GB GPU: weights, grads and optimizer alone overflow it
+    # (18 bytes a parameter, ~119 GiB); offloaded, 4k rows fit
+    s7 = QWEN2_5["7b"]
+    plain = MemoryConfig(recompute="full", distributed_optimizer=True)
+    off = MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=1.0)
+    assert max_tokens(s7, Layout(), plain, 78 * GIB) == 0
+    assert max_tokens(s7, Layout(), off, 78 * GIB) >= 4096
+    assert host_bytes(s7, Layout(), off) < 112 * GIB  # within the device machine's 128 GiB of host memory
+
+
+def test_auto_names_optimizer_offload_when_the_optimizer_does_not_fit():
+    with pytest.raises(InputError) as e:
+        auto_micro_batch_tokens(
+            QWEN2_5["7b"], Layout(), MemoryConfig(recompute="full"), free_bytes=78 * GIB, longest_row=4095
+        )
+    assert "--distributed-optimizer --optimizer-offload 1 (" in str(e.value) and "GiB of host memory" in str(e.value)
+    t = auto_micro_batch_tokens(
+        QWEN2_5["7b"],
+        Layout(),
+        MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=1.0),
+        free_bytes=78 * GIB,
+        longest_row=4095,
+    )
+    assert t >= 4095
 
 
 def test_tensor_and_pipeline_parallel_split_the_model():

@@ -75,6 +75,25 @@ def test_resume_execution_check():
         )
 
 
+def test_optimizer_offload_without_cuda_is_refused_in_prepare_naming_the_flag(manifest, tmp_path):
+    run = cfg(manifest, tmp_path / "c", **mem(MemoryConfig(distributed_optimizer=True, optimizer_offload=0.5)))
+    with pytest.raises(InputError, match=r"optimizer_offload: 0.5 moves the optimizer .* no CUDA GPU"):
+        prepare(run, log=quiet)
+    assert not (tmp_path / "c").exists()
+
+
+def test_resume_refuses_another_optimizer_offload():
+    base = dict(manifest="m.json", output="o", backbone="tiny", distributed_optimizer=True)
+    off = {"execution": {"memory": {"distributed_optimizer": True, "optimizer_offload": 0.5}}}
+    check_resume_execution(off, TrainJob(**base, optimizer_offload=0.5), where="ck")
+    with pytest.raises(InputError, match=r"optimizer_offload: ck was saved with optimizer offload 0.5; .* 0\b"):
+        check_resume_execution(off, TrainJob(**base), where="ck")
+    plain = {"execution": {"memory": {"distributed_optimizer": True}}}  # saved before the setting: none
+    check_resume_execution(plain, TrainJob(**base), where="ck")
+    with pytest.raises(InputError, match=r"run with --optimizer-offload 0 "):
+        check_resume_execution(plain, TrainJob(**base, optimizer_offload=1.0), where="ck")
+
+
 def test_resume_refuses_another_freeze_setting():
     frozen = {"execution": {"freeze": "attention", "memory": {"distributed_optimizer": False}}}
     check_resume_execution(frozen, TrainJob(manifest="m", output="o", freeze="attention"), where="ck")

@@ -89,6 +89,7 @@ class TrainRunConfig(Config):
     recompute_layers: int | None = job_setting(TrainJob, "recompute_layers")
     distributed_optimizer: bool | None = job_setting(TrainJob, "distributed_optimizer")
     sequence_parallel: bool | None = job_setting(TrainJob, "sequence_parallel")
+    optimizer_offload: float | None = job_setting(TrainJob, "optimizer_offload")
     freeze: str | None = job_setting(TrainJob, "freeze")
     head_bias: str | None = job_setting(TrainJob, "head_bias")
     placement_strategy: str | None = job_setting(TrainJob, "placement_strategy")

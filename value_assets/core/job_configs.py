@@ -270,6 +270,12 @@ class TrainJob(_JobConfig):
         doc="Shard fp32 master weights and Adam state over data-parallel ranks (megatron's distributed optimizer).",
     )
     sequence_parallel: bool = setting(False, doc="Megatron sequence parallelism (needs tensor_parallel > 1).")
+    optimizer_offload: float = setting(
+        0.0,
+        doc="Fraction (0-1) of the optimizer's fp32 master weights and Adam state kept and updated in host memory "
+        "(megatron-core's HybridDeviceOptimizer; CUDA only, needs distributed_optimizer): trains a critic whose "
+        "optimizer does not fit the GPU; 0: none.",
+    )
     freeze: str = setting(
         "none",
         doc="Parameters that do not train: 'none', 'attention' (every self-attention parameter, Miles' "
@@ -386,6 +392,7 @@ class TrainJob(_JobConfig):
             recompute_layers=self.recompute_layers,
             distributed_optimizer=self.distributed_optimizer,
             sequence_parallel=self.sequence_parallel,
+            optimizer_offload=self.optimizer_offload,
         )
 
     @property

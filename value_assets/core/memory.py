@@ -99,6 +99,10 @@ class MemoryConfig:
     """Megatron sequence parallelism (needs tensor parallel > 1): norms, residuals and dropout
     split the token dimension over the tensor-parallel ranks; packed micro-batches are padded
     to a multiple of tp with masked tokens."""
+    optimizer_offload: float = 0.0
+    """The fraction (0 to 1) of the optimizer's fp32 master weights, Adam moments and update that
+    megatron-core's HybridDeviceOptimizer keeps and computes in host memory (CUDA only; needs the
+    distributed optimizer); 0: none. Resuming needs the same fraction."""
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -112,6 +116,15 @@ class MemoryConfig:
         for name in ("distributed_optimizer", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(name, f"must be true or false, got {getattr(self, name)!r}")
+        f = self.optimizer_offload
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 <= f <= 1.0:
+            raise InputError("optimizer_offload", f"must be a fraction from 0 to 1, got {f!r}")
+        if f > 0 and not self.distributed_optimizer:
+            raise InputError(
+                "optimizer_offload",
+                f"{f:g} needs the distributed optimizer (megatron-core offloads its shards): add "
+                "--distributed-optimizer",
+            )
 
     def check_layout(self, *, tensor_parallel: int) -> None:
         """Refuse settings the parallel layout cannot run."""
@@ -131,10 +144,15 @@ class MemoryConfig:
             )
 
     def to_json(self) -> dict[str, Any]:
-        """Every setting; `recompute_layers` only when set (so older contracts' bytes are unchanged)."""
+        """Every setting; `recompute_layers` and `optimizer_offload` only when set (so older
+        contracts' bytes are unchanged)."""
         out = asdict(self)
         if self.recompute_layers is None:
             del out["recompute_layers"]
+        if not self.optimizer_offload:
+            del out["optimizer_offload"]
+        else:
+            out["optimizer_offload"] = float(self.optimizer_offload)
         return out
 
     @classmethod
@@ -208,14 +226,26 @@ def stage_params(shape: CriticShape, layout: Layout) -> int:
 def static_bytes(
     shape: CriticShape, layout: Layout, memory: MemoryConfig, *, train: bool = True, bf16: bool = True
 ) -> int:
-    """Weights (+ grads + optimizer state when training) on one GPU."""
+    """Weights (+ grads + optimizer state when training) on one GPU. With `optimizer_offload` f,
+    the fraction f of the optimizer's shard (bf16: fp32 master weights and two Adam moments) lives
+    in host memory instead (`host_bytes`)."""
     p = stage_params(shape, layout)
     if not train:
         return p * (2 if bf16 else 4)
     shard = layout.dp if memory.distributed_optimizer else 1
+    kept = 1.0 - memory.optimizer_offload
     if bf16:
-        return int(2 * p + 4 * p + 12 * p / shard)
-    return int(4 * p + 4 * p + 8 * p / shard)
+        return int(2 * p + 4 * p + kept * 12 * p / shard)
+    return int(4 * p + 4 * p + kept * 8 * p / shard)
+
+
+def host_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, *, bf16: bool = True) -> int:
+    """Host memory one GPU's training process holds for the offloaded optimizer: per offloaded
+    parameter its fp32 master weight, two Adam moments and an fp32 copy of its gradient (megatron-
+    core's HybridDeviceOptimizer); 0 without `optimizer_offload`."""
+    shard = layout.dp if memory.distributed_optimizer else 1
+    per_param = 16 if bf16 else 12  # fp32 master (bf16 only) + 2 moments + fp32 gradient copy
+    return int(memory.optimizer_offload * per_param * stage_params(shape, layout) / shard)
 
 
 def delta_net_elements(la: LinearAttention, tp: int) -> float:
@@ -387,12 +417,24 @@ def auto_micro_batch_tokens(
         if tp <= layout.tp or shape.backbone.num_query_groups % tp or (linear is not None and linear.key_heads % tp):
             continue
         alt_layout = Layout(tp=tp, pp=layout.pp, dp=layout.dp)
-        alt = MemoryConfig(recompute="full", distributed_optimizer=memory.distributed_optimizer, sequence_parallel=sp)
+        alt = MemoryConfig(
+            recompute="full",
+            distributed_optimizer=memory.distributed_optimizer,
+            sequence_parallel=sp,
+            optimizer_offload=memory.optimizer_offload,
+        )
         if max_tokens(shape, alt_layout, alt, budget, bf16=bf16) >= longest_row:
             hints.append(
                 f"--tensor-parallel {tp}{' --sequence-parallel' if sp else ''} --recompute full (x{tp} the GPUs)"
             )
             break
+    if memory.optimizer_offload < 1 and bf16:
+        alt = replace(memory, distributed_optimizer=True, optimizer_offload=1.0)
+        if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
+            hints.append(
+                f"--distributed-optimizer --optimizer-offload 1 ({host_bytes(shape, layout, alt) / GIB:.0f} GiB "
+                "of host memory per GPU)"
+            )
     layers = "" if memory.recompute_layers is None else f" of {memory.recompute_layers} layers per stage"
     hints.append(f"a GPU with {need / GIB:.1f} GiB free, or dropping rows longer than {t} tokens")
     raise InputError(
@@ -400,7 +442,8 @@ def auto_micro_batch_tokens(
         (
             f"auto: {longest_row_where} has {longest_row} model tokens but at most {t} fit in "
             f"{free_bytes / GIB:.1f} GiB free (x{safety} safety) with tp {layout.tp}, pp {layout.pp}, dp {layout.dp}, "
-            f"recompute {memory.recompute}{layers}, distributed optimizer {memory.distributed_optimizer}; "
+            f"recompute {memory.recompute}{layers}, distributed optimizer {memory.distributed_optimizer}"
+            f"{f', optimizer offload {memory.optimizer_offload:g}' if memory.optimizer_offload else ''}; "
             f"it would fit with: {'; or '.join(hints)}"
         ),
     )

@@ -54,7 +54,7 @@ PLAN_FIELDS = ("global_batch_size", "epochs", "seed")
 TRAIN_FIELDS = (
     "gpus", "tensor_parallel", "pipeline_parallel", "save_interval", "lr", "warmup_steps", "weight_decay", "clip_grad",
     "micro_batch_tokens", "recompute", "recompute_layers", "distributed_optimizer", "sequence_parallel", "freeze",
-    "head_bias", "placement_strategy", "timeout_s",
+    "head_bias", "optimizer_offload", "placement_strategy", "timeout_s",
 )  # fmt: skip
 EVALUATE_FIELDS = (
     "num_batches", "global_batch_size", "seed", "gpus", "tensor_parallel", "pipeline_parallel", "micro_batch_tokens",

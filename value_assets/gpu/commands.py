@@ -163,6 +163,7 @@ def add_commands(sub) -> None:
     _flag(t, TrainJob, "recompute", choices=("none", "selective", "full"))
     _flag(t, TrainJob, "recompute_layers", int, metavar="K")
     _flag(t, TrainJob, "distributed_optimizer", bool)
+    _flag(t, TrainJob, "optimizer_offload", float, metavar="FRACTION")
     _flag(t, TrainJob, "freeze", choices=FREEZE)
     _flag(t, TrainJob, "head_bias", choices=HEAD_BIAS)
     _flag(t, TrainJob, "sequence_parallel", bool)

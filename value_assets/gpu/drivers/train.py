@@ -137,6 +137,7 @@ def prepare(cfg: TrainJob, log: Callable[[str], None] = print) -> _Prepared:
     check_model_split(backbone_cfg, cfg.tensor_parallel, cfg.pipeline_parallel)
     cfg.memory.check_layout(tensor_parallel=cfg.tensor_parallel)
     cfg.memory.check_layers(num_layers=backbone_cfg.num_layers, pipeline_parallel=cfg.pipeline_parallel)
+    _check_offload_device(cfg)
     longest = int(train.lengths.max()) - 1
     micro_batch_tokens = cfg.micro_batch_tokens
     if micro_batch_tokens == "auto":
@@ -215,6 +216,19 @@ def _prepare_warm_start(cfg: TrainJob, prep: _Prepared, log: Callable[[str], Non
     prep.warm_start = {"contract_sha256": sha, "checkpoint": str(step_dir)}
     prep.warm_start_dir, prep.warm_start_contract = step_dir, contract
     log(f"warm start from the champion {step_dir} (contract {sha[:12]})")
+
+
+def _check_offload_device(cfg: TrainJob) -> None:
+    """Optimizer CPU offload is megatron-core's CUDA path (streams, pinned host copies): refuse it
+    on a machine without CUDA before anything is reserved."""
+    import torch
+
+    if cfg.optimizer_offload and not torch.cuda.is_available():
+        raise InputError(
+            "optimizer_offload",
+            f"{cfg.optimizer_offload:g} moves the optimizer from the GPU to host memory, but this machine has no "
+            "CUDA GPU (CPU training keeps the optimizer in host memory already): run with --optimizer-offload 0",
+        )
 
 
 def _auto_micro_batch_tokens(
@@ -317,6 +331,16 @@ def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: st
                 f"{where} was saved {'with' if saved else 'without'} the distributed optimizer; resuming needs the "
                 f"same optimizer state layout: run {'with' if saved else 'without'} --distributed-optimizer "
                 "(evaluation loads the weights at any setting)"
+            ),
+        )
+    offload = float((facts.get("memory") or {}).get("optimizer_offload", 0.0))
+    if offload != cfg.memory.optimizer_offload:
+        raise InputError(
+            "optimizer_offload",
+            (
+                f"{where} was saved with optimizer offload {offload:g}; this run asks for "
+                f"{cfg.memory.optimizer_offload:g}. Its optimizer state is split between GPU and host by that "
+                f"fraction: run with --optimizer-offload {offload:g} (evaluation loads the weights at any setting)"
             ),
         )
     if saved:

@@ -41,6 +41,7 @@ def wrap_for_training(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     distributed_optimizer: bool = False,
+    optimizer_offload: float = 0.0,
     freeze: str = "none",
     head_bias: str = "trained",
 ) -> tuple[torch.nn.Module, Any]:
@@ -53,7 +54,14 @@ def wrap_for_training(
 
     `distributed_optimizer`: megatron's distributed optimizer (fp32 master weights and Adam
     moments sharded over the data-parallel ranks; gradients reduce-scattered, updated weights
-    all-gathered). The same steps as the plain optimizer up to summation order."""
+    all-gathered). The same steps as the plain optimizer up to summation order.
+
+    `optimizer_offload` f > 0 (CUDA, with the distributed optimizer): megatron-core's
+    HybridDeviceOptimizer keeps the fraction f of the shard's fp32 master weights and Adam moments
+    in pinned host memory and runs their update on the CPU (torch's AdamW; the rest on the GPU),
+    copies overlapped with the step (megatron's precision-aware path: the bf16 weights' gradients
+    go to the host, the updated weights come back). Weight decay is AdamW's (decoupled), as in the
+    plain path."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -89,14 +97,29 @@ def wrap_for_training(
             bf16=cfg.bf16,
             params_dtype=cfg.params_dtype,
             use_distributed_optimizer=distributed_optimizer,
+            **_offload_settings(optimizer_offload, distributed_optimizer),
         ),
         [ddp],
     )
-    if distributed_optimizer:
-        _init_adam_state(opt)
+    if distributed_optimizer and not optimizer_offload:
+        _init_adam_state(opt)  # HybridDeviceOptimizer builds its own state up front
     cfg.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None, **kw)
     cfg.grad_scale_func = opt.scale_loss
     return ddp, opt
+
+
+def _offload_settings(fraction: float, distributed_optimizer: bool) -> dict[str, Any]:
+    """megatron-core's OptimizerConfig fields for optimizer CPU offload (none at 0)."""
+    if not fraction:
+        return {}
+    if not distributed_optimizer or not torch.cuda.is_available():
+        raise ValueError(f"optimizer_offload {fraction:g} needs CUDA and the distributed optimizer")
+    return {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": float(fraction),
+        "use_precision_aware_optimizer": True,
+        "overlap_cpu_optimizer_d2h_h2d": True,
+    }
 
 
 def frozen_parameter_names(model: torch.nn.Module, freeze: str, head_bias: str = "trained") -> list[str]:

@@ -124,6 +124,7 @@ class CriticWorker:
                 weight_decay=opt.weight_decay,
                 clip_grad=opt.clip_grad,
                 distributed_optimizer=spec.memory.distributed_optimizer,
+                optimizer_offload=spec.memory.optimizer_offload,
                 freeze=spec.freeze,
                 head_bias=spec.head_bias,
             )
