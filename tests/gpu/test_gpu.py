@@ -292,7 +292,7 @@ def test_optimizer_offload_trains_like_the_gpu_optimizer_and_resumes_exactly(tmp
         lr=2e-3,
         gpus=1,
         distributed_optimizer=True,
-        save_interval=4,
+        save_interval=32,
     )
     plain = train(base, log=print)
     full = train(replace(base, output=tmp_path / "full", optimizer_offload=1.0), log=print)

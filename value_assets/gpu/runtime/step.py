@@ -101,8 +101,8 @@ def wrap_for_training(
         ),
         [ddp],
     )
-    if distributed_optimizer and not optimizer_offload:
-        _init_adam_state(opt)  # HybridDeviceOptimizer builds its own state up front
+    if distributed_optimizer:
+        _init_adam_state(opt)
     cfg.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None, **kw)
     cfg.grad_scale_func = opt.scale_loss
     return ddp, opt
@@ -145,17 +145,30 @@ def _init_adam_state(optimizer: Any) -> None:
     """Give torch's Adam inside megatron's distributed optimizer its state (step 0, zero moments)
     up front, as its first step would. megatron reads the step count from that state to save or
     load the optimizer (without Transformer Engine or Apex), so a fresh optimizer could not load
-    a checkpoint before its first step otherwise. The first step computes the same either way."""
+    a checkpoint before its first step otherwise. The first step computes the same either way.
+
+    With optimizer offload the inner optimizer is megatron-core's HybridDeviceOptimizer: its GPU
+    and CPU sub-optimizers (torch AdamW, fused) get the state, then it gathers their state into its
+    own (with the fp32 master weights), as it does after each step."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam):
-            continue  # Transformer Engine / Apex FusedAdam keep their step elsewhere
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p].update(
-                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
-                    )
+        subs = getattr(inner, "sub_optimizers", None)
+        for adam in subs if subs is not None else [inner]:
+            if isinstance(adam, torch.optim.Adam):  # Transformer Engine / Apex FusedAdam keep their step elsewhere
+                _zero_adam_state(adam)
+        if subs is not None:
+            inner._sync_sub_optimizers_state_to_hdo()
+
+
+def _zero_adam_state(adam: torch.optim.Adam) -> None:
+    """Step 0 and zero moments for every parameter without state, where torch's Adam would put
+    them at its first step (a fused or capturable Adam keeps `step` on the parameter's device)."""
+    for group in adam.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            if not adam.state[p]:
+                step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                adam.state[p].update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
