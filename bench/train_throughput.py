@@ -81,6 +81,7 @@ from value_assets.core.memory import (
     Layout,
     MemoryConfig,
     auto_micro_batch_tokens,
+    host_bytes,
     more_recompute,
     predict_peak,
 )
@@ -335,6 +336,8 @@ def run_ours(
         train_note += ", " + recompute_note(memory, bb.num_layers)
     if memory.distributed_optimizer:
         train_note += ", distributed optimizer (dp 1)"
+    if memory.optimizer_offload:
+        train_note += f", optimizer offload {memory.optimizer_offload:g}"
     eval_note = f"packed mb <= {args.eval_micro_batch_tokens} tok"
     pred_train = predicted_gib(bb, obj, memory, args.micro_batch_tokens, True)
     pred_eval = predicted_gib(bb, obj, memory, args.eval_micro_batch_tokens, False)
@@ -413,7 +416,12 @@ def run_ours(
         reset_peak()
         try:
             ddp, opt = wrap_for_training(
-                model, lr=1e-6, weight_decay=0.0, clip_grad=1.0, distributed_optimizer=memory.distributed_optimizer
+                model,
+                lr=1e-6,
+                weight_decay=0.0,
+                clip_grad=1.0,
+                distributed_optimizer=memory.distributed_optimizer,
+                optimizer_offload=memory.optimizer_offload,
             )
 
             def steps(bs):
@@ -932,10 +940,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
         "--rows",
-        choices=("default", "long", "all"),
+        choices=("default", "long", "all", "7b"),
         default="default",
         help="default: --models x --systems on 4k rows; long: 1.5b on 8k/16k/32k rows (ours, and hf "
-        "train as the floor), 1.5b with the distributed optimizer and a 3b critic on 4k rows (ours); all: both",
+        "train as the floor), 1.5b with the distributed optimizer and a 3b critic on 4k rows (ours); all: both; "
+        "7b: a Qwen2.5-7B-shaped critic on the 4k mix (ours) with full recompute, the distributed optimizer and "
+        "the least optimizer CPU offload the memory model fits (--offload overrides)",
+    )
+    ap.add_argument(
+        "--offload",
+        type=float,
+        default=None,
+        metavar="F",
+        help="--rows 7b: the optimizer offload fraction (default: the least of 0, 0.25, .., 1 the memory model fits)",
     )
     ap.add_argument("--long-steps", type=int, default=2, help="timed steps of the long-row rows")
     ap.add_argument("--long-global-batch", type=int, default=16, help="rows per step of the long-row rows")
@@ -986,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
         "0.5b": BackboneConfig.qwen2_5_0_5b,
         "1.5b": BackboneConfig.qwen2_5_1_5b,
         "3b": lambda: BackboneConfig.qwen2_5("3b"),
+        "7b": lambda: BackboneConfig.qwen2_5("7b"),
         "tiny": lambda: BackboneConfig.tiny(max_seq_len=4096),
         "q3.5-0.8b": lambda: qwen3_5("0.8b"),
         "q3.5-4b": lambda: qwen3_5("4b"),
@@ -1067,6 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_hf(name, bb, obj, batches, args, res)
         if args.rows in ("long", "all"):
             data_lines += run_long_rows(args, presets, obj, res)
+        if args.rows == "7b":
+            data_lines += run_7b(args, presets, obj, res)
     finally:
         destroy()
 
@@ -1084,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
         "(measured bf16 matmul rate on this H200); step s = time per global batch"
     )
     print(FORMULA)
-    for name in names if args.rows != "long" else []:
+    for name in names if args.rows not in ("long", "7b") else []:
         ot, oe, of_ = res.get(name, "ours", "train"), res.get(name, "ours", "eval"), res.get(name, "ours", "fwd")
         ht, hf_ = res.get(name, "hf", "train"), res.get(name, "hf", "fwd")
         mfu = next(
@@ -1155,6 +1175,48 @@ def pick_recompute(bb, obj, tokens: int, args, index: int) -> MemoryConfig:
         if predict_peak(shape, Layout(), mem, tokens) <= 0.85 * total:
             return mem
     return MemoryConfig(recompute="full")  # predicted not to fit: run it anyway and report OOM
+
+
+def run_7b(args, presets, obj, res: Results) -> list[str]:
+    """A Qwen2.5-7B-shaped critic on the 4k mix (ours): full recompute, the distributed optimizer
+    and optimizer CPU offload (megatron-core's HybridDeviceOptimizer), the least fraction of 0,
+    0.25, .., 1 whose predicted peak fits 90 % of the free GPU memory with micro-batches of the
+    longest row, or --offload. The memory model's GPU peak and host bytes are printed beside the
+    measured peak. On CPU (--smoke: the tiny shape) offload is CUDA-only, so it runs without."""
+    name = "tiny" if args.smoke else "7b"
+    bb = presets[name]()
+    shape = CriticShape(bb, obj.head_size)
+    batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
+    longest = max(n for b in batches for n in model_lens(b))
+    fractions = [args.offload] if args.offload is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
+    if not CUDA:
+        fractions = [0.0]
+    free = torch.cuda.mem_get_info()[0] if CUDA else 0
+    memory, mbt = None, args.micro_batch_tokens
+    for f in fractions:
+        memory = MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=f)
+        if not CUDA:
+            break
+        try:
+            mbt = min(
+                args.micro_batch_tokens,
+                auto_micro_batch_tokens(shape, Layout(), memory, free_bytes=free, longest_row=longest),
+            )
+            break
+        except Exception as exc:  # noqa: BLE001  (does not fit at this fraction: try the next)
+            print(f"  memory model, offload {f:g}: {str(exc)[:200]}", flush=True)
+    assert memory is not None
+    host = host_bytes(shape, Layout(), memory) / GIB
+    label = f"{name} offload {memory.optimizer_offload:g}"
+    line = (
+        f"{label}: {args.steps} timed steps of {args.global_batch} rows of the 4k mix (max {longest}), micro-batch "
+        f"{mbt} tokens, recompute full, distributed optimizer, optimizer offload {memory.optimizer_offload:g} "
+        f"(predicted host memory {host:.1f} GiB), N {matmul_params(bb, obj.head_size) / 1e9:.3f}B"
+    )
+    print(f"== {line}", flush=True)
+    run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})
+    run_ours(label, bb, obj, batches, run_args, res, label in args.profile_rows, memory=memory)
+    return [line]
 
 
 def run_long_rows(args, presets, obj, res: Results) -> list[str]:
