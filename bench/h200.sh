@@ -35,6 +35,9 @@ case "$step" in
   tests)
     nvidia-smi -L; python3 -c "import torch, megatron.core, ray; print(torch.__version__, megatron.core.__version__, ray.__version__)"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/engine 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+  run)
+    # Any command after the install, with the environment above: bash bench/h200.sh run python3 bench/X.py ...
+    "${@:2}" 2>&1 | grep --line-buffered -vi warn | tee "$out/run.log" | tail -60 ;;
   pytest)
     # Chosen GPU tests: bash bench/h200.sh pytest tests/gpu/test_gpu.py -k offload
     nvidia-smi -L; python3 -m pytest -q -m gpu -p no:cacheprovider "${@:2}" 2>&1 | tee "$out/pytest.log" | tail -40 ;;
