@@ -97,6 +97,12 @@ def test_spec_values_are_checked_by_the_job_configs_and_named_as_the_specs():
         ({"family": "f", "champion": {"tolerance": -0.1}}, "m.json: training.champion.tolerance", ""),
         ({"backbone": {"path": "a", "sha256": "nope"}}, "m.json: training.backbone.sha256", "nope"),
         ({"schema": "v0"}, "m.json: training.schema", "v0"),
+        ({"train": {"optimizer_offload": 0.5}}, "m.json: training.train.optimizer_offload", "distributed optimizer"),
+        (
+            {"train": {"distributed_optimizer": True, "optimizer_offload": 2}},
+            "m.json: training.train.optimizer_offload",
+            "fraction from 0 to 1, got 2",
+        ),
     ]
     for extra, where, fragment in cases:
         with pytest.raises(InputError, match=re.escape(fragment)) as err:
