@@ -1,5 +1,6 @@
 """Causal attention kernels on one GPU: what the packed path uses (flash-attention varlen) against
-SDPA's backends (cuDNN, flash, memory-efficient), forward + backward, on the 1.5B critic's heads.
+SDPA's backends (cuDNN, flash, memory-efficient) and FlexAttention, forward + backward, on the 1.5B
+critic's heads.
 
     python bench/attention_kernels.py [--lengths 4096,8192,32768] [--heads 12 --kv-heads 2 --dim 128]
 
@@ -30,6 +31,36 @@ def timed(fn, warmup: int = 2, iters: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def flex(q, k, v, cu, t: int):
+    """FlexAttention (torch.compile'd Triton kernel) over the whole packed micro-batch: one call,
+    a block mask that is causal within each sequence (the document mask of packed rows), GQA by
+    `enable_gqa`. Built lazily, so a torch without it prints n/a like any unsupported backend."""
+    state: dict = {}
+
+    def run():
+        if not state:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            doc = torch.searchsorted(cu[1:], torch.arange(t, device=cu.device), right=True)
+
+            def causal_doc(b, h, qi, ki):
+                return (doc[qi] == doc[ki]) & (qi >= ki)
+
+            state["mask"] = create_block_mask(causal_doc, None, None, t, t, device=str(cu.device))
+            state["fn"] = torch.compile(flex_attention)
+        o = state["fn"](
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            block_mask=state["mask"],
+            scale=q.shape[-1] ** -0.5,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+    return run
 
 
 def main() -> None:
@@ -99,6 +130,7 @@ def main() -> None:
         ):
             for repeat in (False, True):
                 kernels.append((f"sdpa {name} {'repeat kv' if repeat else 'gqa'}", sdpa(backend, repeat)))
+        kernels.append(("flex (packed, document mask)", flex(q, k, v, cu, t)))
         for name, fn in kernels:
             try:
                 out = fn()
