@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from value_assets.core.memory import GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, predict_peak
+from value_assets.core.memory import GIB, MEASURED, QWEN2_5, Layout, MemoryConfig, host_bytes, predict_peak
 
 H200_GIB = 139.0
 TOKENS = (4096, 16384, 32768)
@@ -28,6 +28,8 @@ SETTINGS = [
     ("1 GPU", Layout(), MemoryConfig(recompute="selective"), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="full"), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="full", recompute_layers=4), True),
+    ("1 GPU", Layout(), MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=0.5), True),
+    ("1 GPU", Layout(), MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=1.0), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(distributed_optimizer=True), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(recompute="full", distributed_optimizer=True), True),
     (
@@ -62,7 +64,9 @@ def _fits(model: str, layout: Layout) -> bool:
 
 
 def table() -> str:
-    hdr = ["model", "layout", "recompute", "dist. opt", "seq. par."] + [f"{t // 1024}k tokens" for t in TOKENS]
+    hdr = ["model", "layout", "recompute", "dist. opt", "seq. par.", "offload (host GiB)"] + [
+        f"{t // 1024}k tokens" for t in TOKENS
+    ]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for model in QWEN2_5:
         for label, layout, memory, train in SETTINGS:
@@ -94,6 +98,11 @@ def table() -> str:
                         rc,
                         "yes" if memory.distributed_optimizer else "-",
                         "yes" if memory.sequence_parallel else "-",
+                        (
+                            f"{memory.optimizer_offload:g} ({host_bytes(QWEN2_5[model], layout, memory) / GIB:.1f})"
+                            if memory.optimizer_offload
+                            else "-"
+                        ),
                     ]
                     + cells
                 )
@@ -114,7 +123,9 @@ def main() -> int:
         "recompute saves little with flash attention (only the roped q, k); full recompute keeps one "
         "layer input per layer, and with --recompute-layers K only for the first K layers of each stage. Pipeline "
         "stages under 1F1B hold as many activations as one micro-batch "
-        "through all layers, so pp splits weights but not activations."
+        "through all layers, so pp splits weights but not activations. Optimizer offload F keeps the fraction F "
+        "of the fp32 master weights and Adam moments in host memory (16 bytes a parameter with the fp32 gradient "
+        "copy: the host column); its rows are the model's, not yet measured."
     )
     return 0
 
