@@ -1177,6 +1177,17 @@ def pick_recompute(bb, obj, tokens: int, args, index: int) -> MemoryConfig:
     return MemoryConfig(recompute="full")  # predicted not to fit: run it anyway and report OOM
 
 
+def fitted_micro_batch(shape: CriticShape, memory: MemoryConfig, longest: int, cap: int, what: str = "") -> int | None:
+    """What `--micro-batch-tokens auto` picks on this GPU's free memory (one GPU), at most `cap`;
+    None, printing why, where the memory model says no micro-batch fits (the row runs anyway)."""
+    try:
+        free = torch.cuda.mem_get_info()[0]
+        return min(cap, auto_micro_batch_tokens(shape, Layout(), memory, free_bytes=free, longest_row=longest))
+    except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
+        print(f"  memory model{what}: {exc}", flush=True)
+        return None
+
+
 def run_7b(args, presets, obj, res: Results) -> list[str]:
     """A Qwen2.5-7B-shaped critic on the 4k mix (ours): full recompute, the distributed optimizer
     and optimizer CPU offload (megatron-core's HybridDeviceOptimizer), the least fraction of 0,
@@ -1188,24 +1199,15 @@ def run_7b(args, presets, obj, res: Results) -> list[str]:
     shape = CriticShape(bb, obj.head_size)
     batches = make_batches(args.warmup + args.steps, args.global_batch, bb.vocab_size, args.seed, args.smoke)
     longest = max(n for b in batches for n in model_lens(b))
+    memory = MemoryConfig(recompute="full", distributed_optimizer=True)  # on CPU: no offload (CUDA-only)
+    mbt = args.micro_batch_tokens
     fractions = [args.offload] if args.offload is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
-    if not CUDA:
-        fractions = [0.0]
-    free = torch.cuda.mem_get_info()[0] if CUDA else 0
-    memory, mbt = None, args.micro_batch_tokens
-    for f in fractions:
+    for f in fractions if CUDA else []:
         memory = MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=f)
-        if not CUDA:
+        fitted = fitted_micro_batch(shape, memory, longest, args.micro_batch_tokens, f", offload {f:g}")
+        if fitted is not None:
+            mbt = fitted
             break
-        try:
-            mbt = min(
-                args.micro_batch_tokens,
-                auto_micro_batch_tokens(shape, Layout(), memory, free_bytes=free, longest_row=longest),
-            )
-            break
-        except Exception as exc:  # noqa: BLE001  (does not fit at this fraction: try the next)
-            print(f"  memory model, offload {f:g}: {str(exc)[:200]}", flush=True)
-    assert memory is not None
     host = host_bytes(shape, Layout(), memory) / GIB
     label = f"{name} offload {memory.optimizer_offload:g}"
     line = (
@@ -1295,16 +1297,7 @@ def run_long_rows(args, presets, obj, res: Results) -> list[str]:
         longest = max(n for b in batches for n in model_lens(b))
         mbt = args.micro_batch_tokens
         if CUDA:
-            free = torch.cuda.mem_get_info()[0]
-            try:
-                mbt = min(
-                    mbt,
-                    auto_micro_batch_tokens(
-                        CriticShape(bbig, obj.head_size), Layout(), MemoryConfig(), free_bytes=free, longest_row=longest
-                    ),
-                )
-            except Exception as exc:  # noqa: BLE001  (the model says no micro-batch fits: run it and see)
-                print(f"  memory model: {exc}", flush=True)
+            mbt = fitted_micro_batch(CriticShape(bbig, obj.head_size), MemoryConfig(), longest, mbt) or mbt
         run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})
         lens = [n for b in batches[args.warmup :] for n in model_lens(b)]
         label = "3b" if not args.smoke else "tiny-3b"

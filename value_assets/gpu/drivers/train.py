@@ -323,7 +323,8 @@ def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: st
                 "train a new critic"
             ),
         )
-    saved = bool((facts.get("memory") or {}).get("distributed_optimizer", False))
+    saved_memory = facts.get("memory") or {}
+    saved = bool(saved_memory.get("distributed_optimizer", False))
     if saved != cfg.memory.distributed_optimizer:
         raise InputError(
             "distributed_optimizer",
@@ -333,7 +334,7 @@ def check_resume_execution(contract: dict[str, Any], cfg: TrainJob, *, where: st
                 "(evaluation loads the weights at any setting)"
             ),
         )
-    offload = float((facts.get("memory") or {}).get("optimizer_offload", 0.0))
+    offload = float(saved_memory.get("optimizer_offload", 0.0))
     if offload != cfg.memory.optimizer_offload:
         raise InputError(
             "optimizer_offload",
