@@ -63,6 +63,7 @@ import json
 import math
 import os
 import re
+import resource
 import sys
 import time
 import traceback
@@ -429,6 +430,9 @@ def run_ours(
                     optimizer_step(ddp, opt, m, G, obj)
 
             dt = timed(lambda: steps(mbs[: args.warmup]), lambda: steps(mbs[args.warmup :]))
+            if getattr(opt, "host_gradients", None):  # optimizer offload: where the gradients' host copies are
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+                train_note += f", host gradients {opt.host_gradients}, peak host RSS {rss:.1f} GiB"
             res.add(
                 name,
                 "ours",

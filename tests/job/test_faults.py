@@ -156,8 +156,57 @@ def test_byte_entries_load_without_unpickling_objects(trained):
     MCoreLoadPlanner.load_bytes(Planner, Item, buf)
     assert Planner.state_dict["x._extra_state"] == [None]
     evil = io.BytesIO(pickle.dumps(_Payload(Path("/nonexistent/never"))))
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(InputError, match=r"checkpoint entry x\._extra_state: holds a Python object other than tensors"):
         MCoreLoadPlanner.load_bytes(Planner, Item, evil)
+
+
+def test_offloaded_optimizer_groups_are_saved_without_their_classes():
+    """megatron-core's HybridDeviceOptimizer (--optimizer-offload) keeps torch's AdamW class (and
+    its GPU optimizer's) in every param group. Saved as they were, the distributed optimizer's
+    groups entry held two classes, and the checked loader's weights_only read refused the resume
+    (found on an H100: 'Unsupported global: GLOBAL torch.optim.adamw.AdamW'). The save leaves
+    class values out, on a copy: the live optimizer keeps its groups."""
+    import io
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+
+    from value_assets.gpu.runtime.checkpoint import safe_byte_entries, without_classes
+
+    groups = [{"lr": 1e-3, "params": [0, 1], "cpu_optimizer_cls": torch.optim.AdamW, "offload_fraction": 0.5}]
+    entry = ShardedObject(
+        "optimizer.distributed.dp_group_idx_0.optimizer", {"param_groups": groups, "state": {}}, (1,), (0,)
+    )
+    tensor = torch.zeros(2)
+    tree = {"optimizer": entry, "param_state": {"w": tensor}, "param_state_sharding_type": "dp_reshardable"}
+    saved = without_classes(tree)
+    assert saved["optimizer"].data["param_groups"] == [{"lr": 1e-3, "params": [0, 1], "offload_fraction": 0.5}]
+    assert saved["optimizer"].key == entry.key and saved["param_state"]["w"] is tensor
+    assert groups[0]["cpu_optimizer_cls"] is torch.optim.AdamW  # the live groups are untouched
+    plain = {"optimizer": ShardedObject("o", {"param_groups": [{"lr": 1.0}]}, (1,), (0,))}
+    assert without_classes(plain) is plain
+
+    safe_byte_entries()
+
+    class Planner:
+        flatten_state_dict = False
+        state_dict: dict = {}
+
+    class Item:
+        class dest_index:
+            fqn = "optimizer.distributed.dp_group_idx_0.optimizer"
+
+    for data, ok in ((saved["optimizer"].data, True), (entry.data, False)):
+        buf = io.BytesIO()
+        torch.save(data, buf)
+        buf.seek(0)
+        if ok:
+            MCoreLoadPlanner.load_bytes(Planner, Item, buf)
+            assert Planner.state_dict[Item.dest_index.fqn]["param_groups"][0]["offload_fraction"] == 0.5
+        else:
+            with pytest.raises(InputError, match=r"dp_group_idx_0\.optimizer: holds a Python object .*AdamW"):
+                MCoreLoadPlanner.load_bytes(Planner, Item, buf)
 
 
 # ---- defect 3: corrupted or swapped shards ---------------------------------------------------------------

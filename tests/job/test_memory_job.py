@@ -94,6 +94,46 @@ def test_resume_refuses_another_optimizer_offload():
         check_resume_execution(plain, TrainJob(**base, optimizer_offload=1.0), where="ck")
 
 
+def test_offloaded_gradients_are_pinned_only_where_the_host_holds_them():
+    """HybridDeviceOptimizer pins one host buffer per offloaded parameter for its fp32 gradient and
+    torch's pinned allocator rounds each up to a power of two: a 7B critic's 26.3 GiB of gradients
+    took 49.5 GiB and the first step of `--optimizer-offload 1` was killed for host memory on a
+    128 GiB H100 machine. `fit_host_gradients` pins them where the pinned size fits the host's
+    available memory (divided between the node's training processes), else keeps them pageable,
+    else refuses naming the setting. The optimizer here is a stand-in holding real tensors:
+    megatron's HybridDeviceOptimizer cannot be built without CUDA (tests/gpu runs the real one)."""
+    import torch
+
+    from value_assets.gpu.runtime.step import fit_host_gradients
+
+    class Hybrid:
+        pin_cpu_grads = True
+
+        def __init__(self, sizes):
+            self.cpu_copys_map_gpu_param = {torch.zeros(n): None for n in sizes}
+
+    class Distributed:
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    def offloaded(*sizes):
+        return Distributed(Hybrid(sizes))
+
+    # 3 + 5 fp32 elements: 32 bytes exact, pinned 16 + 32 = 48 (powers of two)
+    opt = offloaded(3, 5)
+    assert fit_host_gradients(opt, available=48, ranks_on_node=1) == "pinned" and opt.optimizer.pin_cpu_grads
+    assert fit_host_gradients(opt, available=47, ranks_on_node=1) == "pageable" and not opt.optimizer.pin_cpu_grads
+    assert fit_host_gradients(opt, available=96, ranks_on_node=2) == "pinned"  # two processes share the host
+    assert fit_host_gradients(opt, available=95, ranks_on_node=2) == "pageable"
+    with pytest.raises(InputError, match=r"optimizer_offload: .*gradients need 0\.0 GiB .* 2 training process") as err:
+        fit_host_gradients(opt, available=63, ranks_on_node=2)
+    assert err.value.where == "optimizer_offload"
+    chained = type("Chained", (), {"chained_optimizers": [offloaded(4), offloaded(4)]})()
+    assert fit_host_gradients(chained, available=32, ranks_on_node=1) == "pinned"  # 16 + 16, exact
+    with pytest.raises(InputError, match="optimizer_offload"):
+        fit_host_gradients(chained, available=31, ranks_on_node=1)  # both optimizers' gradients count
+
+
 def test_resume_refuses_another_freeze_setting():
     frozen = {"execution": {"freeze": "attention", "memory": {"distributed_optimizer": False}}}
     check_resume_execution(frozen, TrainJob(manifest="m", output="o", freeze="attention"), where="ck")

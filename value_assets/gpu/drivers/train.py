@@ -522,6 +522,9 @@ def _train(
         spec, ray_address=cfg.ray_address, timeout_s=cfg.timeout_s, placement_strategy=cfg.placement_strategy, log=log
     ) as cluster:
         dp_of_rank = [info["dp_rank"] for info in cluster.infos]
+        host = sorted({str(info.get("host_gradients")) for info in cluster.infos if info.get("host_gradients")})
+        if host:
+            log(f"optimizer offload: the offloaded gradients' host copies are {' and '.join(host)}")
         if prep.resume_dir is not None:
             # The files may have changed since `prepare` verified them: the workers use only bytes
             # that match the contract (gpu/runtime/checkpoint.py).

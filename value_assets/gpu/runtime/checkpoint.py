@@ -21,6 +21,7 @@ gpu/runtime/safe_pickle.py), `common.pt` with `torch.load(weights_only=True)`, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import inspect
@@ -44,7 +45,16 @@ _CHUNK = 8 << 20  # bytes hashed per read of a file bound by its whole sha256
 
 
 def _load_bytes_weights_only(self, read_item, value) -> None:
-    obj = torch.load(value, weights_only=True)
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message names the global it refused (its last line names it as 'GLOBAL x.y').
+        found = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        raise InputError(
+            f"checkpoint entry {read_item.dest_index.fqn}",
+            "holds a Python object other than tensors and plain values, which is never unpickled"
+            + (f" ({found[-1]})" if found else ""),
+        ) from None
     if self.flatten_state_dict:
         from torch.distributed.checkpoint._traverse import set_element
 
@@ -726,8 +736,40 @@ def _state(model: torch.nn.Module, optimizer: Any, iteration: int) -> dict[str, 
     model_sd = _model_sharded_state_dict(model)
     state: dict[str, Any] = {"model": model_sd, "iteration": torch.tensor(iteration, dtype=torch.int64)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIMIZER_METADATA)
+        sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIMIZER_METADATA)
+        state["optimizer"] = without_classes(sd)
     return state
+
+
+def without_classes(tree: Any) -> Any:
+    """The optimizer's sharded state with every class-valued entry of its param groups left out.
+
+    megatron-core's HybridDeviceOptimizer (`--optimizer-offload`) keeps its sub-optimizers' classes
+    in every param group (`cpu_optimizer_cls`, `gpu_optimizer_cls`, its constructor's defaults); the
+    distributed optimizer saves the groups as one pickled entry. A class is code, not state: the
+    checked loader reads entries with `torch.load(weights_only=True)` and refuses it, and a
+    checkpoint naming Transformer Engine's FusedAdam would not even load where TE is absent. Nothing
+    reads them back (the optimizer keeps its own classes; megatron's load merges the saved groups'
+    values into the live ones), so they are not saved. A new tree: the live groups keep theirs."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if isinstance(tree, ShardedObject):
+        data = without_classes(tree.data)
+        if data is tree.data:
+            return tree
+        return dataclasses.replace(tree, data=data)
+    if isinstance(tree, dict):
+        out = {k: without_classes(v) for k, v in tree.items()}
+        groups = tree.get("param_groups")
+        if isinstance(groups, list) and any(
+            isinstance(g, dict) and any(isinstance(v, type) for v in g.values()) for g in groups
+        ):
+            out["param_groups"] = [
+                {k: v for k, v in g.items() if not isinstance(v, type)} if isinstance(g, dict) else g for g in groups
+            ]
+        changed = any(out[k] is not v for k, v in tree.items())
+        return out if changed else tree
+    return tree
 
 
 def save_critic(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None, iteration: int = 0) -> None:

@@ -58,10 +58,10 @@ def wrap_for_training(
 
     `optimizer_offload` f > 0 (CUDA, with the distributed optimizer): megatron-core's
     HybridDeviceOptimizer keeps the fraction f of the shard's fp32 master weights and Adam moments
-    in pinned host memory and runs their update on the CPU (torch's AdamW; the rest on the GPU),
-    copies overlapped with the step (megatron's precision-aware path: the bf16 weights' gradients
-    go to the host, the updated weights come back). Weight decay is AdamW's (decoupled), as in the
-    plain path."""
+    in host memory and runs their update on the CPU (torch's AdamW; the rest on the GPU), copies
+    overlapped with the step (megatron's precision-aware path: the bf16 weights' gradients go to
+    the host, pinned where they fit: `fit_host_gradients`; the updated weights come back). Weight
+    decay is AdamW's (decoupled), as in the plain path."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -103,6 +103,8 @@ def wrap_for_training(
     )
     if distributed_optimizer:
         _init_adam_state(opt)
+    if optimizer_offload:
+        opt.host_gradients = fit_host_gradients(opt)
     cfg.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None, **kw)
     cfg.grad_scale_func = opt.scale_loss
     return ddp, opt
@@ -120,6 +122,71 @@ def _offload_settings(fraction: float, distributed_optimizer: bool) -> dict[str,
         "use_precision_aware_optimizer": True,
         "overlap_cpu_optimizer_d2h_h2d": True,
     }
+
+
+def _pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned host allocator reserves for `nbytes`: the next power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def _available_host_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def fit_host_gradients(optimizer: Any, available: int | None = None, ranks_on_node: int | None = None) -> str:
+    """Choose where the offloaded parameters' fp32 gradients land before the first step allocates them.
+
+    megatron-core's HybridDeviceOptimizer copies each offloaded parameter's gradient into a pinned
+    host buffer (the copy then overlaps the step), and torch's pinned allocator rounds every buffer
+    up to a power of two: for a 7B critic at offload 1 that is 49.5 GiB instead of 26.3, and with
+    the fp32 master weights and Adam moments (79 GiB, allocated by now) the first step outgrew a
+    128 GiB host: the kernel killed the worker (found on an H100). Here, with the rest of the
+    optimizer already allocated, the gradients are pinned if they fit the host's available memory
+    (shared by the node's training processes), else they go to pageable memory (same values, the
+    copy no longer overlaps); if not even that fits, a clear error before any step. Returns
+    'pinned' or 'pageable'."""
+    subs = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if hasattr(inner, "cpu_copys_map_gpu_param"):
+            subs.append(inner)
+    cpu_params = [p for inner in subs for p in inner.cpu_copys_map_gpu_param]
+    exact = sum(p.numel() * p.element_size() for p in cpu_params)
+    pinned = sum(_pinned_bytes(p.numel() * p.element_size()) for p in cpu_params)
+    if ranks_on_node is None:
+        ranks_on_node = _ranks_on_this_node()
+    if available is None:
+        available = _available_host_bytes()
+    share = available // max(ranks_on_node, 1)
+    gib = 1 << 30
+    if exact > share:
+        from value_assets.core.errors import InputError
+
+        raise InputError(
+            "optimizer_offload",
+            f"the offloaded optimizer's gradients need {exact / gib:.1f} GiB of host memory per GPU, but "
+            f"{available / gib:.1f} GiB is available to the {ranks_on_node} training process(es) on this node "
+            f"after its master weights and moments: offload less (or add host memory)",
+        )
+    mode = "pinned" if pinned <= share else "pageable"
+    for inner in subs:
+        inner.pin_cpu_grads = mode == "pinned"
+    return mode
+
+
+def _ranks_on_this_node() -> int:
+    """Training processes on this machine (they share its host memory), gathered once."""
+    import socket
+
+    if not torch.distributed.is_initialized():
+        return 1
+    names: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, socket.gethostname())
+    return names.count(socket.gethostname())
 
 
 def frozen_parameter_names(model: torch.nn.Module, freeze: str, head_bias: str = "trained") -> list[str]:

@@ -138,6 +138,7 @@ class CriticWorker:
             "last_stage": int(ps.is_pipeline_last_stage()),
             "dp_size": ps.get_data_parallel_world_size(),
             "pid": os.getpid(),
+            "host_gradients": getattr(self.optimizer, "host_gradients", None),
             **placement(),
         }
 
