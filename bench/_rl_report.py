@@ -85,21 +85,51 @@ def _probe(run: dict, key: str, first: int | None = None) -> float | None:
     return _mean([s.get(key) for s in run["steps"] if "adv_mean" in s][:first])
 
 
-def summarize(runs: dict, plan: dict, ref: str, early: int) -> dict[str, Any]:
+def _done(runs: dict) -> dict[str, dict[int, dict]]:
+    return {arm: {s: r for s, r in seeds.items() if r["meta"].get("status") == "done"} for arm, seeds in runs.items()}
+
+
+def summarize(runs: dict, plan: dict, ref: str, early: int, extra: dict[str, dict] | None = None) -> dict[str, Any]:
+    """`runs`: the main folder's runs. `extra` {folder name: its runs}: folders whose seeds ran another
+    way than the main folder's same seed (another card, other micro-batches). Each of their seeds is
+    a paired block of its own: its arms' differences from its own reference run enter the paired
+    columns; an arm's absolute columns take its run of a seed from the main folder, else from the
+    first extra folder that has one (a seed's run enters each arm's absolute columns once)."""
+    extra = extra or {}
+    every = [runs, *extra.values()]
     settings = {
-        json.dumps(r["meta"].get("settings"), sort_keys=True) for seeds in runs.values() for r in seeds.values()
+        json.dumps(r["meta"].get("settings"), sort_keys=True)
+        for rs in every
+        for seeds in rs.values()
+        for r in seeds.values()
     }
     if len(settings) > 1:
         raise SystemExit(f"the runs were made with different settings, not comparable: {sorted(settings)}")
     blocks = seed_blocks(runs)
-    done = {arm: {s: r for s, r in seeds.items() if r["meta"].get("status") == "done"} for arm, seeds in runs.items()}
+    extra_blocks = {name: seed_blocks(rs) for name, rs in extra.items()}
+    done = _done(runs)
+    extra_done = {name: _done(rs) for name, rs in extra.items()}
     ref_final = {s: _curve(r)[-1][1] for s, r in done.get(ref, {}).items() if _curve(r)}
-    ref_auc = {s: _mean(v for _, v in _curve(r)) for s, r in done.get(ref, {}).items() if _curve(r)}
     target = _mean(ref_final.values())
+    # The paired blocks: (arm's run, reference run) of one seed, one folder.
+    pairs: dict[str, list[tuple[dict, dict]]] = {}
+    for d in [done, *extra_done.values()]:
+        for arm, seeds in d.items():
+            if arm == ref and d is not done:
+                continue  # the reference's own difference is 0 by construction: counted once
+            for seed, r in seeds.items():
+                ref_run = d.get(ref, {}).get(seed)
+                if ref_run is not None and _curve(r) and _curve(ref_run):
+                    pairs.setdefault(arm, []).append((r, ref_run))
+    for d in extra_done.values():  # seeds the main folder lacks, for the absolute columns
+        for arm, seeds in d.items():
+            for seed, r in seeds.items():
+                done.setdefault(arm, {}).setdefault(seed, r)
     out: dict[str, Any] = {
         "plan": plan,
         "target": {"reference_arm": ref, "final_heldout_sampled": target},
         "seeds": blocks,
+        "extra_blocks": extra_blocks,
         "arms": {},
     }
 
@@ -109,7 +139,6 @@ def summarize(runs: dict, plan: dict, ref: str, early: int) -> dict[str, Any]:
     for arm, fin in sorted(done.items()):
         curves = {s: _curve(r) for s, r in fin.items() if _curve(r)}
         finals = {s: c[-1][1] for s, c in curves.items()}
-        auc = {s: _mean(v for _, v in c) for s, c in curves.items()}
         steps = sorted({st for c in curves.values() for st, _ in c})
         mean_curve = [(st, _mean(dict(c).get(st) for c in curves.values())) for st in steps]
 
@@ -123,14 +152,19 @@ def summarize(runs: dict, plan: dict, ref: str, early: int) -> dict[str, Any]:
             }
         else:  # runs made before each run recorded its critic: the plan's
             spec = plan.get("arms", {}).get(arm, {})
-        checks = [r["meta"].get("value_check", {}).get("max_abs_diff") for r in runs[arm].values()]
+        checks = [
+            r["meta"].get("value_check", {}).get("max_abs_diff") for rs in every for r in rs.get(arm, {}).values()
+        ]
         out["arms"][arm] = {
             "seeds_done": sorted(fin),
-            "seeds_started": sorted(runs[arm]),
+            "seeds_started": sorted({s for rs in every for s in rs.get(arm, {})}),
             "final_heldout_sampled": ci(finals.values()),
             "final_heldout_greedy": ci(_curve(r, "greedy")[-1][1] for r in fin.values() if _curve(r, "greedy")),
-            "final_minus_reference": ci(finals[s] - ref_final[s] for s in finals if s in ref_final),
-            "auc_minus_reference": ci(auc[s] - ref_auc[s] for s in auc if s in ref_auc),
+            "final_minus_reference": ci(_curve(r)[-1][1] - _curve(q)[-1][1] for r, q in pairs.get(arm, [])),
+            "auc_minus_reference": ci(
+                _mean(v for _, v in _curve(r)) - _mean(v for _, v in _curve(q)) for r, q in pairs.get(arm, [])
+            ),
+            "paired_blocks": len(pairs.get(arm, [])),
             "mean_curve_steps_to_target": reach(mean_curve),
             "steps_to_target": {s: reach(c) for s, c in curves.items()},
             "early_adv_mean": ci(_probe(r, "adv_mean", early) for r in fin.values()),
@@ -195,7 +229,7 @@ def table(results: dict, early: int) -> str:
             arm,
             f"{len(a['seeds_done'])}/{len(a['seeds_started'])}",
             _fmt(a["final_heldout_sampled"]),
-            _fmt(a["final_minus_reference"]),
+            _fmt(a["final_minus_reference"]) + f" ({a['paired_blocks']} pairs)",
             _fmt(a["auc_minus_reference"]),
             _fmt(a["final_heldout_greedy"]),
             f"{a['mean_curve_steps_to_target']} ({per_seed})",
@@ -211,6 +245,12 @@ def table(results: dict, early: int) -> str:
         f"seed {s}: {e['device']}, {e['micro_batches']} micro-batch{'es' if e['micro_batches'] > 1 else ''}"
         for s, e in results["seeds"].items()
     )
+    for name, blocks in results.get("extra_blocks", {}).items():
+        seeds += "; " + "; ".join(
+            f"{name}, seed {s}: {e['device']}, {e['micro_batches']} micro-batch{'es' if e['micro_batches'] > 1 else ''}"
+            f" (a block of its own)"
+            for s, e in blocks.items()
+        )
     lines += [
         "",
         f"Each seed's arms ran on one card the same way ({seeds}).",
@@ -259,11 +299,12 @@ def plot(runs: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(root: Path, out: Path, reference: str, early: int) -> None:
+def report(root: Path, out: Path, reference: str, early: int, also: list[Path] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = load_runs(root)
+    extra = {p.name: load_runs(p) for p in also or []}
     plan = json.loads((root / "plan.json").read_text()) if (root / "plan.json").is_file() else {}
-    results = summarize(runs, plan, reference, early)
+    results = summarize(runs, plan, reference, early, extra)
     (out / "rl.json").write_text(json.dumps(results, indent=1) + "\n")
     text = table(results, early)
     (out / "rl.md").write_text(text + "\n")

@@ -558,7 +558,7 @@ def cmd_critics(args) -> None:
 def cmd_report(args) -> None:
     from bench._rl_report import report
 
-    report(Path(args.runs), Path(args.out), args.reference, args.early_steps)
+    report(Path(args.runs), Path(args.out), args.reference, args.early_steps, [Path(p) for p in args.also])
 
 
 # ----------------------------------------------------------------------------- CPU smoke
@@ -660,6 +660,13 @@ def main() -> None:
     rep.add_argument("--out", required=True)
     rep.add_argument("--reference", default="a", help="the arm whose final held-out success is the target")
     rep.add_argument("--early-steps", type=int, default=5)
+    rep.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        help="a folder of seeds run another way than RUNS' same seeds (another card or micro-batches): "
+        "each of its seeds is a paired block of its own",
+    )
     rep.set_defaults(func=cmd_report)
     t = sub.add_parser("tiny", help="a tiny random actor (and synthetic rollouts) for the CPU smoke")
     t.add_argument("out")

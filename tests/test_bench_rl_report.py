@@ -94,3 +94,35 @@ def test_a_seed_is_one_block_sessions_may_differ_a_seeds_arms_may_not(rl_report,
     write_run(tmp_path, "c", 0, [0.1, 0.8], 0.2, **H100, execution={"micro_batches": 2})
     with pytest.raises(SystemExit, match=r"seed 0: its arms ran in different ways.*\['c'\]"):
         rl_report.summarize(rl_report.load_runs(tmp_path), {}, "a", 5)
+
+
+def test_a_seed_rerun_another_way_is_a_block_of_its_own_from_another_folder(rl_report, tmp_path):
+    """Seed 0's arms a-c ran on an H200 in one micro-batch; its arm d and a second arm a later on an
+    H100 in two, in a folder of their own (`--also`): d - a pairs within that folder only, a's
+    second run enters no column twice, and d's absolute columns take its one seed-0 run."""
+    main, h100 = tmp_path / "runs", tmp_path / "runs-h100-s0"
+    for seed, (a, b) in enumerate([(0.7, 0.9), (0.6, 0.7)]):
+        write_run(main, "a", seed, [0.1, a], None, **H200)
+        write_run(main, "b", seed, [0.1, b], 0.3, **H200)
+    write_run(main, "d", 1, [0.1, 0.65], 0.0, **H200)
+    write_run(h100, "a", 0, [0.1, 0.5], None, **H100, execution={"micro_batches": 2})
+    write_run(h100, "d", 0, [0.1, 0.8], 0.0, **H100, execution={"micro_batches": 2})
+    extra = {"runs-h100-s0": rl_report.load_runs(h100)}
+    out = rl_report.summarize(rl_report.load_runs(main), {}, "a", 5, extra)
+    a, b, d = (out["arms"][k] for k in "abd")
+    # d - a: 0.65 - 0.6 (seed 1, main) and 0.8 - 0.5 (seed 0, H100 folder), never 0.8 - 0.7
+    assert d["paired_blocks"] == 2 and d["final_minus_reference"][0] == pytest.approx((0.05 + 0.3) / 2)
+    assert d["seeds_done"] == [0, 1] and d["final_heldout_sampled"][0] == pytest.approx((0.8 + 0.65) / 2)
+    assert a["paired_blocks"] == 2 and a["final_heldout_sampled"][0] == pytest.approx((0.7 + 0.6) / 2)
+    assert b["paired_blocks"] == 2 and b["final_minus_reference"][0] == pytest.approx((0.2 + 0.1) / 2)
+    assert out["extra_blocks"] == {"runs-h100-s0": {0: {"device": "NVIDIA H100 80GB HBM3", "micro_batches": 2}}}
+    assert "runs-h100-s0, seed 0: NVIDIA H100 80GB HBM3, 2 micro-batches (a block of its own)" in rl_report.table(
+        out, 5
+    )
+    # without the extra folder, seed 0's d cannot be paired: it is not in the main folder at all
+    alone = rl_report.summarize(rl_report.load_runs(main), {}, "a", 5)
+    assert alone["arms"]["d"]["paired_blocks"] == 1
+    # an extra folder's seed must itself be one block
+    write_run(h100, "b", 0, [0.1, 0.9], 0.3, **H200)
+    with pytest.raises(SystemExit, match=r"seed 0: its arms ran in different ways"):
+        rl_report.summarize(rl_report.load_runs(main), {}, "a", 5, {"x": rl_report.load_runs(h100)})
