@@ -209,6 +209,39 @@ def test_offloaded_optimizer_groups_are_saved_without_their_classes():
                 MCoreLoadPlanner.load_bytes(Planner, Item, buf)
 
 
+def test_a_loaded_offloaded_optimizer_keeps_each_state_on_its_parameters_device():
+    """megatron-core's HybridDeviceOptimizer places its loaded state by class: without Transformer
+    Engine or Apex its GPU and CPU sub-optimizers are both torch's AdamW, so the GPU part's moments
+    went to the host and the first step after a resume failed on an H100 ('exp_avgs is on cpu,
+    different from other tensors on cuda:0'). `place_offloaded_state` puts each tensor on its
+    parameter's device. Real torch AdamW sub-optimizers; the 'GPU' parameter lives on torch's meta
+    device here (this machine has no CUDA), so the wrong placement is visible on CPU."""
+    import torch
+
+    from value_assets.gpu.runtime.checkpoint import place_offloaded_state
+
+    gpu_p = torch.nn.Parameter(torch.empty(4, device="meta"))
+    cpu_p = torch.nn.Parameter(torch.zeros(4))
+    gpu_opt, cpu_opt = torch.optim.AdamW([gpu_p]), torch.optim.AdamW([cpu_p])
+    gpu_opt.param_groups[0]["fused"] = True  # the GPU part runs fused: its step lives on the device
+    for opt, p in ((gpu_opt, gpu_p), (cpu_opt, cpu_p)):  # as megatron's load left them: all on the host
+        opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}
+    hybrid_state = {gpu_p: gpu_opt.state[gpu_p]}  # the hybrid optimizer shares these dicts
+    inner = type("Hybrid", (), {"sub_optimizers": [gpu_opt, cpu_opt]})()
+    place_offloaded_state(type("Distributed", (), {"optimizer": inner})())
+    assert {k: v.device.type for k, v in gpu_opt.state[gpu_p].items()} == dict.fromkeys(
+        ("step", "exp_avg", "exp_avg_sq"), "meta"
+    )
+    assert all(v.device.type == "cpu" for v in cpu_opt.state[cpu_p].values())
+    assert hybrid_state[gpu_p]["exp_avg"].device.type == "meta"
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.empty(2, device="meta"))])
+    p = plain.param_groups[0]["params"][0]
+    plain.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.ones(2)}
+    place_offloaded_state(type("Distributed", (), {"optimizer": type("H", (), {"sub_optimizers": [plain]})()})())
+    assert plain.state[p]["step"].device.type == "cpu" and plain.state[p]["exp_avg"].device.type == "meta"
+    place_offloaded_state(type("Plain", (), {"optimizer": torch.optim.AdamW([cpu_p])})())  # no sub-optimizers
+
+
 # ---- defect 3: corrupted or swapped shards ---------------------------------------------------------------
 
 

@@ -866,6 +866,7 @@ def load_critic(
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
             optimizer.load_state_dict(loaded["optimizer"])
         _own_adam_steps(optimizer)
+        place_offloaded_state(optimizer)
     it = loaded.get("iteration")
     return int(it) if it is not None else 0
 
@@ -887,6 +888,31 @@ def _own_adam_steps(optimizer: Any) -> None:
             for p in group["params"]:
                 if "step" in inner.state[p]:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def place_offloaded_state(optimizer: Any) -> None:
+    """Put every sub-optimizer's state of megatron-core's HybridDeviceOptimizer (`--optimizer-offload`)
+    on its parameter's device after a load. Its own placement after a load tells CPU from GPU
+    sub-optimizers by class (`isinstance(opt, cpu_optimizer_cls)`); without Transformer Engine or
+    Apex both are torch's AdamW, so the GPU part's moments were moved to the host and the first
+    step after a resume failed ('exp_avgs is on cpu, different from other tensors on cuda:0'; found
+    on an H100). The step count stays where torch's Adam keeps it: on the parameter's device for a
+    fused or capturable group, else on the CPU. The state dicts are shared with the hybrid
+    optimizer's own `state`, so both see the move."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for sub in getattr(inner, "sub_optimizers", None) or []:
+            for group in sub.param_groups:
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                for p in group["params"]:
+                    state = sub.state.get(p)
+                    if not state:
+                        continue
+                    for k, v in list(state.items()):
+                        if not isinstance(v, torch.Tensor) or (k == "step" and not on_device):
+                            continue
+                        if v.device != p.device:
+                            state[k] = v.to(p.device)
 
 
 def load_model_weights(
