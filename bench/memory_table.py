@@ -29,6 +29,7 @@ SETTINGS = [
     ("1 GPU", Layout(), MemoryConfig(recompute="full"), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="full", recompute_layers=4), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=0.5), True),
+    ("1 GPU", Layout(), MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=0.75), True),
     ("1 GPU", Layout(), MemoryConfig(recompute="full", distributed_optimizer=True, optimizer_offload=1.0), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(distributed_optimizer=True), True),
     ("8 GPUs dp8", Layout(dp=8), MemoryConfig(recompute="full", distributed_optimizer=True), True),
