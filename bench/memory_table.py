@@ -100,7 +100,8 @@ def table() -> str:
                         "yes" if memory.distributed_optimizer else "-",
                         "yes" if memory.sequence_parallel else "-",
                         (
-                            f"{memory.optimizer_offload:g} ({host_bytes(QWEN2_5[model], layout, memory) / GIB:.1f})"
+                            f"{memory.optimizer_offload:g} ({host_bytes(QWEN2_5[model], layout, memory) / GIB:.1f}"
+                            f"-{host_bytes(QWEN2_5[model], layout, memory, pinned=True) / GIB:.1f})"
                             if memory.optimizer_offload
                             else "-"
                         ),
@@ -125,8 +126,10 @@ def main() -> int:
         "layer input per layer, and with --recompute-layers K only for the first K layers of each stage. Pipeline "
         "stages under 1F1B hold as many activations as one micro-batch "
         "through all layers, so pp splits weights but not activations. Optimizer offload F keeps the fraction F "
-        "of the fp32 master weights and Adam moments in host memory (16 bytes a parameter with the fp32 gradient "
-        "copy: the host column); its rows are the model's, not yet measured."
+        "of the fp32 master weights and Adam moments in host memory (the host column: 16 bytes a parameter "
+        "with a pageable fp32 gradient copy, at most 20 with pinned copies, which torch rounds up to powers "
+        "of two); measured: 7B at offload 0.75, "
+        "16k tokens, on an H100 (GPU 66.0 GiB, host 97.6 GiB of optimizer with pinned gradients)."
     )
     return 0
 

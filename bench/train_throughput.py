@@ -1213,11 +1213,13 @@ def run_7b(args, presets, obj, res: Results) -> list[str]:
             mbt = fitted
             break
     host = host_bytes(shape, Layout(), memory) / GIB
+    host_pinned = host_bytes(shape, Layout(), memory, pinned=True) / GIB
     label = f"{name} offload {memory.optimizer_offload:g}"
     line = (
         f"{label}: {args.steps} timed steps of {args.global_batch} rows of the 4k mix (max {longest}), micro-batch "
         f"{mbt} tokens, recompute full, distributed optimizer, optimizer offload {memory.optimizer_offload:g} "
-        f"(predicted host memory {host:.1f} GiB), N {matmul_params(bb, obj.head_size) / 1e9:.3f}B"
+        f"(predicted host memory {host:.1f} GiB, at most {host_pinned:.1f} with pinned gradients), "
+        f"N {matmul_params(bb, obj.head_size) / 1e9:.3f}B"
     )
     print(f"== {line}", flush=True)
     run_args = argparse.Namespace(**{**vars(args), "micro_batch_tokens": mbt, "eval_micro_batch_tokens": 2 * mbt})

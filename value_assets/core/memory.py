@@ -239,12 +239,18 @@ def static_bytes(
     return int(4 * p + 4 * p + kept * 8 * p / shard)
 
 
-def host_bytes(shape: CriticShape, layout: Layout, memory: MemoryConfig, *, bf16: bool = True) -> int:
+def host_bytes(
+    shape: CriticShape, layout: Layout, memory: MemoryConfig, *, bf16: bool = True, pinned: bool = False
+) -> int:
     """Host memory one GPU's training process holds for the offloaded optimizer: per offloaded
     parameter its fp32 master weight, two Adam moments and an fp32 copy of its gradient (megatron-
-    core's HybridDeviceOptimizer); 0 without `optimizer_offload`."""
+    core's HybridDeviceOptimizer); 0 without `optimizer_offload`. `pinned`: the most it can be when
+    the gradient copies are pinned (gpu/runtime/step.fit_host_gradients pins them where they fit):
+    torch's pinned allocator rounds each buffer up to a power of two, at most doubling it (7B at
+    offload 0.75 on an H100: 97.6 GiB against this bound's 98.8 and the pageable 79.0)."""
     shard = layout.dp if memory.distributed_optimizer else 1
-    per_param = 16 if bf16 else 12  # fp32 master (bf16 only) + 2 moments + fp32 gradient copy
+    grad = 8 if pinned else 4  # the fp32 gradient copy, rounded up at most to twice its size when pinned
+    per_param = (12 if bf16 else 8) + grad  # + fp32 master (bf16 only) + 2 moments
     return int(memory.optimizer_offload * per_param * stage_params(shape, layout) / shard)
 
 
@@ -432,8 +438,8 @@ def auto_micro_batch_tokens(
         alt = replace(memory, distributed_optimizer=True, optimizer_offload=1.0)
         if max_tokens(shape, layout, alt, budget, bf16=bf16) >= longest_row:
             hints.append(
-                f"--distributed-optimizer --optimizer-offload 1 ({host_bytes(shape, layout, alt) / GIB:.0f} GiB "
-                "of host memory per GPU)"
+                f"--distributed-optimizer --optimizer-offload 1 ({host_bytes(shape, layout, alt) / GIB:.0f} to "
+                f"{host_bytes(shape, layout, alt, pinned=True) / GIB:.0f} GiB of host memory per GPU)"
             )
     layers = "" if memory.recompute_layers is None else f" of {memory.recompute_layers} layers per stage"
     hints.append(f"a GPU with {need / GIB:.1f} GiB free, or dropping rows longer than {t} tokens")
