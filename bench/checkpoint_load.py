@@ -63,8 +63,9 @@ def _state_tensors(ddp, opt, with_optimizer: bool) -> list[torch.Tensor]:
     parameters and Adam moments; 0-dim entries such as the step count are left out)."""
     out = [t for t in ddp.module.state_dict().values() if torch.is_tensor(t) and t.dim() > 0]
     if with_optimizer:
-        for o in getattr(opt, "chained_optimizers", [opt]):
-            inner = o.optimizer
+        from value_assets.gpu.runtime.checkpoint import inner_optimizers
+
+        for inner in inner_optimizers(opt):
             for group in inner.param_groups:
                 for p in group["params"]:
                     out.append(p.data)

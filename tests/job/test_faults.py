@@ -133,9 +133,26 @@ def test_a_pickle_planted_as_metadata_is_never_unpickled(critic, manifest, tmp_p
 def test_byte_entries_load_without_unpickling_objects(trained):
     """megatron's `_extra_state` entries are read with torch.load(weights_only=True): a planted
     object in one would be refused by torch even if a file slipped past the binding."""
+    assert read_byte_entry("x._extra_state", saved_bytes([None])) == [None]
+    evil = pickle.dumps(_Payload(Path("/nonexistent/never")))
+    with pytest.raises(InputError, match=r"checkpoint entry x\._extra_state: holds a Python object other than tensors"):
+        read_byte_entry("x._extra_state", evil)
+
+
+def saved_bytes(obj) -> bytes:
     import io
 
     import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def read_byte_entry(fqn: str, data: bytes):
+    """One byte entry named `fqn` read through megatron's load planner as `safe_byte_entries` sets it."""
+    import io
+
     from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 
     from value_assets.gpu.runtime.checkpoint import safe_byte_entries
@@ -147,17 +164,10 @@ def test_byte_entries_load_without_unpickling_objects(trained):
         state_dict: dict = {}
 
     class Item:
-        class dest_index:
-            fqn = "x._extra_state"
+        dest_index = type("Index", (), {"fqn": fqn})
 
-    buf = io.BytesIO()
-    torch.save([None], buf)
-    buf.seek(0)
-    MCoreLoadPlanner.load_bytes(Planner, Item, buf)
-    assert Planner.state_dict["x._extra_state"] == [None]
-    evil = io.BytesIO(pickle.dumps(_Payload(Path("/nonexistent/never"))))
-    with pytest.raises(InputError, match=r"checkpoint entry x\._extra_state: holds a Python object other than tensors"):
-        MCoreLoadPlanner.load_bytes(Planner, Item, evil)
+    MCoreLoadPlanner.load_bytes(Planner, Item, io.BytesIO(data))
+    return Planner.state_dict[fqn]
 
 
 def test_offloaded_optimizer_groups_are_saved_without_their_classes():
@@ -166,13 +176,10 @@ def test_offloaded_optimizer_groups_are_saved_without_their_classes():
     groups entry held two classes, and the checked loader's weights_only read refused the resume
     (found on an H100: 'Unsupported global: GLOBAL torch.optim.adamw.AdamW'). The save leaves
     class values out, on a copy: the live optimizer keeps its groups."""
-    import io
-
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 
-    from value_assets.gpu.runtime.checkpoint import safe_byte_entries, without_classes
+    from value_assets.gpu.runtime.checkpoint import without_classes
 
     groups = [{"lr": 1e-3, "params": [0, 1], "cpu_optimizer_cls": torch.optim.AdamW, "offload_fraction": 0.5}]
     entry = ShardedObject(
@@ -187,26 +194,10 @@ def test_offloaded_optimizer_groups_are_saved_without_their_classes():
     plain = {"optimizer": ShardedObject("o", {"param_groups": [{"lr": 1.0}]}, (1,), (0,))}
     assert without_classes(plain) is plain
 
-    safe_byte_entries()
-
-    class Planner:
-        flatten_state_dict = False
-        state_dict: dict = {}
-
-    class Item:
-        class dest_index:
-            fqn = "optimizer.distributed.dp_group_idx_0.optimizer"
-
-    for data, ok in ((saved["optimizer"].data, True), (entry.data, False)):
-        buf = io.BytesIO()
-        torch.save(data, buf)
-        buf.seek(0)
-        if ok:
-            MCoreLoadPlanner.load_bytes(Planner, Item, buf)
-            assert Planner.state_dict[Item.dest_index.fqn]["param_groups"][0]["offload_fraction"] == 0.5
-        else:
-            with pytest.raises(InputError, match=r"dp_group_idx_0\.optimizer: holds a Python object .*AdamW"):
-                MCoreLoadPlanner.load_bytes(Planner, Item, buf)
+    key = entry.key
+    assert read_byte_entry(key, saved_bytes(saved["optimizer"].data))["param_groups"][0]["offload_fraction"] == 0.5
+    with pytest.raises(InputError, match=r"dp_group_idx_0\.optimizer: holds a Python object .*AdamW"):
+        read_byte_entry(key, saved_bytes(entry.data))
 
 
 def test_a_loaded_offloaded_optimizer_keeps_each_state_on_its_parameters_device():

@@ -871,6 +871,19 @@ def load_critic(
     return int(it) if it is not None else 0
 
 
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers megatron's optimizer wraps, one per chained optimizer (torch's Adam, or
+    megatron-core's HybridDeviceOptimizer with `--optimizer-offload`); those without one left out."""
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [inner for opt in chain if (inner := getattr(opt, "optimizer", None)) is not None]
+
+
+def step_on_device(group: Mapping[str, Any]) -> bool:
+    """Whether torch's Adam keeps this param group's step count on the parameter's device (fused or
+    capturable) rather than on the CPU."""
+    return bool(group.get("fused") or group.get("capturable"))
+
+
 def _own_adam_steps(optimizer: Any) -> None:
     """Restore torch Adam's per-parameter step count under megatron's distributed optimizer
     (without Transformer Engine / Apex). megatron keeps the step in the checkpoint's param groups
@@ -878,8 +891,7 @@ def _own_adam_steps(optimizer: Any) -> None:
     parameter-state copy then overwrites with the fresh optimizer's count; torch's Adam also
     increments each state's step in place, so a shared tensor would advance once per parameter.
     Every parameter gets its own tensor holding its group's saved step."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_optimizers(optimizer):
         if not isinstance(inner, torch.optim.Adam):
             continue
         for group in inner.param_groups:
@@ -899,11 +911,10 @@ def place_offloaded_state(optimizer: Any) -> None:
     on an H100). The step count stays where torch's Adam keeps it: on the parameter's device for a
     fused or capturable group, else on the CPU. The state dicts are shared with the hybrid
     optimizer's own `state`, so both see the move."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_optimizers(optimizer):
         for sub in getattr(inner, "sub_optimizers", None) or []:
             for group in sub.param_groups:
-                on_device = bool(group.get("fused") or group.get("capturable"))
+                on_device = step_on_device(group)
                 for p in group["params"]:
                     state = sub.state.get(p)
                     if not state:

@@ -22,10 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from value_assets.core.errors import InputError
+from value_assets.core.memory import GIB
 from value_assets.core.objective import Objective
 from value_assets.gpu.model.gpt_critic import critic_forward
 from value_assets.gpu.model.losses import STAT_KEYS, finalize_metrics, loss_and_stats, predicted_values
 from value_assets.gpu.model.packing import MicroBatch, response_slices
+from value_assets.gpu.runtime.checkpoint import inner_optimizers, step_on_device
 
 
 def _device() -> torch.device:
@@ -149,11 +152,7 @@ def fit_host_gradients(optimizer: Any, available: int | None = None, ranks_on_no
     (shared by the node's training processes), else they go to pageable memory (same values, the
     copy no longer overlaps); if not even that fits, a clear error before any step. Returns
     'pinned' or 'pageable'."""
-    subs = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if hasattr(inner, "cpu_copys_map_gpu_param"):
-            subs.append(inner)
+    subs = [inner for inner in inner_optimizers(optimizer) if hasattr(inner, "cpu_copys_map_gpu_param")]
     cpu_params = [p for inner in subs for p in inner.cpu_copys_map_gpu_param]
     exact = sum(p.numel() * p.element_size() for p in cpu_params)
     pinned = sum(_pinned_bytes(p.numel() * p.element_size()) for p in cpu_params)
@@ -162,14 +161,11 @@ def fit_host_gradients(optimizer: Any, available: int | None = None, ranks_on_no
     if available is None:
         available = _available_host_bytes()
     share = available // max(ranks_on_node, 1)
-    gib = 1 << 30
     if exact > share:
-        from value_assets.core.errors import InputError
-
         raise InputError(
             "optimizer_offload",
-            f"the offloaded optimizer's gradients need {exact / gib:.1f} GiB of host memory per GPU, but "
-            f"{available / gib:.1f} GiB is available to the {ranks_on_node} training process(es) on this node "
+            f"the offloaded optimizer's gradients need {exact / GIB:.1f} GiB of host memory per GPU, but "
+            f"{available / GIB:.1f} GiB is available to the {ranks_on_node} training process(es) on this node "
             f"after its master weights and moments: offload less (or add host memory)",
         )
     mode = "pinned" if pinned <= share else "pageable"
@@ -217,8 +213,7 @@ def _init_adam_state(optimizer: Any) -> None:
     With optimizer offload the inner optimizer is megatron-core's HybridDeviceOptimizer: its GPU
     and CPU sub-optimizers (torch AdamW, fused) get the state, then it gathers their state into its
     own (with the fp32 master weights), as it does after each step."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_optimizers(optimizer):
         subs = getattr(inner, "sub_optimizers", None)
         for adam in subs if subs is not None else [inner]:
             if isinstance(adam, torch.optim.Adam):  # Transformer Engine / Apex FusedAdam keep their step elsewhere
@@ -231,7 +226,7 @@ def _zero_adam_state(adam: torch.optim.Adam) -> None:
     """Step 0 and zero moments for every parameter without state, where torch's Adam would put
     them at its first step (a fused or capturable Adam keeps `step` on the parameter's device)."""
     for group in adam.param_groups:
-        on_device = bool(group.get("fused") or group.get("capturable"))
+        on_device = step_on_device(group)
         for p in group["params"]:
             if not adam.state[p]:
                 step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
