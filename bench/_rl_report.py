@@ -89,6 +89,17 @@ def _done(runs: dict) -> dict[str, dict[int, dict]]:
     return {arm: {s: r for s, r in seeds.items() if r["meta"].get("status") == "done"} for arm, seeds in runs.items()}
 
 
+def merged(main: dict, others) -> dict[str, dict[int, dict]]:
+    """`main`'s runs with each other folder's runs of a seed `main` lacks for that arm, first folder
+    first: one run per arm and seed, for the absolute columns and the figure."""
+    out = {arm: dict(seeds) for arm, seeds in main.items()}
+    for rs in others:
+        for arm, seeds in rs.items():
+            for seed, r in seeds.items():
+                out.setdefault(arm, {}).setdefault(seed, r)
+    return out
+
+
 def summarize(runs: dict, plan: dict, ref: str, early: int, extra: dict[str, dict] | None = None) -> dict[str, Any]:
     """`runs`: the main folder's runs. `extra` {folder name: its runs}: folders whose seeds ran another
     way than the main folder's same seed (another card, other micro-batches). Each of their seeds is
@@ -121,10 +132,7 @@ def summarize(runs: dict, plan: dict, ref: str, early: int, extra: dict[str, dic
                 ref_run = d.get(ref, {}).get(seed)
                 if ref_run is not None and _curve(r) and _curve(ref_run):
                     pairs.setdefault(arm, []).append((r, ref_run))
-    for d in extra_done.values():  # seeds the main folder lacks, for the absolute columns
-        for arm, seeds in d.items():
-            for seed, r in seeds.items():
-                done.setdefault(arm, {}).setdefault(seed, r)
+    done = merged(done, extra_done.values())  # seeds the main folder lacks, for the absolute columns
     out: dict[str, Any] = {
         "plan": plan,
         "target": {"reference_arm": ref, "final_heldout_sampled": target},
@@ -241,16 +249,18 @@ def table(results: dict, early: int) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     rk = results["ranking"]
+
+    def way(e: dict) -> str:
+        return f"{e['device']}, {e['micro_batches']} micro-batch{'es' if e['micro_batches'] > 1 else ''}"
+
     seeds = "; ".join(
-        f"seed {s}: {e['device']}, {e['micro_batches']} micro-batch{'es' if e['micro_batches'] > 1 else ''}"
-        for s, e in results["seeds"].items()
-    )
-    for name, blocks in results.get("extra_blocks", {}).items():
-        seeds += "; " + "; ".join(
-            f"{name}, seed {s}: {e['device']}, {e['micro_batches']} micro-batch{'es' if e['micro_batches'] > 1 else ''}"
-            f" (a block of its own)"
+        [f"seed {s}: {way(e)}" for s, e in results["seeds"].items()]
+        + [
+            f"{name}, seed {s}: {way(e)} (a block of its own)"
+            for name, blocks in results.get("extra_blocks", {}).items()
             for s, e in blocks.items()
-        )
+        ]
+    )
     lines += [
         "",
         f"Each seed's arms ran on one card the same way ({seeds}).",
