@@ -319,5 +319,5 @@ def report(root: Path, out: Path, reference: str, early: int, also: list[Path] |
     text = table(results, early)
     (out / "rl.md").write_text(text + "\n")
     print(text)
-    plot(runs, out / "rl.png")
+    plot(merged(runs, extra.values()), out / "rl.png")
     print(f"wrote {out / 'rl.json'}, {out / 'rl.md'}, {out / 'rl.png'}")

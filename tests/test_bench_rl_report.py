@@ -126,3 +126,22 @@ def test_a_seed_rerun_another_way_is_a_block_of_its_own_from_another_folder(rl_r
     write_run(h100, "b", 0, [0.1, 0.9], 0.3, **H200)
     with pytest.raises(SystemExit, match=r"seed 0: its arms ran in different ways"):
         rl_report.summarize(rl_report.load_runs(main), {}, "a", 5, {"x": rl_report.load_runs(h100)})
+
+
+def test_the_figure_shows_the_runs_the_absolute_columns_use(rl_report, tmp_path, monkeypatch):
+    """With `--also`, the figure's curves come from the same runs as the absolute columns: the main
+    folder's, plus an extra folder's seed the main folder lacks (seed 0's d), never a second run of
+    a seed the main folder has (seed 0's H100 a)."""
+    main, h100 = tmp_path / "runs", tmp_path / "runs-h100-s0"
+    write_run(main, "a", 0, [0.1, 0.7], None, **H200)
+    write_run(main, "d", 1, [0.1, 0.65], 0.0, **H200)
+    write_run(main, "a", 1, [0.1, 0.6], None, **H200)
+    write_run(h100, "a", 0, [0.1, 0.5], None, **H100, execution={"micro_batches": 2})
+    write_run(h100, "d", 0, [0.1, 0.8], 0.0, **H100, execution={"micro_batches": 2})
+    plotted = {}
+    monkeypatch.setattr(rl_report, "plot", lambda runs, path: plotted.update(runs))
+    rl_report.report(main, tmp_path / "out", "a", 5, [h100])
+    finals = {
+        arm: {s: r["steps"][-1]["heldout"]["sampled"] for s, r in seeds.items()} for arm, seeds in plotted.items()
+    }
+    assert finals == {"a": {0: 0.7, 1: 0.6}, "d": {0: 0.8, 1: 0.65}}
