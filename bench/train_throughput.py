@@ -541,6 +541,39 @@ def _merged_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+SCHEDULE_RANGE = "bench: forward+backward schedule"
+IDLE_PHASES = ("forward", "backward", "optimizer step", "between (zero grad, copies in, metrics)")
+
+
+def kernel_phase(chain: list[str]) -> str:
+    """The part of the step whose host code launched a kernel, from its launching op's `chain`
+    (innermost first): the optimizer range, an autograd backward node (the backward thread),
+    megatron's schedule (`SCHEDULE_RANGE`: the forward), or anything else (between those)."""
+    if OPTIMIZER_RANGE in chain:
+        return "optimizer step"
+    if any(n.startswith("autograd::engine::evaluate_function") for n in chain):
+        return "backward"
+    if SCHEDULE_RANGE in chain:
+        return "forward"
+    return IDLE_PHASES[-1]
+
+
+def idle_by_phase(kernels: list[tuple[float, float, str]], start: float, end: float) -> dict[str, float]:
+    """Where the GPU idled, by the phase that ended each idle stretch: `kernels` are (start, end,
+    phase) device intervals inside a profiled window [start, end] (one stream or several); a
+    stretch with no kernel running is charged to the phase of the kernel that ends it (the GPU was
+    waiting for that part's host code to launch it); the stretch after the last kernel to 'after
+    the last kernel'. The values sum to the window minus the union of kernel intervals."""
+    out = dict.fromkeys(IDLE_PHASES, 0.0)
+    busy_to = start
+    for a, b, phase in sorted(kernels):
+        if a > busy_to:
+            out[phase] = out.get(phase, 0.0) + (a - busy_to)
+        busy_to = max(busy_to, b)
+    out["after the last kernel"] = max(0.0, end - busy_to)
+    return out
+
+
 def profile_groups(prof, wall_s: float) -> dict[str, Any]:
     """Where a profiled stretch's wall time went, as seconds and % of wall: on CUDA the kernels'
     device time by group (each kernel attributed through the op that launched it and that op's
@@ -551,6 +584,7 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
     events = prof.events()
     groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
     recomputed = host_sync = 0.0
+    idle_phase: dict[str, float] = {}
     if CUDA:
         device = [
             e
@@ -560,6 +594,7 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
             and not getattr(e, "is_user_annotation", False)
         ]
         linked = 0.0
+        phased = []  # (start, end, phase) of each kernel linked to its launching op
         for e in events:
             if e.device_type != DeviceType.CPU:
                 continue
@@ -568,10 +603,12 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
             if not e.kernels:
                 continue
             chain = _ancestry(e)
+            phase = kernel_phase(chain)
             for k in e.kernels:
                 groups[_group(k.name, chain)] += k.duration
                 recomputed += k.duration if _recomputed(chain) else 0.0
                 linked += k.duration
+                phased.append((k.time_range.start, k.time_range.end, phase))
         total = sum(e.time_range.end - e.time_range.start for e in device)
         if linked < 0.5 * total:  # kernels not linked to their ops (another torch): by kernel name only
             groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
@@ -579,6 +616,10 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
                 groups[_group(e.name, [])] += e.time_range.end - e.time_range.start
         busy = _merged_us([(e.time_range.start, e.time_range.end) for e in device])
         rest = "idle / launch gaps (no kernel running)"
+        if phased and linked >= 0.5 * total:
+            # The window: from the first op the profiler saw on the host to wall_s after it.
+            t0 = min(e.time_range.start for e in events if e.device_type == DeviceType.CPU)
+            idle_phase = {k: v / 1e6 for k, v in idle_by_phase(phased, t0, t0 + wall_s * 1e6).items()}
     else:
         busy = 0.0
         for e in events:
@@ -598,6 +639,7 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
         "percent_of_wall": {g: 100 * v / wall_s for g, v in seconds.items()},
         "recomputed_forward_s": recomputed / 1e6,
         "host_sync_s": host_sync / 1e6,
+        "idle_by_phase_s": idle_phase,
     }
 
 
@@ -616,6 +658,10 @@ def print_profile_groups(summary: dict[str, Any], label: str) -> None:
         )
     if summary["host_sync_s"]:
         print(f"  host blocked in CUDA syncs (CPU side): {summary['host_sync_s']:.3f}s")
+    if summary.get("idle_by_phase_s"):
+        print("  idle GPU, by the part of the step whose launch ended the wait:")
+        for phase, v in summary["idle_by_phase_s"].items():
+            print(f"    {phase:<38} {100 * v / wall:6.1f}%  {v:8.3f}s")
 
 
 def sync_audit(fn: Callable[[], None], label: str) -> list[dict[str, Any]]:
@@ -682,6 +728,15 @@ def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = Non
                 return step(*a, **kw)
 
         opt.step = marked
+    from value_assets.gpu.runtime import step as engine_step
+
+    schedule = engine_step._run_schedule
+
+    def marked_schedule(*a, **kw):
+        with record_function(SCHEDULE_RANGE):
+            return schedule(*a, **kw)
+
+    engine_step._run_schedule = marked_schedule
     sync()
     try:
         t0 = time.perf_counter()
@@ -690,6 +745,7 @@ def profile_steps(fn: Callable[[], None], label: str, steps: int, opt: Any = Non
             sync()
         wall = time.perf_counter() - t0
     finally:
+        engine_step._run_schedule = schedule
         if step is not None:
             if had_step:
                 opt.step = step
@@ -941,6 +997,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of rows (as --profile) whose ours-train step is run once more under CUDA sync "
         "debug mode: prints each source line that synchronised the host with the GPU, and how often",
     )
+    ap.add_argument(
+        "--dist-opt",
+        action="store_true",
+        help="default rows: after each model's ours rows, an ours-train row 'NAME dist-opt' on the same "
+        "batches and micro-batches with the distributed optimizer (dp 1), for a same-run comparison",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
         "--rows",
@@ -1085,6 +1147,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  micro-batch tokens (auto): train {mbt}, eval {run_args.eval_micro_batch_tokens}", flush=True)
             if "ours" in systems:
                 run_ours(name, bb, obj, batches, run_args, res, name in args.profile_rows)
+                if args.dist_opt:
+                    # The same batches and micro-batches with megatron's distributed optimizer (dp 1):
+                    # its contiguous buffers make the optimizer's gradient and weight copies a few
+                    # large kernels instead of a few per parameter.
+                    label = f"{name} dist-opt"
+                    run_ours(
+                        label,
+                        bb,
+                        obj,
+                        batches,
+                        run_args,
+                        res,
+                        label in args.profile_rows,
+                        memory=MemoryConfig(distributed_optimizer=True),
+                        modes=("train",),
+                    )
             if "hf" in systems:
                 run_hf(name, bb, obj, batches, args, res)
         if args.rows in ("long", "all"):

@@ -1,0 +1,61 @@
+"""bench/train_throughput.py's idle-gap attribution: each stretch with no kernel running is charged
+to the part of the step (forward, backward, optimizer, between) whose kernel ends it, checked
+against intervals worked out by hand; the phase of an op comes from its real profiler ancestry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.train_throughput import (
+    IDLE_PHASES,
+    OPTIMIZER_RANGE,
+    SCHEDULE_RANGE,
+    _ancestry,
+    idle_by_phase,
+    kernel_phase,
+)
+
+pytestmark = pytest.mark.unit
+FWD, BWD, OPT, BETWEEN = IDLE_PHASES
+
+
+def test_each_gap_is_charged_to_the_kernel_that_ends_it():
+    # window 0..100; kernels (overlapping ones on two streams count as one busy stretch)
+    kernels = [
+        (5, 20, BETWEEN),  # gap 0-5 -> between (copies in)
+        (18, 30, FWD),  # overlaps: no gap
+        (40, 50, FWD),  # gap 30-40 -> forward
+        (45, 60, BWD),  # inside the busy stretch
+        (61, 70, BWD),  # gap 60-61 -> backward
+        (80, 90, OPT),  # gap 70-80 -> optimizer
+    ]
+    got = idle_by_phase(list(reversed(kernels)), 0, 100)  # order of the input does not matter
+    assert got == {FWD: 10, BWD: 1, OPT: 10, BETWEEN: 5, "after the last kernel": 10}
+    busy = 90 - 5 - 10 - 1 - 10  # the union of the intervals
+    assert sum(got.values()) == 100 - busy
+
+
+def test_no_kernels_is_all_after_and_a_busy_window_has_no_idle():
+    assert idle_by_phase([], 0, 7)["after the last kernel"] == 7
+    assert sum(idle_by_phase([(0, 10, FWD)], 0, 10).values()) == 0
+
+
+def test_phases_from_real_profiler_ancestry():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    w = torch.randn(8, 8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(SCHEDULE_RANGE):
+            y = (w @ w).sum()
+        y.backward()
+        with record_function(OPTIMIZER_RANGE), torch.no_grad():
+            w.mul_(0.5)
+        torch.zeros(3).add_(1)
+    phases = {}
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::mul_", "aten::add_"):
+            phases.setdefault(e.name, set()).add(kernel_phase(_ancestry(e)))
+    assert phases["aten::mm"] == {FWD, BWD}  # the forward's mm and the backward's two
+    assert phases["aten::mul_"] == {OPT}
+    assert BETWEEN in phases["aten::add_"]
