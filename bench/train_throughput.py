@@ -1003,6 +1003,12 @@ def main(argv: list[str] | None = None) -> int:
         help="default rows: after each model's ours rows, an ours-train row 'NAME dist-opt' on the same "
         "batches and micro-batches with the distributed optimizer (dp 1), for a same-run comparison",
     )
+    ap.add_argument(
+        "--eager-rope",
+        action="store_true",
+        help="default rows: after each model's ours rows, an ours-train row 'NAME eager-rope' on the same "
+        "batches with RoPE as eager ops instead of the compiled q/k kernel (CUDA), for a same-run comparison",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
         "--rows",
@@ -1163,6 +1169,16 @@ def main(argv: list[str] | None = None) -> int:
                         memory=MemoryConfig(distributed_optimizer=True),
                         modes=("train",),
                     )
+                if args.eager_rope:
+                    # The same rows with RoPE as eager ops (the compiled q/k kernel off): its effect.
+                    from value_assets.gpu.model import rope
+
+                    label = f"{name} eager-rope"
+                    rope.FUSED_ROPE = False
+                    try:
+                        run_ours(label, bb, obj, batches, run_args, res, label in args.profile_rows, modes=("train",))
+                    finally:
+                        rope.FUSED_ROPE = True
             if "hf" in systems:
                 run_hf(name, bb, obj, batches, args, res)
         if args.rows in ("long", "all"):

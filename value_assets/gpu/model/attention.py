@@ -41,7 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from value_assets.gpu.model.rope import apply_rope
+from value_assets.gpu.model.rope import rope_qk
 
 # Sequences at least this long go to cuDNN's attention on CUDA (see the module docstring).
 LONG_SEQUENCE = 4096
@@ -222,8 +222,7 @@ class PackedCoreAttention(MegatronModule):
                 raise ValueError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv")
             if self.rope:
                 cos, sin = p.rope_for(query.dtype)
-                query = apply_rope(query, cos, sin)
-                key = apply_rope(key, cos, sin)
+                query, key = rope_qk(query, key, cos, sin)
             out = packed_causal_attention(query, key, value, cu_q, self.scale, bounds=bounds, max_seqlen=p.max_seqlen_q)
             return out.reshape(out.shape[0], -1)
         # [s, b, h, d] -> [b, h, s, d]

@@ -115,6 +115,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return out
 
 
+# On CUDA, q's and k's RoPE run as one torch.compile'd kernel each way (the eager `apply_rope` is
+# three to four kernels per tensor: the half swap's copy, two multiply(-add)s, the partial-rotary
+# concatenation), compiled at the first call with the token count dynamic; if the compiler cannot
+# build here, the eager path runs from then on, with one warning (value_assets.gpu). False: the
+# eager path everywhere (the bench's same-run comparison). On CPU always eager.
+FUSED_ROPE = True
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    return apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
+
+
+_fused_rope_qk = None
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` on q [t, hq, d] and k [t, hk, d] with the same cos / signed sin [t, 1, r]."""
+    global _fused_rope_qk
+    if not (FUSED_ROPE and q.is_cuda):
+        return _rope_qk(q, k, cos, sin_signed)
+    if _fused_rope_qk is None:
+        from functools import partial
+
+        from value_assets.gpu import _compile_on_first_call
+
+        _fused_rope_qk = _compile_on_first_call(partial(torch.compile, dynamic=True))(_rope_qk)
+    return _fused_rope_qk(q, k, cos, sin_signed)
+
+
 @dataclass
 class CriticPackedSeqParams(PackedSeqParams):
     """`PackedSeqParams` (qkv_format 'thd') plus what `PackedCoreAttention` needs without a
