@@ -2,10 +2,11 @@
 and a float64 reference, forward and backward, at several token counts (dynamic shapes: no
 recompilation error, no fallback warning), full and partial rotary; skipped without CUDA.
 
-Bar, fixed before the first CUDA run (gradients: the same, relative to 2 max|g|, the bound of |dx|): in bf16 the compiled kernel rounds once where the eager path
+Bar, fixed before the first CUDA run: in bf16 the compiled kernel rounds once where the eager path
 rounds each of its two products, so each may sit up to about one bf16 rounding (2^-8 relative)
 from the float64 reference: both must be within 2 * 2^-8 * max|x| of it, and the compiled path no
-further from it than the eager one plus 2^-8 * max|x|. In float32: within 1e-5 of eager.
+further from it than the eager one plus 2^-8 * max|x|; gradients within 2 * 2^-8 of eager,
+relative to 2 max|g| (the bound of |dx|). In float32: within 1e-5 of eager.
 """
 
 from __future__ import annotations
