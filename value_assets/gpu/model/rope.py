@@ -140,9 +140,9 @@ def rope_qk(
     if _fused_rope_qk is None:
         from functools import partial
 
-        from value_assets.gpu import _compile_on_first_call
+        import value_assets.gpu as gpu_package  # its deferred-compile wrapper (megatron's jit_fuser)
 
-        _fused_rope_qk = _compile_on_first_call(partial(torch.compile, dynamic=True))(_rope_qk)
+        _fused_rope_qk = gpu_package._compile_on_first_call(partial(torch.compile, dynamic=True))(_rope_qk)
     return _fused_rope_qk(q, k, cos, sin_signed)
 
 
