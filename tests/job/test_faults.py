@@ -233,6 +233,37 @@ def test_a_loaded_offloaded_optimizer_keeps_each_state_on_its_parameters_device(
     place_offloaded_state(type("Plain", (), {"optimizer": torch.optim.AdamW([cpu_p])})())  # no sub-optimizers
 
 
+def test_a_loaded_offloaded_optimizer_gives_each_parameter_its_own_step_count():
+    """After a load, megatron writes the saved step into the parameter states as one shared tensor;
+    torch's AdamW then advances it once per parameter per step, so a resumed offloaded run's counts
+    drifted apart and its first save failed megatron's one-step check (`assert len(steps) == 1`, on
+    an H100). `_own_adam_steps` gives each sub-optimizer state of the HybridDeviceOptimizer its own
+    tensor of the saved step (taken from the hybrid's param groups). Real torch AdamW sub-optimizers
+    (not fused: CPU), the hybrid's shell as a stand-in (it needs CUDA to be built)."""
+    import torch
+
+    from value_assets.gpu.runtime.checkpoint import _own_adam_steps
+
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    subs = [torch.optim.AdamW(params[:2]), torch.optim.AdamW(params[2:])]
+    shared = torch.tensor(7.0)  # as megatron's load leaves it
+    for sub in subs:
+        for p in sub.param_groups[0]["params"]:
+            sub.state[p] = {"step": shared, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    inner = type("Hybrid", (), {"sub_optimizers": subs, "param_groups": [{"step": 7, "params": params}]})()
+    _own_adam_steps(type("Distributed", (), {"optimizer": inner})())
+    for p in params:
+        p.grad = torch.ones(3)
+    for _ in range(2):
+        for sub in subs:
+            sub.step()
+    steps = [float(sub.state[p]["step"]) for sub in subs for p in sub.param_groups[0]["params"]]
+    assert steps == [9.0, 9.0, 9.0], steps  # shared, all read 13 (on a GPU the fused part had its own copies)
+    inner.param_groups.append({"step": 3, "params": []})
+    with pytest.raises(ValueError, match="different steps"):
+        _own_adam_steps(type("Distributed", (), {"optimizer": inner})())
+
+
 # ---- defect 3: corrupted or swapped shards ---------------------------------------------------------------
 
 

@@ -890,8 +890,24 @@ def _own_adam_steps(optimizer: Any) -> None:
     and writes it into the parameter states as ONE shared tensor, which its 'dp_reshardable'
     parameter-state copy then overwrites with the fresh optimizer's count; torch's Adam also
     increments each state's step in place, so a shared tensor would advance once per parameter.
-    Every parameter gets its own tensor holding its group's saved step."""
+    Every parameter gets its own tensor holding its group's saved step.
+
+    With optimizer offload the inner optimizer is megatron-core's HybridDeviceOptimizer: the saved
+    step rides on its param groups and its sub-optimizers' (torch AdamW) states got the shared
+    tensor; each of those gets its own tensor of that step (place_offloaded_state then puts it where
+    its group keeps it). Left shared, the counts of a resumed offloaded run drifted apart and its
+    first save failed in megatron's one-step check (`assert len(steps) == 1`; found on an H100)."""
     for inner in inner_optimizers(optimizer):
+        subs = getattr(inner, "sub_optimizers", None)
+        if subs is not None:
+            saved = {float(g["step"]) for g in inner.param_groups if "step" in g}
+            if len(saved) > 1:
+                raise ValueError(f"the offloaded optimizer's param groups hold different steps: {sorted(saved)}")
+            for sub in subs if saved else []:
+                for state in sub.state.values():
+                    if "step" in state:
+                        state["step"] = torch.tensor(next(iter(saved)), dtype=torch.float32)
+            continue
         if not isinstance(inner, torch.optim.Adam):
             continue
         for group in inner.param_groups:
