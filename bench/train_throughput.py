@@ -595,9 +595,13 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
         ]
         linked = 0.0
         phased = []  # (start, end, phase) of each kernel linked to its launching op
-        for e in events:
-            if e.device_type != DeviceType.CPU:
-                continue
+        # A launching op's kernels carry name and duration only: their intervals are the device
+        # events of the same name, taken in launch order (one stream runs them in that order).
+        by_name: dict[str, list] = {}
+        for d in sorted(device, key=lambda d: d.time_range.start, reverse=True):
+            by_name.setdefault(d.name, []).append(d)
+        host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
+        for e in host:
             if e.name in _SYNC:
                 host_sync += e.self_cpu_time_total
             if not e.kernels:
@@ -608,7 +612,10 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
                 groups[_group(k.name, chain)] += k.duration
                 recomputed += k.duration if _recomputed(chain) else 0.0
                 linked += k.duration
-                phased.append((k.time_range.start, k.time_range.end, phase))
+                queue = by_name.get(k.name)
+                if queue:
+                    d = queue.pop()
+                    phased.append((d.time_range.start, d.time_range.end, phase))
         total = sum(e.time_range.end - e.time_range.start for e in device)
         if linked < 0.5 * total:  # kernels not linked to their ops (another torch): by kernel name only
             groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
