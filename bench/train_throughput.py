@@ -305,6 +305,14 @@ def recompute_note(memory: MemoryConfig, num_layers: int) -> str:
     return f"recompute full ({memory.recompute_layers}/{num_layers} layers)"
 
 
+def run_dist_opt(label: str, bb, obj, batches, args, res: Results) -> None:
+    """An ours-train row with megatron's distributed optimizer on one GPU (dp 1: nothing to shard; its
+    contiguous buffers copy gradients and weights in a few large kernels where the plain optimizer
+    copies them per parameter), beside the plain row of the same shape."""
+    memory = MemoryConfig(distributed_optimizer=True)
+    run_ours(label, bb, obj, batches, args, res, label in args.profile_rows, memory=memory, modes=("train",))
+
+
 def run_ours(
     name: str,
     bb,
@@ -625,7 +633,7 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
         rest = "idle / launch gaps (no kernel running)"
         if phased and linked >= 0.5 * total:
             # The window: from the first op the profiler saw on the host to wall_s after it.
-            t0 = min(e.time_range.start for e in events if e.device_type == DeviceType.CPU)
+            t0 = host[0].time_range.start
             idle_phase = {k: v / 1e6 for k, v in idle_by_phase(phased, t0, t0 + wall_s * 1e6).items()}
     else:
         busy = 0.0
@@ -1161,21 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
             if "ours" in systems:
                 run_ours(name, bb, obj, batches, run_args, res, name in args.profile_rows)
                 if args.dist_opt:
-                    # The same batches and micro-batches with megatron's distributed optimizer (dp 1):
-                    # its contiguous buffers make the optimizer's gradient and weight copies a few
-                    # large kernels instead of a few per parameter.
-                    label = f"{name} dist-opt"
-                    run_ours(
-                        label,
-                        bb,
-                        obj,
-                        batches,
-                        run_args,
-                        res,
-                        label in args.profile_rows,
-                        memory=MemoryConfig(distributed_optimizer=True),
-                        modes=("train",),
-                    )
+                    run_dist_opt(f"{name} dist-opt", bb, obj, batches, run_args, res)
                 if args.eager_rope:
                     # The same rows with RoPE as eager ops (the compiled q/k kernel off): its effect.
                     from value_assets.gpu.model import rope
@@ -1386,18 +1380,7 @@ def run_long_rows(args, presets, obj, res: Results) -> list[str]:
         )
         lines.append(line)
         print(f"== {line}", flush=True)
-        run_args = argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm})
-        run_ours(
-            label,
-            bb,
-            obj,
-            batches,
-            run_args,
-            res,
-            label in args.profile_rows,
-            memory=MemoryConfig(distributed_optimizer=True),
-            modes=("train",),
-        )
+        run_dist_opt(label, bb, obj, batches, argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warm}), res)
 
         bbig = presets[big]()
         batches = make_batches(args.warmup + args.steps, args.global_batch, bbig.vocab_size, args.seed, args.smoke)

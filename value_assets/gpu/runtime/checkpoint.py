@@ -900,13 +900,12 @@ def _own_adam_steps(optimizer: Any) -> None:
     for inner in inner_optimizers(optimizer):
         subs = getattr(inner, "sub_optimizers", None)
         if subs is not None:
-            saved = {float(g["step"]) for g in inner.param_groups if "step" in g}
+            saved = sorted({float(g["step"]) for g in inner.param_groups if "step" in g})
             if len(saved) > 1:
-                raise ValueError(f"the offloaded optimizer's param groups hold different steps: {sorted(saved)}")
-            for sub in subs if saved else []:
-                for state in sub.state.values():
-                    if "step" in state:
-                        state["step"] = torch.tensor(next(iter(saved)), dtype=torch.float32)
+                raise ValueError(f"the offloaded optimizer's param groups hold different steps: {saved}")
+            states = [state for sub in subs for state in sub.state.values() if "step" in state] if saved else []
+            for state in states:
+                state["step"] = torch.tensor(saved[0], dtype=torch.float32)
             continue
         if not isinstance(inner, torch.optim.Adam):
             continue
