@@ -12,6 +12,7 @@ from bench.train_throughput import (
     OPTIMIZER_RANGE,
     SCHEDULE_RANGE,
     _ancestry,
+    host_window,
     idle_by_phase,
     kernel_phase,
 )
@@ -59,3 +60,23 @@ def test_phases_from_real_profiler_ancestry():
     assert phases["aten::mm"] == {FWD, BWD}  # the forward's mm and the backward's two
     assert phases["aten::mul_"] == {OPT}
     assert BETWEEN in phases["aten::add_"]
+
+
+def test_the_window_is_the_host_ops_span_not_the_block_around_the_profiler():
+    # The H100 profile of 2026-12-07 charged 0.30 of 1.57 s to "after the last kernel": the window
+    # was the wall around `with profile()`, which holds the profiler's own start and stop.
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add_(1)
+        time.sleep(0.05)
+        torch.ones(4).mul_(2)
+    block_us = (time.perf_counter() - t) * 1e6
+    ops = [(e.time_range.start, e.time_range.end) for e in prof.events()]
+    start, end = host_window(ops)
+    assert (start, end) == (min(a for a, _ in ops), max(b for _, b in ops))
+    assert 0.05e6 <= end - start < block_us
+    assert host_window([(5, 10), (7, 40), (12, 30)]) == (5, 40)
