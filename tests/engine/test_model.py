@@ -243,3 +243,17 @@ def test_compat_is_idempotent_and_cpu_only():
     else:
         assert compat.apply_cpu_compat() is True and compat.apply_cpu_compat() is True
         assert torch.cuda.current_device() == torch.device("cpu")
+
+
+def test_building_a_critic_routes_megatrons_fused_swiglu_through_the_triton_dispatch(dist, monkeypatch):
+    from megatron.core.fusions import fused_bias_swiglu as mf
+
+    from value_assets.gpu.model import swiglu
+    from value_assets.gpu.model.gpt_critic import build_critic
+
+    original = swiglu.SwiGLUDispatch.megatron_function or mf.SwiGLUFunction
+    monkeypatch.setattr(mf, "SwiGLUFunction", original)  # as in a fresh process
+    build_critic(BackboneConfig.tiny(), Objective(loss_type="mse", num_bins=1))
+    # megatron's MLP calls bias_swiglu_impl, which looks the class up in its module at each call
+    assert mf.bias_swiglu_impl.__globals__["SwiGLUFunction"] is swiglu.SwiGLUDispatch
+    assert swiglu.SwiGLUDispatch.megatron_function is original

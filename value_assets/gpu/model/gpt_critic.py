@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from value_assets.core.backbone import FAMILIES, BackboneConfig  # noqa: F401  (re-exported)
 from value_assets.core.memory import MemoryConfig
 from value_assets.core.objective import Objective
+from value_assets.gpu.model import swiglu
 from value_assets.gpu.model.attention import PackedCoreAttention
 from value_assets.gpu.model.rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
 
@@ -107,8 +108,8 @@ def transformer_config(
         calculate_per_token_loss=True,
         variable_seq_lengths=True,  # packed micro-batches differ in length (pipeline p2p)
         moe_token_dispatcher_type="alltoall",  # only to satisfy the variable-length check
-        # On CUDA, megatron's fused SwiGLU (one torch.compile'd kernel each way instead of silu,
-        # mul and their backward); on CPU the plain ops (deterministic, nothing to compile).
+        # On CUDA, megatron's fused SwiGLU (one kernel each way instead of silu, mul and their
+        # backward: swiglu.py's Triton kernels, installed by build_critic); on CPU the plain ops.
         bias_activation_fusion=cuda,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -278,6 +279,8 @@ def build_critic(
     )
     # Packed forwards: megatron's per-sequence RoPE off, ours (PackedCoreAttention) on.
     install(model)
+    # megatron's fused SwiGLU (CUDA: bias_activation_fusion) through the Triton kernels of swiglu.py.
+    swiglu.install()
     if post:
         # The vocab projection is dropped before it ever reaches a device or an optimizer.
         model.output_layer = ValueHead(
