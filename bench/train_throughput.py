@@ -1042,10 +1042,10 @@ def main(argv: list[str] | None = None) -> int:
         "batches with RoPE as eager ops instead of the compiled q/k kernel (CUDA), for a same-run comparison",
     )
     ap.add_argument(
-        "--megatron-swiglu",
+        "--triton-swiglu",
         action="store_true",
-        help="default rows: after each model's ours rows, an ours-train row 'NAME megatron-swiglu' on the same "
-        "batches with megatron's torch.compile'd SwiGLU instead of the Triton kernels (CUDA), for a same-run check",
+        help="default rows: after each model's ours rows, an ours-train row 'NAME triton-swiglu' on the same "
+        "batches with the Triton SwiGLU (swiglu.py, off by default) instead of megatron's compiled one (CUDA)",
     )
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
@@ -1193,22 +1193,22 @@ def main(argv: list[str] | None = None) -> int:
                 run_ours(name, bb, obj, batches, run_args, res, name in args.profile_rows)
                 if args.dist_opt:
                     run_dist_opt(f"{name} dist-opt", bb, obj, batches, run_args, res)
-                # The same rows with one of the product's kernels off (RoPE as eager ops, megatron's
-                # compiled SwiGLU instead of the Triton kernels): its effect, in the same run.
-                for wanted, suffix, module, switch in (
-                    (args.eager_rope, "eager-rope", "rope", "FUSED_ROPE"),
-                    (args.megatron_swiglu, "megatron-swiglu", "swiglu", "TRITON_SWIGLU"),
+                # The same rows with one of the product's kernel choices flipped (RoPE as eager ops; the
+                # Triton SwiGLU instead of megatron's compiled one): its effect, in the same run.
+                for wanted, suffix, module, switch, value in (
+                    (args.eager_rope, "eager-rope", "rope", "FUSED_ROPE", False),
+                    (args.triton_swiglu, "triton-swiglu", "swiglu", "TRITON_SWIGLU", True),
                 ):
                     if wanted:
                         toggled = importlib.import_module(f"value_assets.gpu.model.{module}")
-                        label = f"{name} {suffix}"
-                        setattr(toggled, switch, False)
+                        label, default = f"{name} {suffix}", getattr(toggled, switch)
+                        setattr(toggled, switch, value)
                         try:
                             run_ours(
                                 label, bb, obj, batches, run_args, res, label in args.profile_rows, modes=("train",)
                             )
                         finally:
-                            setattr(toggled, switch, True)
+                            setattr(toggled, switch, default)
             if "hf" in systems:
                 run_hf(name, bb, obj, batches, args, res)
         if args.rows in ("long", "all"):

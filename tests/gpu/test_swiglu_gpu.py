@@ -33,13 +33,14 @@ def _within(got, ref, rel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_swiglu_equals_megatrons_and_the_float64_rule(dtype):
+def test_triton_swiglu_equals_megatrons_and_the_float64_rule(dtype, monkeypatch):
     from megatron.core.fusions import fused_bias_swiglu as mf
 
     import value_assets.gpu  # noqa: F401
     from value_assets.gpu.model import swiglu
 
     swiglu.install()
+    monkeypatch.setattr(swiglu, "TRITON_SWIGLU", True)  # off by default until this passes
     megatron_cls = swiglu.SwiGLUDispatch.megatron_function
     rel = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
     with warnings.catch_warnings():

@@ -8,7 +8,8 @@ backward (`g * sigmoid(a) * (1 + a * (1 - sigmoid(a))) * b` and `g * silu(a)`, c
 1.73 ms per call on a 17k-token 1.5B micro-batch, 13.5% of the training step, where reading g, a, b
 and writing the two gradients at HBM speed takes about 0.5 ms.
 
-Here, for a contiguous [tokens, 2 * I] input on CUDA, the forward is one kernel (read a and b,
+Here, with `TRITON_SWIGLU` on (off by default until the kernels have run on a GPU), for a
+contiguous [tokens, 2 * I] input on CUDA, the forward is one kernel (read a and b,
 write silu(a) * b) and the backward one (read g, a, b, write both halves of the gradient in place,
 no concatenation). Both compute in float32 and round once to the input dtype, as inductor's kernels
 do. Everything else (CPU tensors, other shapes, megatron's fp8 input store or activation offload,
@@ -26,8 +27,10 @@ from typing import Any
 
 import torch
 
-# False: megatron's compiled functions everywhere (the bench's same-run comparison). On CPU always megatron's.
-TRITON_SWIGLU = True
+# Off until the kernels have passed the GPU tier (tests/gpu/test_swiglu_gpu.py) and paid in the
+# bench (`--triton-swiglu`): written on 2026-12-07, no GPU was lent to run them. True: the Triton
+# kernels on CUDA. On CPU always megatron's.
+TRITON_SWIGLU = False
 _BLOCK = 1024
 _kernels: Any = None  # None: not loaded yet; False: unavailable here (megatron's path from then on)
 
