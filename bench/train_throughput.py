@@ -674,7 +674,7 @@ def profile_groups(prof, wall_s: float) -> dict[str, Any]:
 
 def print_profile_groups(summary: dict[str, Any], label: str) -> None:
     wall = summary["wall_s"]
-    block = summary.get("block_wall_s", wall)
+    block = summary["block_wall_s"]
     print(
         f"---- where the time goes: {label}, % of wall {wall:.3f}s"
         + (f" (host ops' span; {block:.3f}s with the profiler's start and stop)" if block != wall else "")

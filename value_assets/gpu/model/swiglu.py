@@ -33,6 +33,7 @@ import torch
 TRITON_SWIGLU = False
 _BLOCK = 1024
 _kernels: Any = None  # None: not loaded yet; False: unavailable here (megatron's path from then on)
+_launched: set[int] = set()  # the kernels (0 forward, 1 backward) that have run once: a later failure raises
 
 
 def _load_kernels() -> Any:
@@ -97,9 +98,6 @@ def _run(which: int, *tensors: torch.Tensor) -> torch.Tensor | None:
         return None
     _launched.add(which)
     return tensors[-1]
-
-
-_launched: set[int] = set()
 
 
 def _disable(exc: Exception) -> None:
