@@ -139,13 +139,13 @@ def main() -> int:
     from value_assets.gpu.model.gpt_critic import build_critic
     from value_assets.gpu.model.packing import Row, pack_rows
     from value_assets.gpu.runtime import checkpoint as ckpt
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
     from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
 
     cuda = torch.cuda.is_available()
     threads = hash_threads(1 << 30)
     chunk_bytes = args.chunk_mib << 20
-    init_distributed(0, 1, "127.0.0.1", free_port(), backend=None if cuda else "gloo")
+    init_distributed(0, 1, "127.0.0.1", 0, backend=None if cuda else "gloo")
     folder = Path(tempfile.mkdtemp(prefix="ckload", dir=args.dir))
     rows_out: list[tuple[str, float]] = []
     checks: list[str] = []

@@ -382,11 +382,11 @@ def cmd_product_values(args) -> None:
     from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward
     from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.runtime.checkpoint import load_model_weights
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     rows = json.loads(Path(args.rows).read_text())
     cuda = torch.cuda.is_available()
-    init_distributed(0, 1, "127.0.0.1", free_port(), backend=None if cuda else "gloo")
+    init_distributed(0, 1, "127.0.0.1", 0, backend=None if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     result = {}
     try:

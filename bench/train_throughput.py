@@ -1090,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from value_assets.core.objective import Objective
     from value_assets.gpu.model.gpt_critic import BackboneConfig
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     args.mbt_auto = args.micro_batch_tokens == "auto"
     try:
@@ -1142,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t_start = time.perf_counter()
-    init_distributed(rank=0, world_size=1, master_port=free_port())
+    init_distributed(rank=0, world_size=1, master_port=0)
     print(f"init_distributed in {time.perf_counter() - t_start:.1f}s", flush=True)
     res = Results()
     data_lines = []

@@ -6,15 +6,23 @@ of CPU per rank, most of a small distributed test's time). `start_ranks` starts 
 `forkserver` method instead: the server process is started once per test process, imports the
 modules below once, and forks every rank from there. It never initialises a process group, CUDA
 or megatron's parallel state, so each rank starts as clean as a spawned one.
+
+The ranks meet at a TCP store this process serves (`rendezvous`): it is bound to a port the system
+picks before the port is told to any rank, so no other process can take it in between. A rank
+joins with `join(port, world)`. (Picking a free port and letting rank 0 bind it later lost that
+race under load: EADDRINUSE in CI.)
 """
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 PRELOAD = [
@@ -27,20 +35,44 @@ PRELOAD = [
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 
-def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, *, join: bool = True):
-    """`torch.multiprocessing.start_processes` on the preloaded fork server (`fn(rank, *args)`)."""
-    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+HOST = "127.0.0.1"
+TIMEOUT = datetime.timedelta(seconds=600)
+
+
+@contextmanager
+def rendezvous() -> Iterator[int]:
+    """The port of a TCP store served by this process while the block runs, already listening."""
+    store = torch.distributed.TCPStore(HOST, 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def join(port: int, world: int) -> torch.distributed.TCPStore:
+    """A rank's connection to the `rendezvous` store, for `init_distributed(store=...)`."""
+    return torch.distributed.TCPStore(HOST, port, world, False, timeout=TIMEOUT)
+
+
+def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
+    """Run `fn(rank, nprocs, port, *args)` in `nprocs` ranks on the preloaded fork server and wait
+    for them; `port` is that of a `rendezvous` held until they end."""
+    with rendezvous() as port:
+        mp.start_processes(fn, args=(nprocs, port, *args), nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, *, deadline_s: float, what: str) -> None:
-    """Start `nprocs` ranks and wait for them, killing them all if they exceed `deadline_s`."""
-    ctx = start_ranks(fn, args, nprocs, join=False)
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() > end:
-                raise TimeoutError(f"{what} with world {nprocs} did not finish in {deadline_s}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    """`start_ranks`, killing every rank if they have not all ended after `deadline_s`."""
+    with rendezvous() as port:
+        ctx = mp.start_processes(
+            fn, args=(nprocs, port, *args), nprocs=nprocs, join=False, start_method="forkserver"
+        )
+        end = time.monotonic() + deadline_s
+        try:
+            while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{what} with world {nprocs} did not finish in {deadline_s}s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()

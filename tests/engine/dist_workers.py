@@ -7,6 +7,7 @@ import os
 import numpy as np
 import torch
 
+from tests.ranks import join
 from value_assets.core.objective import Objective
 from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward
 from value_assets.gpu.model.packing import Row, pack_rows
@@ -47,7 +48,8 @@ def run(rank: int, world: int, port: int, calls: list[tuple[str, int, int, tuple
         for fn_name, tp, pp, args in calls:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            init_distributed(rank, world, master_port=port, tp=tp, pp=pp, seed=1234)  # keeps the process group
+            store = None if torch.distributed.is_initialized() else join(port, world)
+            init_distributed(rank, world, tp=tp, pp=pp, seed=1234, store=store)  # keeps the process group
             globals()[fn_name](rank, world, tp, *args)
     finally:
         destroy()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.engine.dist_workers import BACKBONE, OBJ, _reinit, make_rows, probe
+from tests.ranks import join
 from value_assets.core.memory import MemoryConfig
 from value_assets.gpu.model.gpt_critic import build_critic, init_layout_invariant
 from value_assets.gpu.model.packing import pack_rows
@@ -18,7 +19,7 @@ ROWS_PER_STEP, STEPS = 6, 3
 
 
 def run(rank: int, world: int, port: int, tp: int, fn_name: str, args: tuple) -> None:
-    init_distributed(rank, world, master_port=port, tp=tp, seed=1234)
+    init_distributed(rank, world, tp=tp, seed=1234, store=join(port, world))
     try:
         globals()[fn_name](rank, world, tp, *args)
     finally:

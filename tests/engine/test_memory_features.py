@@ -11,14 +11,13 @@ import torch
 from tests.engine import memory_workers as MW
 from tests.ranks import run_ranks
 from value_assets.gpu.model.packing import pack_rows
-from value_assets.gpu.runtime.parallel import free_port
 
 pytestmark = pytest.mark.integration
 
 
 def spawn(world: int, tp: int, fn: str, *args, deadline_s: float = 280.0) -> None:
     """`world` ranks running memory_workers' body `fn` (forked from the preloaded server)."""
-    run_ranks(MW.run, (world, free_port(), tp, fn, args), world, deadline_s=deadline_s, what=fn)
+    run_ranks(MW.run, (tp, fn, args), world, deadline_s=deadline_s, what=fn)
 
 
 def same_steps(a: list[dict], b: list[dict]) -> None:

@@ -22,9 +22,9 @@ pytestmark = [
 
 @pytest.fixture
 def single_rank():
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
-    init_distributed(0, 1, "127.0.0.1", free_port())
+    init_distributed(0, 1, "127.0.0.1", 0)
     try:
         yield
     finally:

@@ -58,9 +58,9 @@ def _critic_hidden_states(folder, tokens, lengths, *, bf16):
     from value_assets.core.objective import Objective
     from value_assets.gpu.convert.hf import backbone_config_kwargs, load_hf_backbone_state, read_hf_config
     from value_assets.gpu.model import gpt_critic as m
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
-    init_distributed(0, 1, "127.0.0.1", free_port())
+    init_distributed(0, 1, "127.0.0.1", 0)
     try:
         backbone = m.BackboneConfig(**backbone_config_kwargs(read_hf_config(folder)))
         critic = m.build_critic(backbone, Objective(loss_type="mse"), bf16=bf16).eval().cuda()

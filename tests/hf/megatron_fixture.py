@@ -18,10 +18,10 @@ def init_single_rank() -> None:
     applies the CPU compatibility layer without CUDA)."""
     from megatron.core import parallel_state as ps
 
-    from value_assets.gpu.runtime.parallel import free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import init_distributed
 
     if not ps.model_parallel_is_initialized():
-        init_distributed(0, 1, "127.0.0.1", free_port())
+        init_distributed(0, 1, "127.0.0.1", 0)
 
 
 def teardown_single_rank() -> None:

@@ -42,9 +42,10 @@ def _te_request(sd: dict, num_layers: int) -> dict:
 
 def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str, int, str, str]]) -> None:
     """cases: (export folder, layer spec, hf folder (shape), K, ids .pt, values .pt written by rank 0)."""
+    from tests.ranks import join
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
-    init_distributed(rank, world, "127.0.0.1", port, tp=world)
+    init_distributed(rank, world, tp=world, store=join(port, world))
     try:
         check(rank, world, cases)
     finally:

@@ -17,14 +17,15 @@ def run(
 ) -> None:
     from megatron.core import parallel_state as ps
 
+    from tests.ranks import join
     from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     try:
-        init_distributed(rank, world, "127.0.0.1", port, tp=world)
+        init_distributed(rank, world, tp=world, store=join(port, world))
         tensor_parallel(rank, world, tp_cases)
         engine_tensor_parallel(rank, world, engine_tp_cases)
         ps.destroy_model_parallel()
-        init_distributed(rank, world, "127.0.0.1", port, pp=world)  # the process group is kept
+        init_distributed(rank, world, pp=world)  # the process group is kept
         pipeline_parallel(rank, world, pp_cases)
     finally:
         destroy()

@@ -22,7 +22,6 @@ import torch
 
 from tests.hf.hf_checkpoints import QWEN3_5_TEXT, TINY, make_hf_checkpoint, make_qwen3_5_checkpoint
 from tests.ranks import start_ranks
-from value_assets.gpu.runtime.parallel import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -60,7 +59,7 @@ def spawned(tmp_path_factory):
     torch.save(q35_ids, root / "q35-ids.pt")
     pp.append((q35_model, (str(q35), str(root / "q35-ids.pt"), str(q35 / "pp-values.pt"))))
     engine_tp = [(str(q35), str(root / "q35-ids.pt"), str(q35 / "tp-values.pt"))]
-    start_ranks(parallel_workers.run, (2, free_port(), [c for _, c in tp], [c for _, c in pp], engine_tp), 2)
+    start_ranks(parallel_workers.run, ([c for _, c in tp], [c for _, c in pp], engine_tp), 2)
     return {"tp": tp, "pp": pp, "tp_ids": tp_ids, "pp_ids": pp_ids, "q35": (q35_model, q35_ids, q35)}
 
 

@@ -7,8 +7,6 @@ processes; the critic values equal those of the HF model plus the same head (flo
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -18,24 +16,18 @@ from tests.ranks import start_ranks
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _export(tmp_path, hf, k, specs):
     from value_assets.gpu.convert.bootstrap import resolve_backbone
     from value_assets.gpu.convert.hf import load_hf_backbone_state
     from value_assets.gpu.convert.megatron_lm import write_critic
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     cfg, _, _ = resolve_backbone(str(hf))
     state = load_hf_backbone_state(hf)
     g = torch.Generator().manual_seed(9)
     state["output_layer.weight"] = torch.randn(k, cfg.hidden_size, generator=g) * 0.02
     state["output_layer.bias"] = torch.randn(k, generator=g)
-    init_distributed(0, 1, "127.0.0.1", free_port())
+    init_distributed(0, 1, "127.0.0.1", 0)
     try:
         for spec in specs:
             step = tmp_path / spec / "iter_0000004"
@@ -51,7 +43,7 @@ def _export(tmp_path, hf, k, specs):
 def test_megatron_loads_the_export_strictly(tmp_path, world):
     """TP=1 runs in this process (one rank); TP=2 spawns two gloo processes."""
     from tests.hf import megatron_lm_worker
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     hf_folder, k = tmp_path / "hf", 3
     hf = make_hf_checkpoint(hf_folder, "qwen2")
@@ -63,13 +55,13 @@ def test_megatron_loads_the_export_strictly(tmp_path, world):
         for spec in ("te", "local")
     ]
     if world == 1:
-        init_distributed(0, 1, "127.0.0.1", free_port())
+        init_distributed(0, 1, "127.0.0.1", 0)
         try:
             megatron_lm_worker.check(0, 1, cases)
         finally:
             destroy()
     else:
-        start_ranks(megatron_lm_worker.run, (world, _port(), cases), world)
+        start_ranks(megatron_lm_worker.run, (cases,), world)
     with torch.no_grad():
         ref = hf.model(ids).last_hidden_state @ state["output_layer.weight"].T + state["output_layer.bias"]
     for spec in ("te", "local"):

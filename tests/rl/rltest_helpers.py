@@ -155,12 +155,12 @@ def product_values(critic: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
     from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic, critic_forward
     from value_assets.gpu.model.losses import predicted_values
     from value_assets.gpu.runtime.checkpoint import load_model_weights
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     step, contract, _ = contracted_step(Path(critic))
     cfg = BackboneConfig.from_json(contract["backbone_config"])
     objective = Objective.from_json(contract["objective"])
-    init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo")
+    init_distributed(0, 1, "127.0.0.1", 0, backend="gloo")
     try:
         model = build_critic(cfg, objective, bf16=False).eval()
         load_model_weights(step, model, contract=contract)

@@ -46,11 +46,11 @@ def _load_full_state(step_dir: Path, contract: dict[str, Any]):
     """(backbone, objective, whole-model TP=1 state dict on CPU float32) of a contracted step."""
     from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
     from value_assets.gpu.runtime.checkpoint import load_model_weights
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     backbone = BackboneConfig.from_json(contract["backbone_config"])
     objective = Objective.from_json(contract["objective"])
-    init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
+    init_distributed(0, 1, "127.0.0.1", 0, backend="gloo" if not _cuda() else None)
     try:
         model = build_critic(backbone, objective, bf16=False)
         load_model_weights(step_dir, model, contract=contract)
@@ -176,7 +176,7 @@ def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: s
     )
     from value_assets.core.publish import atomic_write
     from value_assets.gpu.convert.megatron_lm import SPECS, write_critic
-    from value_assets.gpu.runtime.parallel import destroy, free_port, init_distributed
+    from value_assets.gpu.runtime.parallel import destroy, init_distributed
 
     if layer_spec not in SPECS:
         raise InputError("--layer-spec", f"must be one of {SPECS}, got {layer_spec!r}")
@@ -196,7 +196,7 @@ def export_miles(checkpoint: Path, out: Path, model_identity: str, layer_spec: s
     with staged_folder(out) as staged:  # a full disk or a kill leaves no partial bundle at `out`
         target = staged / miles_iter_dirname(n)
         target.mkdir()
-        init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo" if not _cuda() else None)
+        init_distributed(0, 1, "127.0.0.1", 0, backend="gloo" if not _cuda() else None)
         try:
             write_critic(target, state, backbone, layer_spec, n)
         finally:

@@ -81,19 +81,8 @@ def destroy() -> None:
 def open_rendezvous(host: str, timeout_s: float) -> torch.distributed.TCPStore:
     """Rank 0's rendezvous store, listening from now on a port the system picks (`.port`), for
     `init_distributed(store=...)`. Bound before its port is told to anyone, so no other process
-    can take the port in between (as it could with `free_port`, whose port is free only until
-    it is closed: seen as EADDRINUSE under load)."""
+    can take the port in between (as it could if a free port were picked first and bound later:
+    seen as EADDRINUSE under load). A single process passes `master_port=0` instead."""
     return torch.distributed.TCPStore(
         host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on `host` (an address of this machine; default loopback, for tests),
-    free until someone else binds it: a rank 0 in this process uses `open_rendezvous` instead."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
