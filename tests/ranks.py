@@ -64,9 +64,7 @@ def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
 def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int, *, deadline_s: float, what: str) -> None:
     """`start_ranks`, killing every rank if they have not all ended after `deadline_s`."""
     with rendezvous() as port:
-        ctx = mp.start_processes(
-            fn, args=(nprocs, port, *args), nprocs=nprocs, join=False, start_method="forkserver"
-        )
+        ctx = mp.start_processes(fn, args=(nprocs, port, *args), nprocs=nprocs, join=False, start_method="forkserver")
         end = time.monotonic() + deadline_s
         try:
             while not ctx.join(timeout=max(0.1, end - time.monotonic())):
