@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from value_assets.gpu.runtime.parallel import open_rendezvous
+
 PRELOAD = [
     "torch",
     "value_assets.gpu",
@@ -36,13 +38,14 @@ multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 HOST = "127.0.0.1"
-TIMEOUT = datetime.timedelta(seconds=600)
+TIMEOUT_S = 600.0
 
 
 @contextmanager
 def rendezvous() -> Iterator[int]:
-    """The port of a TCP store served by this process while the block runs, already listening."""
-    store = torch.distributed.TCPStore(HOST, 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
+    """The port of a TCP store served by this process while the block runs, already listening
+    (the product's `open_rendezvous`, which a job's rank 0 serves)."""
+    store = open_rendezvous(HOST, TIMEOUT_S)
     try:
         yield store.port
     finally:
@@ -51,7 +54,7 @@ def rendezvous() -> Iterator[int]:
 
 def join(port: int, world: int) -> torch.distributed.TCPStore:
     """A rank's connection to the `rendezvous` store, for `init_distributed(store=...)`."""
-    return torch.distributed.TCPStore(HOST, port, world, False, timeout=TIMEOUT)
+    return torch.distributed.TCPStore(HOST, port, world, False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def start_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
