@@ -56,15 +56,17 @@ case "$step" in
         | tee "$out/checkpoint-load-$m.log" | tail -30
     done ;;
   qwen35)
-    # Issue 29: the Qwen3.5 rows (0.8B- and 4B-shaped critics, ours and the HF critic in the same run)
-    # with Triton 3.7.1 first on the path (the parts of `TRITON=1 make_device_bundle.sh`, carried to
-    # /tmp/t: training on Hopper needs it), then the GPU tier's Qwen3.5 tests under it.
+    # Issue 29: with Triton 3.7.1 first on the path (the parts of `TRITON=1 make_device_bundle.sh`,
+    # carried to /tmp/t: training on Hopper needs it), the GPU tier's Qwen3.5 tests, then the Qwen3.5
+    # rows (0.8B- and 4B-shaped critics, ours and the HF critic in the same run).
     if [ ! -f /tmp/site2/.installed ]; then
       (cd /tmp/t && sha256sum --quiet -c SHA256SUMS) || exit 1
       mkdir -p /tmp/site2 && cat /tmp/t/x* | xz -dc | tar -C /tmp/site2 -xf - && touch /tmp/site2/.installed || exit 1
     fi
     export PYTHONPATH=/tmp/site2:$PYTHONPATH
     python3 -c "import torch, triton, fla, megatron.core; print(torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'megatron-core', megatron.core.__version__)"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_qwen3_5_gpu.py 2>&1 \
+      | tee "$out/gpu-tests-qwen35.log" | tail -15
     python3 bench/train_throughput.py --models ${QWEN35_MODELS:-q3.5-0.8b,q3.5-4b} --steps 2 --warmup 1 --global-batch 32 \
       --micro-batch-tokens auto --json "$out/train_throughput_qwen35.json" 2>&1 | grep --line-buffered -vi warn \
       | tee "$out/bench-qwen35.log" | tail -60 ;;

@@ -1042,10 +1042,10 @@ def main(argv: list[str] | None = None) -> int:
         "batches with RoPE as eager ops instead of the compiled q/k kernel (CUDA), for a same-run comparison",
     )
     ap.add_argument(
-        "--triton-swiglu",
+        "--megatron-swiglu",
         action="store_true",
-        help="default rows: after each model's ours rows, an ours-train row 'NAME triton-swiglu' on the same "
-        "batches with the Triton SwiGLU (swiglu.py, off by default) instead of megatron's compiled one (CUDA)",
+        help="default rows: after each model's ours rows, an ours-train row 'NAME megatron-swiglu' on the same "
+        "batches with megatron's compiled SwiGLU instead of the Triton one (swiglu.py, the default on CUDA)",
     )
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
@@ -1193,11 +1193,11 @@ def main(argv: list[str] | None = None) -> int:
                 run_ours(name, bb, obj, batches, run_args, res, name in args.profile_rows)
                 if args.dist_opt:
                     run_dist_opt(f"{name} dist-opt", bb, obj, batches, run_args, res)
-                # The same rows with one of the product's kernel choices flipped (RoPE as eager ops; the
-                # Triton SwiGLU instead of megatron's compiled one): its effect, in the same run.
+                # The same rows with one of the product's kernel choices flipped (RoPE as eager ops;
+                # megatron's compiled SwiGLU instead of the Triton one): its effect, in the same run.
                 for wanted, suffix, module, switch, value in (
                     (args.eager_rope, "eager-rope", "rope", "FUSED_ROPE", False),
-                    (args.triton_swiglu, "triton-swiglu", "swiglu", "TRITON_SWIGLU", True),
+                    (args.megatron_swiglu, "megatron-swiglu", "swiglu", "TRITON_SWIGLU", False),
                 ):
                     if wanted:
                         toggled = importlib.import_module(f"value_assets.gpu.model.{module}")

@@ -39,7 +39,7 @@ def test_cpu_and_odd_inputs_are_not_eligible_and_go_to_megatron(monkeypatch):
     swiglu.SwiGLUDispatch.apply(y, False, False)
     swiglu.SwiGLUDispatch.apply(y, True, False)
     assert calls == [((5, 8), False, False), ((5, 8), True, False)]
-    assert not swiglu.TRITON_SWIGLU  # off until it has passed the GPU tier and paid in the bench
+    assert swiglu.TRITON_SWIGLU  # on by default: it passed the GPU tier and paid in the bench
     if torch.cuda.is_available():
         monkeypatch.setattr(swiglu, "TRITON_SWIGLU", True)
         cuda = torch.randn(6, 8, device="cuda", dtype=torch.bfloat16)

@@ -109,7 +109,7 @@ def transformer_config(
         variable_seq_lengths=True,  # packed micro-batches differ in length (pipeline p2p)
         moe_token_dispatcher_type="alltoall",  # only to satisfy the variable-length check
         # On CUDA, megatron's fused SwiGLU (one torch.compile'd kernel each way instead of silu, mul
-        # and their backward; swiglu.py's Triton kernels where switched on); on CPU the plain ops.
+        # and their backward; swiglu.py's Triton kernels by default); on CPU the plain ops.
         bias_activation_fusion=cuda,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -279,7 +279,7 @@ def build_critic(
     )
     # Packed forwards: megatron's per-sequence RoPE off, ours (PackedCoreAttention) on.
     install(model)
-    # megatron's fused SwiGLU (CUDA: bias_activation_fusion) through swiglu.py's dispatch (Triton where on).
+    # megatron's fused SwiGLU (CUDA: bias_activation_fusion) through swiglu.py's dispatch (Triton by default).
     swiglu.install()
     if post:
         # The vocab projection is dropped before it ever reaches a device or an optimizer.
