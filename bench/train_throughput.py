@@ -44,7 +44,7 @@ runs out of memory prints OOM and the next row runs.
 
 `--profile ROWS` profiles ours-train of the rows labelled in ROWS (as in the table's model column)
 and prints, besides the top kernels, the profiled wall time grouped by kind: matmul (gemm) kernels,
-attention kernels, elementwise / normalization / other kernels, the optimizer step, copies,
+attention kernels, normalization kernels, SwiGLU kernels, other elementwise kernels, the optimizer step, copies,
 communication, and the idle / launch gaps where no kernel runs (on CPU: op self time, and the
 time outside any op); also the part that is recomputed forward. The groups go to --json too.
 
@@ -492,7 +492,9 @@ OPTIMIZER_RANGE = "bench: optimizer.step"
 PROFILE_GROUPS = (
     "matmul (gemm)",
     "attention",
-    "elementwise / norm / other",
+    "norm (RMSNorm / LayerNorm)",
+    "SwiGLU",
+    "elementwise / other",
     "optimizer step",
     "memcpy / memset",
     "communication",
@@ -501,6 +503,8 @@ _MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::a
 _ATTN = re.compile(r"flash|fmha|attention|attn|scaled_dot_product|sdpa", re.I)
 _GEMM = re.compile(r"gemm|nvjet|cublas|cutlass|xmma|wgmma|sm\d\d_|ampere_|hopper_", re.I)
 _COPY = re.compile(r"memcpy|memset", re.I)
+_NORM = re.compile(r"rms_?norm|layer_?norm", re.I)
+_SWIGLU = re.compile(r"swiglu", re.I)
 _COMM = re.compile(r"nccl|gloo|c10d::|all_reduce|allreduce|reduce_scatter|all_gather", re.I)
 _SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -526,7 +530,13 @@ def _group(name: str, chain: list[str]) -> str:
         return "memcpy / memset"
     if _GEMM.search(name) or (chain and chain[0] in _MATMUL_OPS) or name in _MATMUL_OPS:
         return "matmul (gemm)"
-    return "elementwise / norm / other"
+    # Which of the rest a fusion would touch: the norms (torch's fused RMSNorm on CUDA, megatron's
+    # LayerNorm) and the MLP's SwiGLU (Triton or megatron's compiled one), by the kernel or its op.
+    if _NORM.search(name) or any(_NORM.search(n) for n in chain):
+        return "norm (RMSNorm / LayerNorm)"
+    if _SWIGLU.search(name) or any(_SWIGLU.search(n) for n in chain):
+        return "SwiGLU"
+    return "elementwise / other"
 
 
 def _recomputed(chain: list[str]) -> bool:

@@ -12,6 +12,7 @@ from bench.train_throughput import (
     OPTIMIZER_RANGE,
     SCHEDULE_RANGE,
     _ancestry,
+    _group,
     host_window,
     idle_by_phase,
     kernel_phase,
@@ -80,3 +81,27 @@ def test_the_window_is_the_host_ops_span_not_the_block_around_the_profiler():
     assert (start, end) == (min(a for a, _ in ops), max(b for _, b in ops))
     assert 0.05e6 <= end - start < block_us
     assert host_window([(5, 10), (7, 40), (12, 30)]) == (5, 40)
+
+
+def test_norms_and_the_swiglu_get_groups_of_their_own_from_real_profiler_ancestry():
+    # Which share of the step a fused residual + RMSNorm (or the SwiGLU kernels) could touch: the
+    # kernels below the norm's and the SwiGLU's ops are split out of "elementwise / other".
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(4, 16, requires_grad=True)
+    norm = torch.nn.RMSNorm(16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = norm(x)
+        with record_function("TritonSwiGLUFunction"):
+            z = torch.nn.functional.silu(y[:, :8]) * y[:, 8:]
+        w = z + 1.0
+    groups = {}
+    for e in prof.events():
+        groups.setdefault(_group(e.name, _ancestry(e)), set()).add(e.name)
+    assert any("rms_norm" in n for n in groups["norm (RMSNorm / LayerNorm)"]), groups
+    assert "aten::silu" in groups["SwiGLU"] and "aten::mul" in groups["SwiGLU"], groups
+    assert "aten::add" in groups["elementwise / other"], groups
+    assert _group("triton_poi_fused_mul_silu_0", ["SwiGLUFunction"]) == "SwiGLU"
+    assert _group("vectorized_layer_norm_kernel", []) == "norm (RMSNorm / LayerNorm)"
+    assert _group("nvjet_sm90_tst_192x192", ["aten::mm"]) == "matmul (gemm)"
+    assert w.shape == (4, 8)
