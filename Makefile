@@ -79,8 +79,9 @@ test: $(STAMP)
 
 # The `system` tier: the deployment end to end (`make ui` on a Postgres server with a headless
 # browser: Debian chromium, which .ci/run installs; a two-node Ray cluster through Ray Jobs;
-# run-manifests with the real GPU job on a full disk; a Qwen3.5 critic trained, evaluated and exported
-# through the commands). About two and a half minutes on 2 cores; .ci/run
+# run-manifests with the real GPU job on a full disk; the README's bring-your-own walkthrough and a
+# Qwen3.5 critic trained, evaluated and exported, through the commands; a driver's own Ray and the warm
+# cluster ending with their owners). About three and a half minutes on 2 cores; .ci/run
 # runs it after `make test`.
 test-system: $(STAMP)
 	$(BIN)/python -m pytest -q -m system -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests

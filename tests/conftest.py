@@ -111,6 +111,7 @@ SLOW_MODULES = (
     "tests/dagster/test_dg_walkthrough.py",
     "tests/engine/test_distributed.py",
     "tests/job/test_warm_cluster.py",
+    "tests/job/test_driver_ray.py",
     "tests/dagster/test_dg_pipeline.py",
     "tests/dagster/test_dg_promotion.py",
     "tests/dagster/test_dg_handoff.py",

@@ -6,7 +6,9 @@
 - rl: the RL trainers' own loaders (verl, OpenRLHF, Megatron-LM) on the product's exports; not in
   `make test`: `make test-rl` installs them outside the venv (.rl/) and runs tests/rl.
 - system: the deployment end to end (`make ui` on Postgres with a headless browser, a two-node Ray
-  cluster through Ray Jobs, run-manifests with the real GPU job on a full disk); not in
+  cluster through Ray Jobs, run-manifests with the real GPU job on a full disk, the README's
+  bring-your-own walkthrough through the commands, a Qwen3.5 critic through the commands, the
+  lifecycles of Ray clusters a test starts for itself: a driver's own Ray, the warm cluster); not in
   `make test`: `make test-system`, which .ci/run runs after it.
 - miles: Miles' own Qwen3.5 plugin on the product's bundle; Miles comes from a local clone
   (`make test-miles MILES_SRC=...`): it is on no registry CI reaches, so not in .ci/run.

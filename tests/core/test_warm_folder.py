@@ -176,7 +176,7 @@ def test_a_helper_killed_outright_leaves_a_file_no_job_believes(tmp_path):
     """SIGKILL runs no `finally`: the helper's cluster.json stays, but the lock it held for its life
     is released by the kernel, so the next job removes the file and starts a cluster of its own
     (here /bin/false: the start fails, the dead address is never joined). The helper's Ray is ended
-    by its reaper (tests/job/test_faults.py::test_a_killed_driver_takes_its_local_ray_along). A real
+    by its reaper (tests/job/test_driver_ray.py::test_a_killed_driver_takes_its_local_ray_along). A real
     helper SIGKILLed and a real next job: tests/job/test_warm_cluster.py."""
     folder = private_folder(tmp_path / "warm")
     root = Path(__file__).resolve().parents[2]

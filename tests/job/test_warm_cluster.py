@@ -25,7 +25,9 @@ from value_assets.core.warm_folder import (
     use_warm_cluster,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# The system tier (make test-system, which CI runs after make test): two warm clusters of its own,
+# each a full Ray start, 30 s of the CPU suite's 4-minute budget on 2 cores.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 
 
 def alive(pid: int) -> bool:
