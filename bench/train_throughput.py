@@ -1057,6 +1057,12 @@ def main(argv: list[str] | None = None) -> int:
         help="default rows: after each model's ours rows, an ours-train row 'NAME megatron-swiglu' on the same "
         "batches with megatron's compiled SwiGLU instead of the Triton one (swiglu.py, the default on CUDA)",
     )
+    ap.add_argument(
+        "--fused-wgrad",
+        action="store_true",
+        help="default rows: after each model's ours rows, an ours-train row 'NAME fused-wgrad' on the same "
+        "batches with the weight gradients accumulated into main_grad by the GEMM (wgrad.py, off by default; CUDA)",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
         "--rows",
@@ -1204,10 +1210,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.dist_opt:
                     run_dist_opt(f"{name} dist-opt", bb, obj, batches, run_args, res)
                 # The same rows with one of the product's kernel choices flipped (RoPE as eager ops;
-                # megatron's compiled SwiGLU instead of the Triton one): its effect, in the same run.
+                # megatron's compiled SwiGLU instead of the Triton one; the fused weight-gradient
+                # accumulation): its effect, in the same run.
                 for wanted, suffix, module, switch, value in (
                     (args.eager_rope, "eager-rope", "rope", "FUSED_ROPE", False),
                     (args.megatron_swiglu, "megatron-swiglu", "swiglu", "TRITON_SWIGLU", False),
+                    (args.fused_wgrad, "fused-wgrad", "wgrad", "FUSED_WGRAD", True),
                 ):
                     if wanted:
                         toggled = importlib.import_module(f"value_assets.gpu.model.{module}")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from value_assets.core.backbone import FAMILIES, BackboneConfig  # noqa: F401  (re-exported)
 from value_assets.core.memory import MemoryConfig
 from value_assets.core.objective import Objective
-from value_assets.gpu.model import swiglu
+from value_assets.gpu.model import swiglu, wgrad
 from value_assets.gpu.model.attention import PackedCoreAttention
 from value_assets.gpu.model.rope import CriticPackedSeqParams, find_rotary, install, packed_cos_sin
 
@@ -66,6 +66,9 @@ def transformer_config(
     if bf16 is None:
         bf16 = torch.cuda.is_available()
     cuda = torch.cuda.is_available()
+    fuse_wgrad = wgrad.enabled(cuda)
+    if fuse_wgrad:
+        wgrad.install()  # before any linear layer checks for the extension
     if backbone.linear_attention is not None and memory.sequence_parallel:
         raise ValueError("sequence parallelism is not supported for Qwen3.5 (Gated DeltaNet) critics")
     if backbone.attention_output_gate and tp > backbone.num_query_groups:
@@ -115,7 +118,9 @@ def transformer_config(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # Weight gradients accumulated into the fp32 main_grad by the GEMM (wgrad.py stands in for
+        # Apex's extension; CUDA only, off until measured): megatron's DDP then skips its add.
+        gradient_accumulation_fusion=fuse_wgrad,
         # megatron's deterministic_mode embeds by indexing (`weight[ids]`), whose CPU backward is
         # index_put_(accumulate=True): with more than one intra-op thread it adds rows with atomics,
         # in whatever order the threads run, so repeated runs differed in the last bits of the
