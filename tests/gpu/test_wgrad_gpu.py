@@ -29,7 +29,7 @@ def test_the_fused_accumulation_is_at_least_as_close_to_the_float64_sum_as_megat
     from value_assets.gpu.model import wgrad
 
     gen = torch.Generator().manual_seed(0)
-    shape = (1536, 8960)  # the 1.5B's gate/up projection, transposed as megatron stores it
+    shape = (1536, 8960)  # the 1.5B's down projection, [out, in] as megatron stores its weight
     fused = torch.zeros(shape, device="cuda")
     unfused = torch.zeros(shape, device="cuda")
     ref = torch.zeros(shape, dtype=torch.float64, device="cuda")
