@@ -82,6 +82,28 @@ def test_megatrons_linear_backward_accumulates_through_it_and_hands_back_no_weig
     assert _close(weight.main_grad, ref)
 
 
+def test_without_the_fp32_output_gemm_it_warns_once_and_adds_the_unfused_product(monkeypatch):
+    # torch's bf16-in, fp32-out GEMM (aten::addmm.dtype) has no CPU kernel: the fallback path of a
+    # torch without it, run here for real.
+    monkeypatch.setattr(wgrad, "_dtype_gemm", None)
+    gen = torch.Generator().manual_seed(3)
+    x, g = torch.randn(7, 8, generator=gen).bfloat16(), torch.randn(7, 6, generator=gen).bfloat16()
+    main = torch.ones(6, 8)
+    with pytest.warns(RuntimeWarning, match="fp32-output GEMM is not available here"):
+        wgrad._fp32_output_gemm(main, g, x)
+    assert wgrad._dtype_gemm is False
+    assert torch.equal(main, torch.ones(6, 8) + torch.mm(g.t(), x))  # megatron's unfused numerics
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wgrad._fp32_output_gemm(main, g, x)  # no second warning, no second try
+    # once the GEMM has run, a failure is a real one and is raised
+    monkeypatch.setattr(wgrad, "_dtype_gemm", True)
+    with pytest.raises(RuntimeError):
+        wgrad._fp32_output_gemm(main, g, x)
+
+
 def test_off_by_default_and_never_on_cpu(monkeypatch):
     from value_assets.core.backbone import BackboneConfig
     from value_assets.gpu.model.gpt_critic import transformer_config

@@ -26,8 +26,11 @@ pytestmark = [
 
 
 def test_the_fused_accumulation_is_at_least_as_close_to_the_float64_sum_as_megatrons_unfused_one():
+    import warnings
+
     from value_assets.gpu.model import wgrad
 
+    warnings.simplefilter("error", RuntimeWarning)  # a fallback to the unfused sum warns: fail instead
     gen = torch.Generator().manual_seed(0)
     shape = (1536, 8960)  # the 1.5B's down projection, [out, in] as megatron stores its weight
     fused = torch.zeros(shape, device="cuda")
@@ -44,6 +47,7 @@ def test_the_fused_accumulation_is_at_least_as_close_to_the_float64_sum_as_megat
     err_unfused = (unfused.double() - ref).abs().max().item()
     assert err_fused <= 1e-4 * scale, (err_fused, scale)
     assert err_fused <= err_unfused, (err_fused, err_unfused)
+    assert wgrad._dtype_gemm is True  # torch's fp32-output GEMM ran
 
 
 def _rows():
