@@ -55,6 +55,31 @@ def test_the_fp32_entry_refuses_another_main_grad_dtype_and_the_fp16_entry_keeps
     assert _close(main.float(), g.bfloat16().double().t() @ x.bfloat16().double(), rel=2.0**-7)
 
 
+def _linear_args(x, weight):
+    """megatron's linear autograd function's arguments, by name: the fusion on, no tensor or sequence
+    parallelism (0.19 adds `gtp_remat_size`, 1: off). A name not listed fails here, so a new
+    megatron argument is looked at, not guessed."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    known = {
+        "input": x,
+        "weight": weight,
+        "bias": None,
+        "gradient_accumulation_fusion": True,
+        "allreduce_dgrad": False,
+        "sequence_parallel": False,
+        "grad_output_buffer": None,
+        "wgrad_deferral_limit": 0,
+        "tp_group": None,
+        "gtp_remat_size": 1,
+    }
+    names = list(inspect.signature(layers.LinearWithGradAccumulationAndAsyncCommunication.forward).parameters)[1:]
+    assert set(names) <= set(known), set(names) - set(known)
+    return [known[n] for n in names]
+
+
 def test_megatrons_linear_backward_accumulates_through_it_and_hands_back_no_weight_grad(monkeypatch):
     from megatron.core.tensor_parallel import layers
 
@@ -72,9 +97,7 @@ def test_megatrons_linear_backward_accumulates_through_it_and_hands_back_no_weig
     for tokens in (5, 9):
         x = torch.randn(tokens, 1, 8, generator=gen, requires_grad=True)  # [s, b, h], as megatron's layers pass it
         g = torch.randn(tokens, 1, 6, generator=gen)
-        out = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
-            x, weight, None, True, False, False, None, 0, None
-        )
+        out = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(*_linear_args(x, weight))
         out.backward(g)
         ref += g.double().reshape(-1, 6).t() @ x.detach().double().reshape(-1, 8)
         assert torch.allclose(x.grad, g @ weight.detach(), atol=1e-6)  # the input gradient as before
