@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.gpu.gpu_helpers import two_task_rows
 from tests.job.jobtest_helpers import a_weight_byte
 
 torch = pytest.importorskip("torch")
@@ -109,7 +110,7 @@ def test_long_sequences_on_cudnn_match_varlen_forward_and_backward(monkeypatch):
 def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     from value_assets.core.objective import Objective
     from value_assets.gpu.model.gpt_critic import BackboneConfig, build_critic
-    from value_assets.gpu.model.packing import Row, pack_rows
+    from value_assets.gpu.model.packing import pack_rows
     from value_assets.gpu.runtime.step import optimizer_step, wrap_for_training
 
     obj = Objective()
@@ -126,12 +127,7 @@ def test_bf16_critic_trains_on_cuda_with_an_fp32_head(single_rank):
     )
     assert out.dtype == torch.float32 and out.shape == (8, obj.head_size)  # the head outputs float32
     ddp, opt = wrap_for_training(model, lr=2e-3, weight_decay=0.0, clip_grad=1.0)
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(32):
-        task = i % 2
-        toks = np.concatenate([[1000 + task], rng.integers(2000, 49152, size=40)])
-        rows.append(Row(row_id=i, tokens=toks, response_length=20, returns=np.full(20, float(task))))
+    rows = two_task_rows()
     losses = []
     for _ in range(30):
         m = optimizer_step(ddp, opt, pack_rows(rows, 4096), 32, obj)

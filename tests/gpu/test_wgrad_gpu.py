@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.gpu.gpu_helpers import two_task_rows
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [
@@ -50,18 +52,6 @@ def test_the_fused_accumulation_is_at_least_as_close_to_the_float64_sum_as_megat
     assert wgrad._dtype_gemm is True  # torch's fp32-output GEMM ran
 
 
-def _rows():
-    from value_assets.gpu.model.packing import Row
-
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(32):
-        task = i % 2
-        toks = np.concatenate([[1000 + task], rng.integers(2000, 49152, size=40)])
-        rows.append(Row(row_id=i, tokens=toks, response_length=20, returns=np.full(20, float(task))))
-    return rows
-
-
 def test_a_fused_training_step_matches_the_unfused_one_and_the_critic_learns(monkeypatch):
     from value_assets.core.objective import Objective
     from value_assets.gpu.model import wgrad
@@ -74,7 +64,7 @@ def test_a_fused_training_step_matches_the_unfused_one_and_the_critic_learns(mon
     try:
         obj = Objective()
         backbone = BackboneConfig.tiny(hidden_size=256, ffn_hidden_size=512)
-        rows = _rows()
+        rows = two_task_rows()
         batches = pack_rows(rows, 512)
         assert len(batches) >= 3  # several micro-batches accumulate into one main_grad
         models = {}
