@@ -32,6 +32,12 @@ class InfrastructureError(RuntimeError):
     names what failed and what was (not) published, and no traceback."""
 
 
+def exc_summary(exc: BaseException) -> str:
+    """'TypeName: first line of the message', for a warning that names why a fast path fell back."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def show(value: object, limit: int = 80) -> str:
     """A short printable rendering of an offending value for error messages."""
     if isinstance(value, (str, bytes)) and len(value) > limit:

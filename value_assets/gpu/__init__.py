@@ -24,6 +24,8 @@ import importlib.abc as _abc
 import sys as _sys
 import warnings as _warnings
 
+from value_assets.core.errors import exc_summary as _exc_summary
+
 
 def quiet_megatron_warnings() -> None:
     for category in (UserWarning, DeprecationWarning, FutureWarning):
@@ -56,7 +58,7 @@ def _compile_on_first_call(compile_fn):
                 out = fn(*args, **kwargs)
                 _warnings.warn(
                     f"megatron's fused {fn.__module__}.{fn.__qualname__} runs uncompiled: torch.compile "
-                    f"failed here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                    f"failed here ({_exc_summary(exc)})",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from value_assets.core.errors import exc_summary
+
 # On since they passed the GPU tier (tests/gpu/test_swiglu_gpu.py) and paid in the bench on an H100,
 # 2026-12-08 (bench/results/h100-train-throughput-triton-swiglu-2026-12-08.log): 1.5B train 48,078 ->
 # 53,649 tok/s, the backward 1.73 -> 0.49 ms a call; `--megatron-swiglu` gives the comparison row.
@@ -104,9 +106,8 @@ def _run(which: int, *tensors: torch.Tensor) -> torch.Tensor | None:
 def _disable(exc: Exception) -> None:
     global _kernels
     _kernels = False
-    first = str(exc).splitlines()[0] if str(exc) else ""
     warnings.warn(
-        f"the Triton SwiGLU is not available here ({type(exc).__name__}: {first}); megatron's SwiGLU runs instead",
+        f"the Triton SwiGLU is not available here ({exc_summary(exc)}); megatron's SwiGLU runs instead",
         RuntimeWarning,
         stacklevel=3,
     )

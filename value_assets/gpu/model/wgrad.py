@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from value_assets.core.errors import exc_summary
+
 # Off until the GPU tier and the bench have run it (see the module docstring). True: on CUDA the
 # critic's linear layers accumulate their weight gradients into main_grad through `wgrad_gemm_accum_fp32`.
 FUSED_WGRAD = False
@@ -62,34 +64,24 @@ def _fp32_output_gemm(main_grad: torch.Tensor, g: torch.Tensor, x: torch.Tensor)
     """main_grad += g^T @ x by cuBLAS with bf16/fp16 inputs and the fp32 output accumulated in place;
     where this torch lacks that GEMM (the first call fails), megatron's unfused numerics (the product
     in the inputs' dtype, then added), with a warning, from then on."""
+    global _dtype_gemm
     if _dtype_gemm is not False:
         try:
             torch.addmm(main_grad, g.t(), x, torch.float32, out=main_grad)
         except (TypeError, RuntimeError) as exc:
             if _dtype_gemm:  # it ran before: a later failure is a real one
                 raise
-            _no_dtype_gemm(exc)
+            _dtype_gemm = False
+            warnings.warn(
+                f"torch's fp32-output GEMM is not available here ({exc_summary(exc)}); the weight gradients "
+                "are computed in the inputs' dtype and added to main_grad (megatron's unfused numerics)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         else:
-            _ran()
+            _dtype_gemm = True
             return
     main_grad.add_(torch.mm(g.t(), x))
-
-
-def _ran() -> None:
-    global _dtype_gemm
-    _dtype_gemm = True
-
-
-def _no_dtype_gemm(exc: Exception) -> None:
-    global _dtype_gemm
-    _dtype_gemm = False
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    warnings.warn(
-        f"torch's fp32-output GEMM is not available here ({type(exc).__name__}: {first}); the weight "
-        "gradients are computed in the inputs' dtype and added to main_grad (megatron's unfused numerics)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
 
 
 def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
