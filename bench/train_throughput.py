@@ -517,12 +517,17 @@ def _ancestry(evt) -> list[str]:
     return names
 
 
+def _hit(pattern: re.Pattern[str], name: str, chain: list[str]) -> bool:
+    """Whether the kernel or op `name`, or an op it was launched under, matches `pattern`."""
+    return bool(pattern.search(name)) or any(pattern.search(n) for n in chain)
+
+
 def _group(name: str, chain: list[str]) -> str:
     """The profile group of a kernel (CUDA) or op (CPU) `name` launched under the op `chain`
     (innermost first)."""
     if OPTIMIZER_RANGE in chain:
         return "optimizer step"
-    if _ATTN.search(name) or any(_ATTN.search(n) for n in chain):
+    if _hit(_ATTN, name, chain):
         return "attention"
     if _COMM.search(name):
         return "communication"
@@ -532,9 +537,9 @@ def _group(name: str, chain: list[str]) -> str:
         return "matmul (gemm)"
     # Which of the rest a fusion would touch: the norms (torch's fused RMSNorm on CUDA, megatron's
     # LayerNorm) and the MLP's SwiGLU (Triton or megatron's compiled one), by the kernel or its op.
-    if _NORM.search(name) or any(_NORM.search(n) for n in chain):
+    if _hit(_NORM, name, chain):
         return "norm (RMSNorm / LayerNorm)"
-    if _SWIGLU.search(name) or any(_SWIGLU.search(n) for n in chain):
+    if _hit(_SWIGLU, name, chain):
         return "SwiGLU"
     return "elementwise / other"
 
